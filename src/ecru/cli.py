@@ -1,0 +1,88 @@
+"""The `ecru` command line. Each pillar adds its own subcommands from `ecru.<pillar>.cli.configure`.
+
+Pillar CLI modules import heavy libraries (torch, transformers) inside their handlers only, so that
+`ecru --help` stays fast and importing the CLI has no side effects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+from ecru.errors import EcruError
+
+# subcommand -> (module that configures it, one-line help)
+PILLARS: dict[str, tuple[str, str]] = {
+    "l2l": ("ecru.l2l.cli", "layer-to-layer training of models larger than device memory"),
+    "ctr": ("ecru.ctr.cli", "large-batch click-through-rate training with CowClip"),
+    "serve": ("ecru.serve.cli", "LLM batch inference scheduled by predicted response length"),
+    "lifelong": ("ecru.lifelong.cli", "continual knowledge injection that keeps zero-shot ability"),
+}
+
+
+def _not_built(name: str):
+    def handler(args: argparse.Namespace) -> int:
+        print(f"ecru {name}: not built yet in this version of ecru", file=sys.stderr)
+        return 2
+
+    return handler
+
+
+def _add_pillar(sub, name: str, module: str, help_text: str) -> None:
+    parser = sub.add_parser(name, help=help_text, description=help_text)
+    if importlib.util.find_spec(module) is None:
+        parser.set_defaults(func=_not_built(name))
+        return
+    importlib.import_module(module).configure(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ecru", description="ecru: make large neural networks cheaper to train and serve."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in PILLARS.items():
+        _add_pillar(sub, name, module, help_text)
+    demo = sub.add_parser("demo", help="run every pillar's quick demo and write an HTML report")
+    demo.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
+    demo.add_argument("--only", default=None, help="comma-separated sections, e.g. foundation,ctr")
+    demo.set_defaults(func=_run_demo)
+    env = sub.add_parser("env", help="print versions, device, threads, cache and installed models")
+    env.set_defaults(func=_run_env)
+    return parser
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from ecru.demo import run_demo
+
+    only = [s.strip() for s in args.only.split(",")] if args.only else None
+    run_demo(args.out, only=only)
+    return 0
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    from ecru.env import describe_env
+
+    for key, value in describe_env().items():
+        print(f"{key:<16} {value}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with a usage message on bad arguments
+    try:
+        return int(args.func(args) or 0)
+    except EcruError as exc:
+        print(f"ecru: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ecru: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
