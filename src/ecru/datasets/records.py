@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 
 from ecru.errors import MissingAssetError
-from pathlib import Path
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,57 @@
+import subprocess
+import sys
+
+import pytest
+
+from ecru import cli
+from ecru.datasets import records
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ecru", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_command():
+    res = run_cli("--help")
+    assert res.returncode == 0
+    for name in ("l2l", "ctr", "serve", "lifelong", "demo", "env"):
+        assert name in res.stdout
+
+
+@pytest.mark.parametrize("args", [["bogus"], ["demo", "--no-such-option"], []])
+def test_bad_arguments_give_usage_and_exit_2(args):
+    res = run_cli(*args)
+    assert res.returncode == 2
+    assert "usage: ecru" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_env_reports_the_machine():
+    res = run_cli("env")
+    assert res.returncode == 0
+    for key in ("torch", "device", "torch_threads", "cache", "all-MiniLM-L6-v2"):
+        assert key in res.stdout
+
+
+def test_unknown_demo_section_is_one_line(capsys):
+    assert cli.main(["demo", "--only", "nonsense"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("ecru: error: unknown demo section") and err.count("\n") == 1
+
+
+def test_missing_data_file_names_the_fix(monkeypatch, tmp_path):
+    from ecru.datasets import clinc
+
+    monkeypatch.setattr(clinc, "data_dir", lambda name: tmp_path)
+    clinc.load_clinc_domains.cache_clear()
+    try:
+        with pytest.raises(FileNotFoundError, match="is missing; restore it"):
+            clinc.load_clinc_domains()
+    finally:
+        clinc.load_clinc_domains.cache_clear()
+
+
+def test_missing_data_folder(monkeypatch, tmp_path):
+    monkeypatch.setattr(records, "resources", type("R", (), {"files": staticmethod(lambda pkg: tmp_path)}))
+    with pytest.raises(FileNotFoundError, match="reinstall ecru"):
+        records.data_dir("clinc150")
