@@ -1,0 +1,16 @@
+"""CowClip: per-id adaptive gradient clipping and scaling rules for large-batch CTR training."""
+
+from ecru.cowclip.clip import cowclip, id_counts
+from ecru.cowclip.recipes import RECIPES, Recipe, cowclip_recipe, scaled_recipe
+from ecru.cowclip.wrapper import ClipStats, CowClip
+
+__all__ = [
+    "RECIPES",
+    "ClipStats",
+    "CowClip",
+    "Recipe",
+    "cowclip",
+    "cowclip_recipe",
+    "id_counts",
+    "scaled_recipe",
+]

@@ -1,0 +1,119 @@
+"""Adaptive column-wise clipping (CowClip) of one embedding table's gradient, as a pure function.
+
+For every id k looked up in the batch: cnt_k = number of samples containing k, threshold
+clip_k = cnt_k * max(r * ||w_k||, zeta) (the paper) or cnt_k * r * max(||w_k||, r * sqrt(d) * zeta)
+(the reference code), and the gradient row g_k is scaled by min(1, clip_k / ||g_k||).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Threshold = Literal["paper", "code"]
+
+
+def id_counts(ids: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
+    """Unique ids of a batch and, for each, the number of samples (rows of `ids`) containing it.
+
+    `ids` is `[B]` (one id per sample) or `[B, L]` (multi-hot, padded with -1). An id repeated inside
+    one sample counts once, since the count is of samples.
+    """
+    if ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
+    if ids.dim() not in (1, 2):
+        raise ValueError(f"ids must have shape [B] or [B, L], got {tuple(ids.shape)}")
+    rows = ids.reshape(ids.shape[0], -1).long()
+    if rows.numel() and (rows.max() >= num_rows or rows.min() < -1):
+        raise ValueError(
+            f"ids must lie in [0, {num_rows}) (or be -1 for padding); got {rows.min()}..{rows.max()}"
+        )
+    if rows.shape[1] > 1:
+        # sort inside each sample so duplicates are adjacent, then keep the first of each run
+        rows = rows.sort(dim=1).values
+        first = torch.ones_like(rows, dtype=torch.bool)
+        first[:, 1:] = rows[:, 1:] != rows[:, :-1]
+        flat = rows[first & (rows >= 0)]
+    else:
+        flat = rows[rows >= 0]
+    return torch.unique(flat, return_counts=True)
+
+
+def clip_scale(
+    grad_rows: Tensor,
+    weight_rows: Tensor,
+    counts: Tensor,
+    *,
+    r: float = 1.0,
+    zeta: float = 1e-5,
+    threshold: Threshold = "paper",
+) -> tuple[Tensor, Tensor]:
+    """Per-row scale min(1, clip / ||g||) and the ratio ||g|| / clip (0 where the count is 0).
+
+    A row with count 0 (an id absent from the batch) or a zero gradient gets scale exactly 1.
+    """
+    gnorm = torch.linalg.vector_norm(grad_rows, dim=1)
+    wnorm = torch.linalg.vector_norm(weight_rows, dim=1)
+    cnt = counts.to(grad_rows.dtype)
+    if threshold == "paper":
+        clip = cnt * torch.clamp(r * wnorm, min=zeta)
+    elif threshold == "code":
+        clip = cnt * r * torch.clamp(wnorm, min=r * math.sqrt(grad_rows.shape[1]) * zeta)
+    else:
+        raise ValueError(f"threshold must be 'paper' or 'code', got {threshold!r}")
+    active = (cnt > 0) & (gnorm > clip)
+    ratio = torch.where(cnt > 0, gnorm / torch.where(cnt > 0, clip, 1.0), 0.0)
+    scale = torch.where(active, clip / torch.where(active, gnorm, 1.0), 1.0)
+    return scale, ratio
+
+
+def _row_counts(rows: Tensor, uniq: Tensor, counts: Tensor) -> Tensor:
+    """The sample count of each of `rows` (0 for rows whose id is not in `uniq`)."""
+    if uniq.numel() == 0:
+        return torch.zeros_like(rows)
+    pos = torch.searchsorted(uniq, rows).clamp(max=uniq.numel() - 1)
+    return torch.where(uniq[pos] == rows, counts[pos], 0)
+
+
+def cowclip(
+    grad: Tensor,
+    weight: Tensor,
+    ids: Tensor,
+    *,
+    r: float = 1.0,
+    zeta: float = 1e-5,
+    threshold: Threshold = "paper",
+) -> Tensor:
+    """The CowClip-clipped gradient of one embedding table (a new tensor).
+
+    Args:
+        grad: the batch-mean gradient, dense `[V, d]` or sparse COO `[V, d]` with one row per occurrence
+            (as `nn.Embedding(sparse=True)` produces); a sparse input gives a coalesced sparse output.
+        weight: the table `[V, d]`.
+        ids: the ids looked up in this batch for this table, `[B]` or `[B, L]` padded with -1.
+        r: the ratio of the threshold to the row's weight norm.
+        zeta: the lower bound of the threshold per sample.
+        threshold: "paper": cnt * max(r ||w||, zeta); "code" (reference implementation):
+            cnt * r * max(||w||, r sqrt(d) zeta).
+
+    Rows of ids absent from `ids` are returned unchanged; a zero row stays zero.
+    """
+    if grad.shape != weight.shape or grad.dim() != 2:
+        raise ValueError(f"grad {tuple(grad.shape)} and weight {tuple(weight.shape)} must both be [V, d]")
+    uniq, counts = id_counts(ids.to(weight.device), weight.shape[0])
+    if grad.is_sparse:
+        g = grad.coalesce()
+        rows, values = g.indices()[0], g.values()
+        scale, _ = clip_scale(
+            values, weight[rows], _row_counts(rows, uniq, counts), r=r, zeta=zeta, threshold=threshold
+        )
+        return torch.sparse_coo_tensor(
+            g.indices(), values * scale[:, None], g.shape, is_coalesced=True, check_invariants=False
+        )
+    scale, _ = clip_scale(grad[uniq], weight[uniq], counts, r=r, zeta=zeta, threshold=threshold)
+    out = grad.clone()
+    out[uniq] = grad[uniq] * scale[:, None]
+    return out

@@ -1,0 +1,106 @@
+"""Large-batch scaling recipes: learning rates, L2, zeta and warm-up as functions of the batch size.
+
+`cowclip_recipe` is the paper's table (Zheng et al., AAAI 2023, and its reference code); `scaled_recipe`
+gives the baselines (no scaling, sqrt, linear) and ecru's recommended rule for few-step large-batch runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ecru.cowclip.clip import Threshold
+
+RECIPES = ("adam", "adam-sqrt", "linear", "cowclip", "ecru")
+_BASE = {  # 1K settings of the reference runs: (embedding LR, dense LR, L2 lambda)
+    "criteo": (1e-4, 8e-4, 1e-5),
+    "avazu": (1e-4, 1e-4, 1e-5),
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Optimizer settings for one batch size (two Adams: embeddings and dense layers)."""
+
+    name: str
+    """Which rule produced it (one of RECIPES)."""
+    batch_size: int
+    """The global batch size the settings are for."""
+    embed_lr: float
+    """Adam learning rate of the embedding tables (fixed, no warm-up)."""
+    dense_lr: float
+    """Adam learning rate of the dense layers (after warm-up)."""
+    l2: float
+    """Keras-style L2 coefficient lambda on the embedding tables (loss term lambda * ||W||^2)."""
+    clip: bool = False
+    """Apply the CowClip per-id clip to the dim > 1 embedding tables."""
+    r: float = 1.0
+    """CowClip threshold ratio to the row's weight norm."""
+    zeta: float = 1e-5
+    """CowClip lower bound of the threshold."""
+    threshold: Threshold = "code"
+    """Threshold form of zeta: the recipe table gives zeta in the reference code's form."""
+    warmup_epochs: float = 1.0
+    """Linear warm-up of the dense learning rate over this many epochs (then constant)."""
+    eps: float = 1e-7
+    """Adam epsilon (Keras' default, as in the reference runs)."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0 or min(self.embed_lr, self.dense_lr) <= 0 or self.l2 < 0:
+            raise ValueError(f"invalid recipe {self}: batch size and learning rates must be > 0, l2 >= 0")
+        if self.warmup_epochs < 0:
+            raise ValueError("warmup_epochs must be >= 0")
+
+    @property
+    def weight_decay(self) -> float:
+        """PyTorch weight decay equivalent to Keras l2(lambda): the gradient of lambda ||w||^2."""
+        return 2 * self.l2
+
+
+def _scale(batch_size: int, base_batch: int, dataset: str) -> float:
+    if batch_size <= 0 or base_batch <= 0:
+        raise ValueError(f"batch sizes must be positive, got {batch_size} and base {base_batch}")
+    if dataset not in _BASE:
+        raise ValueError(f"dataset must be one of {sorted(_BASE)}, got {dataset!r}")
+    return batch_size / base_batch
+
+
+def cowclip_recipe(batch_size: int, *, base_batch: int = 1024, dataset: str = "criteo") -> Recipe:
+    """The CowClip paper's settings: embedding LR fixed, dense LR x sqrt(s), L2 x s, r = 1, zeta fixed.
+
+    Avazu's table departs from the rule at 128x (dense LR 16e-4, L2 96e-5) and uses zeta 1e-3 up to 2x.
+    """
+    s = _scale(batch_size, base_batch, dataset)
+    embed_lr, dense_lr, l2 = _BASE[dataset]
+    dense_lr, l2, zeta = dense_lr * math.sqrt(s), l2 * s, 1e-5
+    if dataset == "avazu":
+        zeta = 1e-3 if s <= 2 else 1e-4
+        if s >= 128:
+            dense_lr, l2 = 16e-4, 96e-5
+    return Recipe("cowclip", batch_size, embed_lr, dense_lr, l2, clip=True, zeta=zeta)
+
+
+def scaled_recipe(name: str, batch_size: int, *, base_batch: int = 1024, dataset: str = "criteo") -> Recipe:
+    """A named recipe at `batch_size`.
+
+    - adam: the 1K settings unchanged.
+    - adam-sqrt: dense LR x sqrt(s), L2 x s (the CowClip rules without the clip).
+    - linear: both LRs x s, L2 x s.
+    - cowclip: `cowclip_recipe`.
+    - ecru: both LRs x sqrt(s), L2 x s, no clip (see bench/ctr_scaling.py for the measurements).
+    """
+    s = _scale(batch_size, base_batch, dataset)
+    embed_lr, dense_lr, l2 = _BASE[dataset]
+    if name == "cowclip":
+        return cowclip_recipe(batch_size, base_batch=base_batch, dataset=dataset)
+    if name == "adam":
+        return Recipe("adam", batch_size, embed_lr, dense_lr, l2)
+    if name == "adam-sqrt":
+        return replace(
+            cowclip_recipe(batch_size, base_batch=base_batch, dataset=dataset), name=name, clip=False
+        )
+    if name == "linear":
+        return Recipe("linear", batch_size, embed_lr * s, dense_lr * s, l2 * s)
+    if name == "ecru":
+        return Recipe("ecru", batch_size, embed_lr * math.sqrt(s), dense_lr * math.sqrt(s), l2 * s)
+    raise ValueError(f"unknown recipe {name!r}; choose from {RECIPES}")

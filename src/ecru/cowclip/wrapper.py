@@ -1,0 +1,146 @@
+"""`CowClip`: applies L2 and the per-id clip to registered embedding tables between backward and step.
+
+    loss.backward()
+    clipper.clip_(ids)      # ids looked up in this batch (global ids of the tables)
+    optimizer.step()
+
+Two update modes:
+- "full" (faithful to the reference code): the L2 gradient `weight_decay * W` of the whole table is added
+  to the (dense) gradient before clipping, so every row decays every step and the optimizer touches the
+  whole table.
+- "sparse" (row-sparse, fast): the gradient must be sparse (`nn.Embedding(sparse=True)`); L2 is added to
+  the rows present in the batch only, and a row-sparse optimizer (`torch.optim.SparseAdam`) updates only
+  those rows. Absent rows no longer decay: a change of semantics, measured in bench/ctr_scaling.py.
+
+First-order (dim-1) tables get the L2 term but are never clipped; dense layers are not registered here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ecru.cowclip.clip import Threshold, _row_counts, clip_scale, id_counts
+
+Mode = Literal["full", "sparse"]
+# log10(||g|| / threshold) histogram: the clip fires above 0
+_BINS = torch.linspace(-8.0, 4.0, 121)
+
+
+@dataclass(frozen=True)
+class ClipStats:
+    """What the clip did since the last reset."""
+
+    rows: int
+    """Embedding rows (id, step) seen with a nonzero count."""
+    clipped: int
+    """Of those, rows whose gradient was scaled down."""
+    ratio_quantiles: dict[str, float]
+    """Quantiles (p50, p90, p99, max) of ||g|| / threshold; the clip fires where it exceeds 1."""
+
+    @property
+    def clipped_fraction(self) -> float:
+        return self.clipped / self.rows if self.rows else 0.0
+
+
+class CowClip:
+    """Per-id adaptive clipping (plus the tables' L2 term) of registered embedding tables."""
+
+    def __init__(
+        self,
+        tables: Iterable[nn.Parameter],
+        *,
+        weight_decay: float = 0.0,
+        r: float = 1.0,
+        zeta: float = 1e-5,
+        threshold: Threshold = "paper",
+        mode: Mode = "full",
+        clip: bool = True,
+    ) -> None:
+        """`weight_decay` is PyTorch's (Keras `l2(lambda)` is `weight_decay = 2 * lambda`); `clip=False` keeps
+        only the L2 term (the unclipped baseline through the same code path)."""
+        self.tables = list(tables)
+        if not self.tables or any(t.dim() != 2 for t in self.tables):
+            raise ValueError("CowClip needs one or more embedding tables of shape [V, d]")
+        if mode not in ("full", "sparse"):
+            raise ValueError(f"mode must be 'full' or 'sparse', got {mode!r}")
+        if weight_decay < 0 or r <= 0 or zeta < 0:
+            raise ValueError("weight_decay and zeta must be >= 0 and r > 0")
+        self.weight_decay, self.r, self.zeta, self.threshold = weight_decay, r, zeta, threshold
+        self.mode, self.clip = mode, clip
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self._rows, self._clipped, self._max = 0, 0, 0.0
+        self._hist = torch.zeros(len(_BINS) + 1, dtype=torch.long)
+
+    @torch.no_grad()
+    def clip_(self, ids: Tensor | Sequence[Tensor]) -> None:
+        """Replace each table's `.grad` by its L2-augmented, clipped gradient.
+
+        `ids`: one tensor `[B]` or `[B, L]` (padded with -1) shared by every table, or one per table.
+        """
+        per_table = [ids] * len(self.tables) if isinstance(ids, Tensor) else list(ids)
+        if len(per_table) != len(self.tables):
+            raise ValueError(f"got {len(per_table)} id tensors for {len(self.tables)} tables")
+        for table, table_ids in zip(self.tables, per_table, strict=True):
+            if table.grad is not None:
+                table.grad = (
+                    self._full(table, table_ids) if self.mode == "full" else self._sparse(table, table_ids)
+                )
+
+    def _full(self, table: nn.Parameter, ids: Tensor) -> Tensor:
+        grad = table.grad.to_dense() if table.grad.is_sparse else table.grad
+        if self.weight_decay:
+            grad = grad.add(table, alpha=self.weight_decay)  # as torch.optim.Adam(weight_decay=...) does
+        if not self.clip or table.shape[1] == 1:
+            return grad
+        uniq, counts = id_counts(ids, table.shape[0])
+        scale = self._scale(grad[uniq], table[uniq], counts)
+        grad = grad.clone() if grad is table.grad else grad
+        grad[uniq] = grad[uniq] * scale[:, None]
+        return grad
+
+    def _sparse(self, table: nn.Parameter, ids: Tensor) -> Tensor:
+        if not table.grad.is_sparse:
+            raise ValueError(
+                "mode='sparse' needs sparse gradients: build the table with nn.Embedding(sparse=True)"
+            )
+        grad = table.grad.coalesce()
+        rows, values = grad.indices()[0], grad.values()
+        if self.weight_decay:
+            values = values.add(table[rows], alpha=self.weight_decay)
+        if self.clip and table.shape[1] > 1:
+            uniq, counts = id_counts(ids, table.shape[0])
+            values = values * self._scale(values, table[rows], _row_counts(rows, uniq, counts))[:, None]
+        return torch.sparse_coo_tensor(
+            grad.indices(), values, grad.shape, is_coalesced=True, check_invariants=False
+        )
+
+    def _scale(self, grad_rows: Tensor, weight_rows: Tensor, counts: Tensor) -> Tensor:
+        scale, ratio = clip_scale(
+            grad_rows, weight_rows, counts, r=self.r, zeta=self.zeta, threshold=self.threshold
+        )
+        seen = ratio[counts > 0].float().cpu()
+        self._rows += seen.numel()
+        self._clipped += int((scale < 1).sum())
+        if seen.numel():
+            self._max = max(self._max, float(seen.max()))
+            self._hist += torch.bincount(
+                torch.bucketize(seen.clamp_min(1e-30).log10(), _BINS), minlength=len(_BINS) + 1
+            )
+        return scale
+
+    def stats(self) -> ClipStats:
+        """Clipped fraction and ||g|| / threshold quantiles (from a log10 histogram, 0.1-decade bins)."""
+        quantiles = {"max": self._max}
+        if self._rows:
+            cum = self._hist.cumsum(0).double() / self._rows
+            edges = torch.cat([_BINS[:1], _BINS])
+            for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+                quantiles[name] = float(10 ** edges[int(torch.searchsorted(cum, q))])
+        return ClipStats(self._rows, self._clipped, quantiles)
