@@ -55,3 +55,9 @@ def test_missing_data_folder(monkeypatch, tmp_path):
     monkeypatch.setattr(records, "resources", type("R", (), {"files": staticmethod(lambda pkg: tmp_path)}))
     with pytest.raises(FileNotFoundError, match="reinstall ecru"):
         records.data_dir("clinc150")
+
+
+def test_a_pillar_that_is_absent_is_reported_not_built(monkeypatch, capsys):
+    monkeypatch.setitem(cli.PILLARS, "l2l", ("ecru.no_such_pillar.cli", "help"))
+    assert cli.main(["l2l"]) == 2
+    assert "not built yet" in capsys.readouterr().err

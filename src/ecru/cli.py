@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from collections.abc import Sequence
 
 from ecru.errors import EcruError
+from ecru.plugins import module_available
 
 # subcommand -> (module that configures it, one-line help)
 PILLARS: dict[str, tuple[str, str]] = {
@@ -33,7 +33,7 @@ def _not_built(name: str):
 
 def _add_pillar(sub, name: str, module: str, help_text: str) -> None:
     parser = sub.add_parser(name, help=help_text, description=help_text)
-    if importlib.util.find_spec(module) is None:
+    if not module_available(module):
         parser.set_defaults(func=_not_built(name))
         return
     importlib.import_module(module).configure(parser)

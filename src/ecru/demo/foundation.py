@@ -65,6 +65,7 @@ def section(ctx: DemoContext) -> Section:
     ax1.tick_params(axis="y", labelsize=7)
     ax2.bar(range(len(rows)), [r["tokens"] for r in rows], color="tab:orange")
     ax2.set(xlabel="query", ylabel="generated tokens", title=f"SmolLM2 answers (cap {MAX_NEW_TOKENS})")
+    ax2.set_xticks(range(len(rows)), [f"q{i + 1}" for i in range(len(rows))])
     plot = save(fig, ctx.out / "foundation.png")
     tokens = sum(r["tokens"] for r in rows)
     return Section(

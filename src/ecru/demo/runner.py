@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 import time
 import traceback
@@ -11,6 +10,7 @@ from pathlib import Path
 
 from ecru.demo.report import DemoContext, Section, write_report
 from ecru.errors import EcruError
+from ecru.plugins import module_available
 
 # section name -> module exposing `section(ctx: DemoContext) -> Section`
 SECTIONS: dict[str, str] = {
@@ -23,7 +23,7 @@ SECTIONS: dict[str, str] = {
 
 
 def _run_section(name: str, module: str, ctx: DemoContext) -> Section:
-    if importlib.util.find_spec(module) is None:
+    if not module_available(module):
         return Section(name, {}, text=f"The {name} demo is not built yet.", status="not built")
     start = time.perf_counter()
     try:
