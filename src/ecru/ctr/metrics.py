@@ -1,0 +1,34 @@
+"""AUC and logloss of predicted click probabilities."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def auc(labels: Tensor, scores: Tensor) -> float:
+    """Area under the ROC curve (ties count one half), by the rank-sum (Mann-Whitney) formula."""
+    labels, scores = labels.double().flatten(), scores.double().flatten()
+    n_pos = labels.sum()
+    n_neg = labels.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUC needs both positive and negative labels")
+    order = scores.argsort()
+    s = scores[order]
+    ranks = torch.empty_like(s)
+    ranks[order] = torch.arange(1, s.numel() + 1, dtype=torch.float64)
+    # average the ranks of tied scores
+    uniq, inverse, counts = torch.unique(s, return_inverse=True, return_counts=True)
+    if uniq.numel() < s.numel():
+        sums = torch.zeros_like(uniq).index_add_(
+            0, inverse, torch.arange(1, s.numel() + 1, dtype=torch.float64)
+        )
+        ranks[order] = (sums / counts)[inverse]
+    return float((ranks[labels > 0].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def logloss(labels: Tensor, probs: Tensor, *, eps: float = 1e-7) -> float:
+    """Mean binary cross-entropy of probabilities (clamped to [eps, 1 - eps])."""
+    p = probs.double().clamp(eps, 1 - eps)
+    y = labels.double()
+    return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())

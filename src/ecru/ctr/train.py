@@ -1,0 +1,241 @@
+"""The CTR training loop: two Adams (embeddings, dense layers), CowClip between backward and step.
+
+    logits = model(dense, cats); loss = mean BCE
+    loss.backward()                 # DDP all-reduces (averages) the gradients across ranks
+    clipper.clip_(ids)              # L2 on the tables (+ the per-id clip), ids of the *global* batch
+    embed_opt.step(); dense_opt.step(); warmup.step()
+
+Under `torchrun` (torch.distributed initialised) each rank takes an equal contiguous shard of every
+global batch; the averaged gradient equals the global batch's mean gradient, so N ranks follow the same
+trajectory as one process on the same global batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from ecru.cowclip import ClipStats, CowClip, Recipe, scaled_recipe
+from ecru.cowclip.wrapper import Mode
+from ecru.ctr.data import CTRData
+from ecru.ctr.metrics import auc, logloss
+from ecru.ctr.models import MODELS, CTRConfig, CTRModel, build_model
+from ecru.errors import EcruError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One CTR training run."""
+
+    model: str = "deepfm"
+    """One of ecru.ctr.MODELS."""
+    batch_size: int = 1024
+    """Global batch size (split evenly across ranks under torchrun)."""
+    epochs: int = 1
+    """Passes over the training split."""
+    recipe: str = "cowclip"
+    """Scaling recipe (ecru.cowclip.RECIPES) applied at `batch_size` relative to `base_batch`."""
+    mode: Mode = "full"
+    """'full': faithful full-table L2 + Adam; 'sparse': row-sparse embeddings and SparseAdam."""
+    base_batch: int = 1024
+    """The batch size the recipe's base settings are for."""
+    dataset: str = "criteo"
+    """Which column of the recipe table (criteo or avazu)."""
+    mlp: tuple[int, ...] = (400, 400, 400)
+    """Hidden widths of the deep part."""
+    embed_dim: int = 10
+    """Embedding dimension."""
+    seed: int = 0
+    """Seed of the model initialisation and of the per-epoch shuffles."""
+    eval_batch: int = 65536
+    """Batch size of the held-out evaluation."""
+    checkpoint: str | None = None
+    """File written at the end of every epoch (rank 0); None: no checkpoints."""
+    resume: bool = False
+    """Continue from `checkpoint` if it exists."""
+    progress: bool = True
+    """Show a tqdm progress bar (rank 0)."""
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise EcruError(f"unknown model {self.model!r}; choose from {', '.join(MODELS)}")
+        if self.batch_size < 1 or self.epochs < 1 or self.base_batch < 1 or self.eval_batch < 1:
+            raise EcruError("batch sizes and epochs must be >= 1")
+        if self.mode not in ("full", "sparse"):
+            raise EcruError(f"mode must be 'full' or 'sparse', got {self.mode!r}")
+        if self.resume and not self.checkpoint:
+            raise EcruError("--resume needs --checkpoint PATH")
+
+
+@dataclass
+class TrainResult:
+    """What a run measured."""
+
+    auc: float
+    logloss: float
+    steps: int
+    epochs: int
+    samples_per_s: float
+    wall_s: float
+    clip: ClipStats
+    recipe: Recipe
+    history: list[dict] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["clipped_fraction"] = self.clip.clipped_fraction
+        return d
+
+
+def _world() -> tuple[int, int]:
+    return (
+        (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    )
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: CTRData, *, batch_size: int = 65536) -> tuple[float, float]:
+    """Held-out AUC and logloss."""
+    model.eval()
+    probs = torch.cat([torch.sigmoid(model(d, c)) for d, c, _ in data.batches(batch_size)])
+    model.train()
+    return auc(data.labels, probs), logloss(data.labels, probs)
+
+
+def make_model(cfg: TrainConfig, data: CTRData) -> CTRModel:
+    ctr = CTRConfig(
+        data.cardinalities,
+        n_dense=data.dense.shape[1],
+        embed_dim=cfg.embed_dim,
+        mlp=cfg.mlp,
+        sparse=cfg.mode == "sparse",
+    )
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model, ctr)
+
+
+def make_optimizers(model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_epoch: int):
+    tables = model.embedding_tables()
+    embed_cls = torch.optim.SparseAdam if mode == "sparse" else torch.optim.Adam
+    embed_opt = embed_cls(tables, lr=recipe.embed_lr, eps=recipe.eps)
+    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=recipe.dense_lr, eps=recipe.eps)
+    warmup = max(1.0, recipe.warmup_epochs * steps_per_epoch)
+    sched = torch.optim.lr_scheduler.LambdaLR(dense_opt, lambda step: min(1.0, (step + 1) / warmup))
+    clipper = CowClip(
+        tables,
+        weight_decay=recipe.weight_decay,
+        r=recipe.r,
+        zeta=recipe.zeta,
+        threshold=recipe.threshold,
+        mode=mode,
+        clip=recipe.clip,
+    )
+    return embed_opt, dense_opt, sched, clipper
+
+
+def train(
+    cfg: TrainConfig, train_data: CTRData, test_data: CTRData, *, recipe: Recipe | None = None
+) -> TrainResult:
+    """Train `cfg.model` on `train_data`, evaluate on `test_data` after every epoch."""
+    rank, world = _world()
+    if cfg.batch_size % world:
+        raise EcruError(f"batch size {cfg.batch_size} must be divisible by the number of ranks ({world})")
+    recipe = recipe or scaled_recipe(
+        cfg.recipe, cfg.batch_size, base_batch=cfg.base_batch, dataset=cfg.dataset
+    )
+    steps_per_epoch = len(train_data) // cfg.batch_size
+    if steps_per_epoch < 1:
+        raise EcruError(f"batch size {cfg.batch_size} exceeds the {len(train_data)} training rows")
+    model = make_model(cfg, train_data)
+    embed_opt, dense_opt, sched, clipper = make_optimizers(
+        model, recipe, mode=cfg.mode, steps_per_epoch=steps_per_epoch
+    )
+    net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    start_epoch, history = _resume(cfg, model, embed_opt, dense_opt, sched)
+    shard = cfg.batch_size // world
+    losses, steps, wall = [], 0, 0.0
+    for epoch in range(start_epoch, cfg.epochs):
+        bar = tqdm(
+            total=steps_per_epoch,
+            desc=f"epoch {epoch + 1}/{cfg.epochs} b={cfg.batch_size}",
+            disable=not cfg.progress or rank != 0,
+            leave=False,
+        )
+        start = time.perf_counter()
+        for dense, cats, labels in train_data.batches(
+            cfg.batch_size, seed=cfg.seed * 1000 + epoch, drop_last=True
+        ):
+            mine = slice(rank * shard, (rank + 1) * shard)
+            loss = F.binary_cross_entropy_with_logits(net(dense[mine], cats[mine]), labels[mine])
+            embed_opt.zero_grad(set_to_none=True), dense_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            clipper.clip_(model.tables.global_ids(cats))
+            embed_opt.step(), dense_opt.step(), sched.step()
+            steps += 1
+            if len(losses) < 1000:
+                losses.append(loss.item())
+            bar.update()
+        bar.close()
+        wall += time.perf_counter() - start
+        test_auc, test_ll = evaluate(model, test_data, batch_size=cfg.eval_batch)
+        history.append({"epoch": epoch + 1, "auc": test_auc, "logloss": test_ll})
+        if cfg.progress and rank == 0:
+            tqdm.write(f"epoch {epoch + 1}: test AUC {test_auc:.5f} logloss {test_ll:.5f}")
+        _save(cfg, rank, model, embed_opt, dense_opt, sched, epoch, history)
+    if not history:
+        raise EcruError(f"checkpoint {cfg.checkpoint} already has all {cfg.epochs} epochs; raise --epochs")
+    samples = steps * steps_per_epoch and steps * cfg.batch_size
+    return TrainResult(
+        history[-1]["auc"],
+        history[-1]["logloss"],
+        steps,
+        cfg.epochs,
+        samples / max(wall, 1e-9),
+        wall,
+        clipper.stats(),
+        recipe,
+        history,
+        losses,
+    )
+
+
+def _save(cfg: TrainConfig, rank: int, model, embed_opt, dense_opt, sched, epoch: int, history: list) -> None:
+    if not cfg.checkpoint or rank != 0:
+        return
+    path = Path(cfg.checkpoint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "model": model.state_dict(),
+        "embed_opt": embed_opt.state_dict(),
+        "dense_opt": dense_opt.state_dict(),
+        "sched": sched.state_dict(),
+        "epoch": epoch,
+        "history": history,
+        "config": asdict(cfg),
+    }
+    torch.save(state, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)  # never leave a half-written checkpoint
+
+
+def _resume(cfg: TrainConfig, model, embed_opt, dense_opt, sched) -> tuple[int, list]:
+    if not (cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).is_file()):
+        return 0, []
+    state = torch.load(cfg.checkpoint, weights_only=True)
+    saved = state["config"]
+    for key in ("model", "batch_size", "recipe", "mode", "mlp", "embed_dim", "seed"):
+        if saved[key] != (list(getattr(cfg, key)) if key == "mlp" else getattr(cfg, key)):
+            raise EcruError(
+                f"checkpoint {cfg.checkpoint} was made with {key}={saved[key]!r}, not {getattr(cfg, key)!r}"
+            )
+    model.load_state_dict(state["model"])
+    embed_opt.load_state_dict(state["embed_opt"]), dense_opt.load_state_dict(state["dense_opt"])
+    sched.load_state_dict(state["sched"])
+    return state["epoch"] + 1, state["history"]
