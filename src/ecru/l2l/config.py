@@ -1,0 +1,95 @@
+"""`L2LConfig`: how the layer-to-layer engine places, streams and updates a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ecru.errors import EcruError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+STASH_PLACES = ("device", "host")
+
+
+class L2LInputError(EcruError, ValueError):
+    """A bad configuration, model or batch; the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class L2LConfig:
+    """Placement and schedule of an `L2L` engine; validated on construction."""
+
+    micro_batch_size: int = 1
+    """Samples per micro-batch; a minibatch is cut into ceil(B / micro_batch_size), the last may be smaller."""
+    device: str = "cpu"
+    """Where the blocks execute ("cpu", "cuda", "cuda:1"); the fp32 masters always stay on the host."""
+    compute_dtype: str = "float32"
+    """Wire and compute precision: float32, bfloat16 or float16 (float16 adds dynamic loss scaling)."""
+    stash: str = "device"
+    """Where block inputs wait for the backward: "device" (fast) or "host" (device memory flat in depth)."""
+    prefetch: int = 1
+    """Blocks whose weights are copied to the device ahead of the executing one (CUDA only)."""
+    max_grad_norm: float | None = None
+    """Global gradient clipping. It needs every gradient before the first update, so the host optimizer
+    steps wait for the whole backward instead of overlapping with it."""
+    max_pending_updates: int = 2
+    """Block updates that may queue behind the backward before it waits (bounds host gradient buffers)."""
+    loss_scale: float = 2.0**16
+    """Initial dynamic loss scale (float16 only)."""
+    loss_scale_growth_interval: int = 2000
+    """Steps without overflow before the loss scale doubles (float16 only)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
+            raise L2LInputError(f"micro_batch_size must be an integer >= 1, got {self.micro_batch_size!r}")
+        if self.compute_dtype not in DTYPES:
+            raise L2LInputError(f"compute_dtype {self.compute_dtype!r} is unknown; use one of {sorted(DTYPES)}")
+        if self.stash not in STASH_PLACES:
+            raise L2LInputError(f"stash must be one of {STASH_PLACES}, got {self.stash!r}")
+        if self.prefetch < 0:
+            raise L2LInputError(f"prefetch must be >= 0, got {self.prefetch}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise L2LInputError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.max_pending_updates < 1:
+            raise L2LInputError(f"max_pending_updates must be >= 1, got {self.max_pending_updates}")
+        if not self.loss_scale > 0 or self.loss_scale_growth_interval < 1:
+            raise L2LInputError("loss_scale must be > 0 and loss_scale_growth_interval >= 1")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise L2LInputError(f"device {self.device!r} is not a device name; use e.g. 'cpu' or 'cuda:0'") from exc
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.compute_dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def deferred_update(self) -> bool:
+        """Whether the updates wait for the whole backward (clipping, or overflow checks under float16)."""
+        return self.max_grad_norm is not None or self.dtype == torch.float16
+
+
+def check_device(device: torch.device) -> torch.device:
+    """`device` if it exists on this machine, else a clear error; "cuda" resolves to the current index."""
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise L2LInputError(f"device type {device.type!r} is not supported; use 'cpu' or 'cuda'")
+    if not torch.cuda.is_available():
+        raise L2LInputError(f"device {device} requested but CUDA is not available here; use device='cpu'")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise L2LInputError(f"device {device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    return torch.device("cuda", index)

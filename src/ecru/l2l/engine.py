@@ -1,0 +1,280 @@
+"""`L2L`: layer-to-layer training (Pudipeddi et al., arXiv 2002.05645) from an eager parameter server.
+
+One `step`:
+  forward   stem, then for each block: load its weights once, run every micro-batch without autograd,
+            keeping only the block's input; the head computes each micro-batch's weighted loss and its
+            gradient at once.
+  backward  for each block in reverse: load its weights, recompute every micro-batch from its stash with
+            the forward's RNG state, accumulate the weight gradient on the device, send it to the host
+            once and let the host optimizer update the block while the device works on the one below.
+  stem      last: the resident stem + head group (which holds a tied embedding once) is updated after
+            both of its gradients have arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ecru.l2l.config import L2LConfig, L2LInputError, check_device
+from ecru.l2l.parts import MicroBatch, ModelParts
+from ecru.l2l.rng import RngState, capture, replay
+from ecru.l2l.scaling import LossScale
+from ecru.l2l.stash import ActivationStash
+from ecru.l2l.store import OptimizerFactory, ParameterStore
+
+RESIDENT = 0  # group of the stem and head; block i is group i + 1
+Binding = list[tuple[str, int]]  # (parameter name in the piece, index in its group)
+
+
+class L2L:
+    """Trains `parts.model` in place: its parameters are the fp32 masters of the parameter server."""
+
+    def __init__(self, parts: ModelParts, *, optimizer: OptimizerFactory, config: L2LConfig | None = None):
+        self.config = config or L2LConfig()
+        self.device = check_device(self.config.torch_device)
+        if not callable(optimizer):
+            raise L2LInputError("optimizer must be a callable params -> torch.optim.Optimizer, "
+                                "e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
+        self.parts, self.model = parts, parts.model
+        _fp32_masters_(self.model)
+        _buffers_to_(self.model, self.device)
+        groups = _groups(parts)
+        self._bindings = {"stem": _binding(parts.stem, groups[RESIDENT]), "head": _binding(parts.head, groups[RESIDENT])}
+        self._block_bindings = [_binding(b, groups[i + 1]) for i, b in enumerate(parts.blocks)]
+        self.store = ParameterStore(
+            groups, optimizer=optimizer, device=self.device, dtype=self.config.dtype, resident=RESIDENT,
+            slots=self.config.prefetch + 2, max_pending=self.config.max_pending_updates,
+        )
+        self.stash = ActivationStash(self.config.stash, self.device)
+        self.scaler = LossScale(self.config.loss_scale, self.config.loss_scale_growth_interval) \
+            if self.config.dtype == torch.float16 else None
+        self._rng_devices = (self.device.index,) if self.device.type == "cuda" else ()
+        self._rng: dict[tuple[int, int], RngState] = {}
+        self.steps = 0
+        self.last_grad_norm: float | None = None
+
+    # ---- constructors ---------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, model: nn.Module, *, optimizer: OptimizerFactory, config: L2LConfig | None = None) -> L2L:
+        """A Hugging Face causal LM (Llama family, GPT-2); batches are dicts with input_ids,
+        attention_mask (optional) and labels (-100 = ignored)."""
+        from ecru.l2l.hf import hf_parts
+
+        return cls(hf_parts(model), optimizer=optimizer, config=config)
+
+    @classmethod
+    def from_sequential(
+        cls, seq: nn.Sequential, *, loss_fn: Callable, optimizer: OptimizerFactory,
+        config: L2LConfig | None = None, reduction: str = "mean",
+    ) -> L2L:
+        """Each child of `seq` is a block; batches are (inputs, targets); `reduction` is how `loss_fn`
+        reduces over samples ("mean" or "sum")."""
+        from ecru.l2l.sequential import sequential_parts
+
+        return cls(sequential_parts(seq, loss_fn, reduction=reduction), optimizer=optimizer, config=config)
+
+    @classmethod
+    def resume(cls, path, model: nn.Module, *, optimizer: OptimizerFactory, config: L2LConfig | None = None,
+               loss_fn: Callable | None = None) -> L2L:
+        """An engine over `model` restored from `engine.save(path)`: weights, optimizer state, step, RNG."""
+        from ecru.l2l.checkpoint import resume
+
+        return resume(cls, path, model, optimizer=optimizer, config=config, loss_fn=loss_fn)
+
+    # ---- one training step ----------------------------------------------------------------------
+    def step(self, batch: Any) -> float:
+        """Forward, backward and update on one minibatch; returns its loss as the model defines it."""
+        micro = [mb.to(self.device, self.config.dtype) for mb in self.parts.split(batch, self.config.micro_batch_size)]
+        scale = self.scaler.scale if self.scaler else 1.0
+        try:
+            hidden, contexts = self._forward(micro)
+            grads, loss = self._head(hidden, micro, scale)
+            for i in reversed(range(len(self.parts.blocks))):
+                grads = self._backward_block(i, grads, contexts)
+            self._backward_stem(micro, grads)
+            self._finish_update(scale)
+        finally:
+            self.stash.clear()
+            self._rng.clear()
+            self.store.discard_grads()
+        self.steps += 1
+        return loss
+
+    def _forward(self, micro: list[MicroBatch]) -> tuple[list[torch.Tensor], list[Any]]:
+        stem = self.store.weights(RESIDENT)
+        hidden, contexts = [], []
+        for j, mb in enumerate(micro):
+            self._rng[(RESIDENT, j)] = capture(self._rng_devices)
+            with torch.no_grad():
+                h, ctx = self._call(self.parts.stem, self._bindings["stem"], stem, (mb.inputs,))
+            hidden.append(h)
+            contexts.append(ctx)
+        for i, block in enumerate(self.parts.blocks):
+            weights = self.store.weights(i + 1)
+            for k in range(2, self.config.prefetch + 2):
+                self.store.prefetch(i + k)
+            outputs = []
+            for j, x in enumerate(hidden):
+                self._rng[(i + 1, j)] = capture(self._rng_devices)
+                self.stash.put(i, j, x)
+                with torch.no_grad():
+                    outputs.append(self._call(block, self._block_bindings[i], weights, (x, contexts[j])))
+            self.store.done_with(i + 1)
+            hidden = outputs
+        return hidden, contexts
+
+    def _head(self, hidden: list[torch.Tensor], micro: list[MicroBatch], scale: float):
+        """Each micro-batch's weighted loss and its gradient w.r.t. the last hidden state and the head."""
+        weights, indices = self._leaves(self._bindings["head"], self.store.weights(RESIDENT))
+        grads, total = [], torch.zeros((), dtype=torch.float32, device=self.device)
+        for j, mb in enumerate(micro):
+            x = hidden[j].detach().requires_grad_()
+            hidden[j] = None
+            with torch.enable_grad():
+                loss = self._call(self.parts.head, self._bindings["head"], weights, (x, mb.targets, mb.weight))
+                out = torch.autograd.grad(loss * scale, [x, *weights.values()], materialize_grads=True)
+            grads.append(out[0])
+            self.store.add_grads(RESIDENT, out[1:], indices=indices)
+            total += loss.detach().float()
+        return grads, float(total)
+
+    def _backward_block(self, i: int, grads: list[torch.Tensor], contexts: list[Any]) -> list[torch.Tensor]:
+        g, binding, block = i + 1, self._block_bindings[i], self.parts.blocks[i]
+        weights, _ = self._leaves(binding, self.store.weights(g))
+        for k in range(1, self.config.prefetch + 1):
+            if g - k >= 1:
+                self.store.prefetch(g - k)
+        for j, grad_out in enumerate(grads):
+            x = self.stash.pop(i, j)
+            needs_input = (i > 0 or bool(self._bindings["stem"])) and x.is_floating_point()
+            if needs_input:
+                x = x.detach().requires_grad_()
+            inputs = ([x] if needs_input else []) + list(weights.values())
+            if not inputs:
+                continue
+            with replay(self._rng[(g, j)]), torch.enable_grad():
+                y = self._call(block, binding, weights, (x, contexts[j]), fresh_buffers=True)
+                out = torch.autograd.grad(y, inputs, grad_out, materialize_grads=True)
+            if needs_input:
+                grads[j], out = out[0], out[1:]
+            if weights:
+                self.store.add_grads(g, out)
+        self.store.done_with(g)
+        if weights:
+            self._submit(g)
+        return grads
+
+    def _backward_stem(self, micro: list[MicroBatch], grads: list[torch.Tensor]) -> None:
+        binding = self._bindings["stem"]
+        if binding:
+            weights, indices = self._leaves(binding, self.store.weights(RESIDENT))
+            for j, mb in enumerate(micro):
+                with replay(self._rng[(RESIDENT, j)]), torch.enable_grad():
+                    h, _ = self._call(self.parts.stem, binding, weights, (mb.inputs,), fresh_buffers=True)
+                    out = torch.autograd.grad(h, list(weights.values()), grads[j], materialize_grads=True)
+                self.store.add_grads(RESIDENT, out, indices=indices)
+        if self.store.groups[RESIDENT].params:
+            self._submit(RESIDENT)
+
+    def _submit(self, g: int) -> None:
+        self.store.collect(g) if self.config.deferred_update else self.store.update(g)
+
+    def _finish_update(self, scale: float) -> None:
+        if self.config.deferred_update:
+            finite, self.last_grad_norm = self.store.step_all(inv_scale=1.0 / scale, max_norm=self.config.max_grad_norm)
+            if self.scaler is not None:
+                self.scaler.update(finite=finite)
+        # step() returns with the model updated: only the tail (block 1, stem/head) is exposed here
+        self.store.synchronize()
+
+    # ---- weight binding -------------------------------------------------------------------------
+    @staticmethod
+    def _leaves(binding: Binding, weights: Sequence[torch.Tensor]) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """Fresh autograd leaves over the group's device weights that `binding` uses, keyed by index."""
+        indices = sorted({idx for _, idx in binding})
+        return {idx: weights[idx].detach().requires_grad_() for idx in indices}, indices
+
+    @staticmethod
+    def _call(module: nn.Module, binding: Binding, weights, args: tuple, *, fresh_buffers: bool = False):
+        """`module(*args)` with its parameters bound to `weights` (a sequence or an index -> tensor dict).
+        A recomputation gets copies of the buffers so running statistics are updated once, in the forward."""
+        bound = {name: weights[idx] for name, idx in binding}
+        if fresh_buffers:
+            bound.update({name: b.clone() for name, b in module.named_buffers()})
+        return functional_call(module, bound, args)
+
+    # ---- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict (the fp32 masters); the original model loads it with strict=True."""
+        self.store.synchronize()
+        return self.model.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.store.synchronize()
+        self.model.load_state_dict(state_dict, strict=True)
+        self.store.refresh()
+
+    def save(self, path) -> None:
+        """A full training checkpoint (weights, optimizer states, step, RNG, loss scale), written atomically."""
+        from ecru.l2l.checkpoint import save
+
+        save(self, path)
+
+    def save_pretrained(self, path) -> None:
+        """Export the trained Hugging Face model in `save_pretrained` format."""
+        if self.parts.kind != "hf":
+            raise L2LInputError("save_pretrained exports Hugging Face models; use engine.state_dict() or save()")
+        self.store.synchronize()
+        self.model.save_pretrained(path)
+
+    def close(self) -> None:
+        """Finish pending updates and stop the optimizer thread."""
+        self.store.close()
+
+
+def _fp32_masters_(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            raise L2LInputError(f"parameter {name} is {p.dtype}; L2L trains floating-point parameters only")
+        if p.dtype != torch.float32:  # the masters are fp32 whatever the compute precision
+            p.data = p.data.float()
+        if p.device.type != "cpu":
+            raise L2LInputError(f"parameter {name} is on {p.device}; give L2L the model on the CPU (it keeps "
+                                "the masters in host memory and streams blocks to the device itself)")
+
+
+def _buffers_to_(model: nn.Module, device: torch.device) -> None:
+    if device.type != "cpu":  # buffers are small (rotary frequencies, norm statistics): keep them resident
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.to(device)
+
+
+def _unique(params) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
+
+
+def _groups(parts: ModelParts) -> list[list[nn.Parameter]]:
+    """[resident stem + head parameters, block 0's, block 1's, ...], each parameter in exactly one group."""
+    groups = [_unique([*parts.stem.parameters(), *parts.head.parameters()])]
+    groups += [_unique(b.parameters()) for b in parts.blocks]
+    owner: dict[int, int] = {}
+    for g, params in enumerate(groups):
+        for p in params:
+            if owner.setdefault(id(p), g) != g:
+                raise L2LInputError(
+                    f"a parameter is shared between block {owner[id(p)] - 1} and block {g - 1}; L2L streams "
+                    "blocks separately, so only the input embedding and the output head may share weights"
+                )
+    return groups
+
+
+def _binding(module: nn.Module, group: list[nn.Parameter]) -> Binding:
+    index = {id(p): i for i, p in enumerate(group)}
+    return [(name, index[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)]

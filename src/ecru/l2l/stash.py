@@ -1,0 +1,48 @@
+"""Block inputs kept from the forward for the recomputing backward, on the device or on the host.
+
+"host" is the constant-device-memory variant: each input is copied to (pinned) host memory on a side
+stream as soon as it is produced and copied back when its block's backward needs it; the copy back
+waits on the event of the copy out, so it never reads an unfinished transfer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ActivationStash:
+    """`put(block, j, x)` in the forward, `pop(block, j)` (once) in the backward."""
+
+    def __init__(self, place: str, device: torch.device):
+        self.place, self.device = place, device
+        self.cuda = device.type == "cuda"
+        self._items: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._stream = torch.cuda.Stream(device) if self.cuda and place == "host" else None
+
+    def put(self, block: int, j: int, x: torch.Tensor) -> None:
+        if self.place == "device":
+            self._items[(block, j)] = (x, None)
+            return
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.cuda)
+        if not self.cuda:
+            self._items[(block, j)] = (host.copy_(x), None)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            host.copy_(x, non_blocking=True)
+            x.record_stream(self._stream)  # keep x's memory alive until the copy has read it
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        self._items[(block, j)] = (host, done)
+
+    def pop(self, block: int, j: int) -> torch.Tensor:
+        x, done = self._items.pop((block, j))
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        return x.to(self.device, non_blocking=True) if self.place == "host" else x
+
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x, _ in self._items.values())
+
+    def clear(self) -> None:
+        self._items.clear()

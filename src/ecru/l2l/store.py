@@ -1,0 +1,299 @@
+"""The eager parameter server (EPS): fp32 masters and optimizer state on the host, one group per block.
+
+Per group (a streamed block, or the resident stem + head) the store keeps
+- the fp32 masters: the model's own `nn.Parameter`s, updated in place by one `torch.optim.Optimizer`;
+- a flat wire copy in the compute dtype (pinned on CUDA), refreshed right after each update; on a CPU
+  device in float32 the masters themselves are bound and no copy exists;
+- on CUDA, reusable flat device slots that a block's wire copy is streamed into (weights never travel
+  back: the device copy is discarded and replaced after the next update).
+Gradients are accumulated over micro-batches in one flat fp32 device buffer per block and cross to the
+host in one copy; the optimizer step then runs in a worker thread, overlapping the backward of the
+blocks below. Every consumer waits for what it reads: the backward never reuses a buffer the host is
+still reading, a block's weights are never loaded before its update has finished, and the worker reads
+a gradient only after the event of its device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class ParamGroup:
+    """Masters, optimizer and wire copy of one group; `version` counts the updates submitted."""
+
+    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, wire: torch.Tensor | None):
+        self.params, self.optimizer, self.wire = params, optimizer, wire
+        self.sizes = [p.numel() for p in params]
+        self.numel = sum(self.sizes)
+        self.version = 0
+        self.pending: Future | None = None
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """`flat` cut into tensors shaped like the group's parameters."""
+        return [v.view(p.shape) for v, p in zip(flat[: self.numel].split(self.sizes), self.params, strict=True)]
+
+    def refresh_wire(self) -> None:
+        if self.wire is not None:
+            with torch.no_grad():
+                for view, p in zip(self.views(self.wire), self.params, strict=True):
+                    view.copy_(p)
+
+
+class _Slot:
+    """A reusable device buffer holding one group's weights (CUDA)."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.flat = torch.empty(numel, dtype=dtype, device=device)
+        self.owner: tuple[int, int] | None = None  # (group, version) whose weights it holds
+        self.ready = torch.cuda.Event()
+        self.free: torch.cuda.Event | None = None  # recorded after the last kernel that read it
+
+
+class _BufferPool:
+    """Flat fp32 buffers reused across blocks; thread-safe (the worker gives buffers back)."""
+
+    def __init__(self, numel: int, device: torch.device, *, pin: bool):
+        self.numel, self.device, self.pin = numel, device, pin
+        self._free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return torch.empty(self.numel, dtype=torch.float32, device=self.device, pin_memory=self.pin), None
+
+    def give(self, buf: torch.Tensor, after: torch.cuda.Event | None = None) -> None:
+        with self._lock:
+            self._free.append((buf, after))
+
+
+class ParameterStore:
+    """The EPS. Group `resident` (the stem and head) stays on the device; the others are streamed."""
+
+    def __init__(
+        self,
+        groups: Sequence[list[nn.Parameter]],
+        *,
+        optimizer: OptimizerFactory,
+        device: torch.device,
+        dtype: torch.dtype,
+        resident: int = 0,
+        slots: int = 2,
+        max_pending: int = 2,
+    ):
+        self.device, self.dtype, self.resident = device, dtype, resident
+        self.cuda = device.type == "cuda"
+        needs_wire = self.cuda or dtype != torch.float32
+        self.groups = [self._make_group(list(ps), optimizer, needs_wire=needs_wire) for ps in groups]
+        streamed = [g.numel for i, g in enumerate(self.groups) if i != resident] or [0]
+        self._acc_pool = _BufferPool(max(streamed), device, pin=False)
+        self._host_pool = _BufferPool(max(streamed), torch.device("cpu"), pin=self.cuda)
+        self._acc: dict[int, torch.Tensor] = {}
+        # the resident group's buffers persist: its update is waited for before the next step touches them
+        n_res = self.groups[resident].numel
+        self._resident_acc = torch.empty(n_res, dtype=torch.float32, device=device)
+        self._resident_host = torch.empty(n_res, dtype=torch.float32, pin_memory=True) if self.cuda else None
+        self._collected: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ecru-l2l-optimizer")
+        self._queue: collections.deque[Future] = collections.deque()
+        self._max_pending = max_pending
+        if self.cuda:
+            self._h2d, self._d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            self._slots = [_Slot(max(streamed), dtype, device) for _ in range(slots)]
+            self._resident_slot = _Slot(self.groups[resident].numel, dtype, device)
+
+    def _make_group(self, params: list[nn.Parameter], factory: OptimizerFactory, *, needs_wire: bool) -> ParamGroup:
+        numel = sum(p.numel() for p in params)
+        wire = torch.empty(numel, dtype=self.dtype, pin_memory=self.cuda) if needs_wire and params else None
+        group = ParamGroup(params, factory(params) if params else None, wire)
+        group.refresh_wire()
+        return group
+
+    # ---- weights: host -> device -------------------------------------------------------------------
+    def weights(self, g: int) -> list[torch.Tensor]:
+        """Group `g`'s weights on the device in the compute dtype, usable on the current stream."""
+        group = self.groups[g]
+        self.wait(g)
+        if not self.cuda:
+            return [p.detach() for p in group.params] if group.wire is None else group.views(group.wire)
+        slot = self._load(g)
+        torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        return group.views(slot.flat)
+
+    def prefetch(self, g: int) -> None:
+        """Start copying group `g` to the device (CUDA; a no-op on CPU, where the host is the device)."""
+        if self.cuda and 0 <= g < len(self.groups):
+            self.wait(g)
+            self._load(g)
+
+    def done_with(self, g: int) -> None:
+        """The current stream has queued its last read of group `g`'s device weights for now."""
+        if self.cuda:
+            slot = self._find(g)
+            if slot is not None:
+                slot.free = torch.cuda.Event()
+                slot.free.record(torch.cuda.current_stream(self.device))
+
+    def _find(self, g: int) -> _Slot | None:
+        if g == self.resident:
+            return self._resident_slot
+        return next((s for s in self._slots if s.owner is not None and s.owner[0] == g), None)
+
+    def _load(self, g: int) -> _Slot:
+        group, key = self.groups[g], (g, self.groups[g].version)
+        slot = self._find(g)
+        if g != self.resident:  # least recently used first; with prefetch + 2 slots it is never in use
+            slot = slot or self._slots[0]
+            self._slots.remove(slot)
+            self._slots.append(slot)
+        if slot.owner == key:
+            return slot
+        with torch.cuda.stream(self._h2d):
+            if slot.free is not None:
+                self._h2d.wait_event(slot.free)  # never overwrite weights a queued kernel still reads
+            slot.flat[: group.numel].copy_(group.wire, non_blocking=True)
+            slot.ready.record(self._h2d)
+        slot.owner = key
+        return slot
+
+    # ---- gradients: device accumulation, one transfer, host update -----------------------------------
+    def add_grads(self, g: int, grads: Sequence[torch.Tensor], *, indices: Sequence[int] | None = None) -> None:
+        """Accumulate one micro-batch's gradients of group `g` (or of its parameters `indices`) in fp32 on
+        the device. The resident group is zeroed on first touch: stem and head each fill only a part."""
+        first = g not in self._acc
+        if first:
+            if g == self.resident:
+                buf = self._resident_acc.zero_()
+            else:
+                buf, reusable = self._acc_pool.take()
+                if reusable is not None:  # its previous gradient may still be on its way to the host
+                    torch.cuda.current_stream(self.device).wait_event(reusable)
+            self._acc[g] = buf
+        views = self.groups[g].views(self._acc[g])
+        targets = views if indices is None else [views[i] for i in indices]
+        copy = first and g != self.resident
+        for view, grad in zip(targets, grads, strict=True):
+            view.copy_(grad) if copy else view.add_(grad)
+
+    def discard_grads(self) -> None:
+        """Drop gradients of an interrupted step (an error mid-step must not leak into the next one)."""
+        for g, acc in self._acc.items():
+            if g != self.resident:
+                self._acc_pool.give(acc)
+        self._acc.clear()
+
+    def update(self, g: int) -> None:
+        """Send group `g`'s gradient to the host once and step its optimizer in the worker thread."""
+        host, copied = self._to_host(g)
+        group = self.groups[g]
+        group.version += 1
+        while len(self._queue) >= self._max_pending:  # bounds the host gradient buffers in flight
+            self._queue.popleft().result()
+        group.pending = self._worker.submit(self._apply, g, host, copied)
+        self._queue.append(group.pending)
+
+    def collect(self, g: int) -> None:
+        """Send group `g`'s gradient to the host and keep it for `step_all` (clipping, loss scaling)."""
+        self._collected[g] = self._to_host(g)
+
+    def _to_host(self, g: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        acc = self._acc.pop(g)
+        if not self.cuda:
+            return acc, None  # the host is the device: the accumulator is the host gradient
+        host = self._resident_host if g == self.resident else self._host_pool.take()[0]
+        done = torch.cuda.Event()
+        self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._d2h):
+            host[: self.groups[g].numel].copy_(acc[: self.groups[g].numel], non_blocking=True)
+            done.record(self._d2h)
+        if g != self.resident:
+            self._acc_pool.give(acc, done)
+        return host, done
+
+    def _apply(self, g: int, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        if copied is not None:
+            copied.synchronize()  # never read a non-blocking device-to-host copy before it has landed
+        group = self.groups[g]
+        for p, grad in zip(group.params, group.views(host), strict=True):
+            p.grad = grad
+        group.optimizer.step()
+        for p in group.params:
+            p.grad = None
+        group.refresh_wire()
+        self._give_back(g, host)
+
+    def _give_back(self, g: int, host: torch.Tensor) -> None:
+        if g != self.resident:  # on CPU the host gradient is the device accumulator itself
+            (self._host_pool if self.cuda else self._acc_pool).give(host)
+
+    def step_all(self, *, inv_scale: float = 1.0, max_norm: float | None = None) -> tuple[bool, float | None]:
+        """Update every collected group at once. Gradients are unscaled by `inv_scale`; if any is not
+        finite nothing is updated. Returns (updated, total gradient norm before clipping)."""
+        order = sorted(self._collected)
+        for g in order:
+            host, copied = self._collected[g]
+            if copied is not None:
+                copied.synchronize()
+            for p, grad in zip(self.groups[g].params, self.groups[g].views(host), strict=True):
+                p.grad = grad.mul_(inv_scale) if inv_scale != 1.0 else grad
+        params = [p for g in order for p in self.groups[g].params]
+        grads = [p.grad for p in params]
+        finite = all(bool(torch.isfinite(gr).all()) for gr in grads)
+        norm = None
+        if finite and max_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        for g in order:
+            group = self.groups[g]
+            if finite:
+                group.optimizer.step()
+                group.version += 1
+                group.refresh_wire()
+            for p in group.params:
+                p.grad = None
+            self._give_back(g, self._collected.pop(g)[0])
+        return finite, norm
+
+    # ---- synchronisation and state ----------------------------------------------------------------
+    def wait(self, g: int) -> None:
+        """Block until group `g`'s submitted update has finished (re-raises its error)."""
+        pending = self.groups[g].pending
+        if pending is not None:
+            pending.result()
+            self.groups[g].pending = None
+
+    def synchronize(self) -> None:
+        for g in range(len(self.groups)):
+            self.wait(g)
+        self._queue.clear()
+
+    def refresh(self) -> None:
+        """Masters were changed from outside (a loaded state dict): rebuild wire copies and device slots."""
+        self.synchronize()
+        for group in self.groups:
+            group.version += 1
+            group.refresh_wire()
+
+    def optimizer_state(self) -> list[dict]:
+        self.synchronize()
+        return [g.optimizer.state_dict() if g.optimizer is not None else {} for g in self.groups]
+
+    def load_optimizer_state(self, states: list[dict]) -> None:
+        self.synchronize()
+        if len(states) != len(self.groups):
+            raise ValueError(f"optimizer state has {len(states)} groups, this engine {len(self.groups)}")
+        for group, state in zip(self.groups, states, strict=True):
+            if group.optimizer is not None:
+                group.optimizer.load_state_dict(state)
+
+    def close(self) -> None:
+        self.synchronize()
+        self._worker.shutdown(wait=True)
