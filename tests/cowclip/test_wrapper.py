@@ -1,0 +1,114 @@
+"""`CowClip` in a training step: L2 placement, modes, first-order tables, and bit-equality when inert."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ecru.cowclip import CowClip, cowclip
+from ecru.ctr.models import CTRConfig, DeepFM
+
+CARDS = (7, 30, 5, 60)
+
+
+def model_and_batches(*, sparse=False, steps=4, batch=32, seed=0):
+    torch.manual_seed(seed)
+    model = DeepFM(CTRConfig(CARDS, n_dense=3, mlp=(16, 8), sparse=sparse)).double()
+    gen = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(steps):
+        cats = torch.stack([torch.randint(0, c, (batch,), generator=gen) for c in CARDS], 1)
+        batches.append(
+            (
+                torch.randn(batch, 3, generator=gen, dtype=torch.float64),
+                cats,
+                torch.randint(0, 2, (batch,), generator=gen).double(),
+            )
+        )
+    return model, batches
+
+
+def backward(model, batch):
+    model.zero_grad(set_to_none=True)
+    dense, cats, y = batch
+    F.binary_cross_entropy_with_logits(model(dense, cats), y).backward()
+    return model.tables.global_ids(cats)
+
+
+def test_nothing_clipped_equals_plain_adam_with_weight_decay_bit_for_bit():
+    wd = 2e-3
+    ref, batches = model_and_batches()
+    ref_opt = torch.optim.Adam(ref.embedding_tables(), lr=1e-2, eps=1e-7, weight_decay=wd)
+    for b in batches:
+        backward(ref, b)
+        ref_opt.step()
+    model, _ = model_and_batches()
+    opt = torch.optim.Adam(model.embedding_tables(), lr=1e-2, eps=1e-7)
+    clipper = CowClip(model.embedding_tables(), weight_decay=wd, r=1e6, mode="full")
+    for b in batches:
+        clipper.clip_(backward(model, b))
+        opt.step()
+    stats = clipper.stats()
+    assert stats.clipped == 0 and stats.rows > 0
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_full_mode_clips_l2_augmented_gradient_and_decays_absent_rows():
+    model, batches = model_and_batches()
+    ids = backward(model, batches[0])
+    emb, lin = model.embedding_tables()
+    raw_emb, raw_lin = emb.grad.clone(), lin.grad.clone()
+    CowClip([emb, lin], weight_decay=0.1, r=0.05, zeta=1e-3, threshold="paper").clip_(ids)
+    expected = cowclip(raw_emb.add(emb.detach(), alpha=0.1), emb.detach(), ids, r=0.05, zeta=1e-3)
+    torch.testing.assert_close(emb.grad, expected, rtol=0, atol=0)
+    assert not torch.equal(expected, raw_emb.add(emb.detach(), alpha=0.1))  # the clip fired
+    torch.testing.assert_close(
+        lin.grad, raw_lin.add(lin.detach(), alpha=0.1), rtol=0, atol=0
+    )  # dim-1: L2 only
+    absent = torch.ones(emb.shape[0], dtype=torch.bool)
+    absent[ids.unique()] = False
+    torch.testing.assert_close(emb.grad[absent], 0.1 * emb.detach()[absent], rtol=0, atol=0)
+
+
+def test_sparse_mode_matches_full_mode_on_present_rows_and_leaves_absent_rows():
+    model, batches = model_and_batches(sparse=True)
+    ids = backward(model, batches[0])
+    emb = model.tables.embedding.weight
+    dense_grad = emb.grad.to_dense()
+    clipper = CowClip([emb], weight_decay=0.1, r=0.05, zeta=1e-3, mode="sparse")
+    clipper.clip_(ids)
+    assert emb.grad.is_sparse and emb.grad.is_coalesced()
+    rows = emb.grad.indices()[0]
+    torch.testing.assert_close(rows, ids.unique())
+    full = cowclip(dense_grad.add(emb.detach(), alpha=0.1), emb.detach(), ids, r=0.05, zeta=1e-3)
+    torch.testing.assert_close(emb.grad.values(), full[rows], rtol=1e-12, atol=0)
+    assert 0 < clipper.stats().clipped_fraction <= 1
+
+
+def test_sparse_mode_and_sparse_adam_touch_only_batch_rows():
+    model, batches = model_and_batches(sparse=True)
+    tables = model.embedding_tables()
+    before = [t.detach().clone() for t in tables]
+    opt = torch.optim.SparseAdam(tables, lr=1e-2)
+    ids = backward(model, batches[0])
+    CowClip(tables, weight_decay=0.5, mode="sparse").clip_(ids)
+    opt.step()
+    untouched = torch.ones(tables[0].shape[0], dtype=torch.bool)
+    untouched[ids.unique()] = False
+    for t, b in zip(tables, before, strict=True):
+        assert torch.equal(t[untouched], b[untouched])
+        assert not torch.equal(t[~untouched], b[~untouched])
+
+
+def test_ratio_distribution_and_errors():
+    model, batches = model_and_batches()
+    clipper = CowClip(model.embedding_tables(), r=1.0)
+    clipper.clip_(backward(model, batches[0]))
+    q = clipper.stats().ratio_quantiles
+    assert q["p50"] <= q["p90"] <= q["p99"] and q["max"] > 0
+    with pytest.raises(ValueError, match="sparse gradients"):
+        CowClip(model.embedding_tables(), mode="sparse").clip_(backward(model, batches[0]))
+    with pytest.raises(ValueError, match="mode"):
+        CowClip(model.embedding_tables(), mode="lazy")
+    with pytest.raises(ValueError, match="tables"):
+        CowClip([])
