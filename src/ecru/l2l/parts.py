@@ -13,7 +13,7 @@ Every piece is an `nn.Module` with a fixed call convention, so the engine binds 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +47,8 @@ class ModelParts:
     blocks: list[nn.Module]
     head: nn.Module
     split: Callable[[Any, int], list[MicroBatch]]
+    options: dict[str, Any] = field(default_factory=dict)
+    """Adapter options a checkpoint must record to rebuild the same parts (e.g. the loss reduction)."""
 
 
 def move(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:

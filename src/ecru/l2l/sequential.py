@@ -55,6 +55,7 @@ def sequential_parts(seq: nn.Module, loss_fn: Callable, *, reduction: str = "mea
     return ModelParts(
         kind="sequential", model=seq, stem=InputStem(), blocks=[ChildBlock(c) for c in seq],
         head=WeightedLoss(loss_fn), split=lambda batch, size: split_pairs(batch, size, reduction=reduction),
+        options={"reduction": reduction},
     )
 
 
