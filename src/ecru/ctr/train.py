@@ -95,6 +95,15 @@ class TrainResult:
         return d
 
 
+def _global_mean(value: torch.Tensor, world: int) -> float:
+    """The global batch's mean loss (each rank holds its shard's mean; shards are equal)."""
+    if world > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= world
+    return value.item()
+
+
 def _world() -> tuple[int, int]:
     return (
         (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
@@ -181,7 +190,7 @@ def train(
             embed_opt.step(), dense_opt.step(), sched.step()
             steps += 1
             if len(losses) < 1000:
-                losses.append(loss.item())
+                losses.append(_global_mean(loss.detach(), world))
             bar.update()
         bar.close()
         wall += time.perf_counter() - start
@@ -225,13 +234,17 @@ def _save(cfg: TrainConfig, rank: int, model, embed_opt, dense_opt, sched, epoch
     path.with_suffix(".tmp").replace(path)  # never leave a half-written checkpoint
 
 
+def _plain(value):
+    return list(value) if isinstance(value, tuple | list) else value
+
+
 def _resume(cfg: TrainConfig, model, embed_opt, dense_opt, sched) -> tuple[int, list]:
     if not (cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).is_file()):
         return 0, []
     state = torch.load(cfg.checkpoint, weights_only=True)
     saved = state["config"]
     for key in ("model", "batch_size", "recipe", "mode", "mlp", "embed_dim", "seed"):
-        if saved[key] != (list(getattr(cfg, key)) if key == "mlp" else getattr(cfg, key)):
+        if _plain(saved[key]) != _plain(getattr(cfg, key)):
             raise EcruError(
                 f"checkpoint {cfg.checkpoint} was made with {key}={saved[key]!r}, not {getattr(cfg, key)!r}"
             )
