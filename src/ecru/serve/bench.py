@@ -1,0 +1,183 @@
+"""`ecru serve bench`: every policy for real on one group of held-out prompts, with a learned predictor.
+
+Order of work: FCFS runs first and records the true (greedy, capped) lengths; the predictor (trained on
+train-split labels, cached) then predicts the held-out prompts, timed; each other policy runs with those
+predictions, its wall time including the prediction time (oracle and cb need none). Every policy's
+outputs are compared with FCFS's, which equal unscheduled greedy generation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ecru.errors import EcruError
+from ecru.serve.runner import POLICIES
+
+PREDICTORS = ("self-lora", "probe", "minilm", "oracle", "constant")
+NEEDS_PREDICTION = ("sorted", "fcr", "fcr+vbs", "cb-sjf")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark run."""
+
+    model: str = "smollm2"
+    """smollm2 or tiny."""
+    prompts: str = "mixed"
+    """clinc, banking, mixed (test split, held out) or a JSONL file of {"prompt": ...}."""
+    n: int = 256
+    """Number of prompts served."""
+    max_new_tokens: int = 256
+    """Global cap on generated tokens."""
+    batch_size: int = 16
+    """Static batch size (and continuous batching's row limit)."""
+    policies: tuple[str, ...] = POLICIES
+    """Policies to run (fcfs always runs first: it records the true lengths)."""
+    predictor: str = "self-lora"
+    """Length predictor for the predicted policies."""
+    labels: str | None = None
+    """Labels JSONL for training the predictor (default: the cache, built on first use)."""
+    train_n: int = 256
+    """Train-split prompts to label (if missing) and train on."""
+    aging: float = 0.5
+    """cb-sjf aging, priority tokens per decode step waited."""
+
+    def __post_init__(self):
+        bad = [p for p in self.policies if p not in POLICIES]
+        if bad:
+            raise EcruError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+        if self.predictor not in PREDICTORS:
+            raise EcruError(f"unknown predictor {self.predictor!r}; choose from {', '.join(PREDICTORS)}")
+        if min(self.n, self.max_new_tokens, self.batch_size, self.train_n) < 1:
+            raise EcruError("--n, --max-new-tokens, --batch-size and --train-n must be >= 1")
+
+
+def labels_path(config: BenchConfig) -> Path:
+    from ecru.models import cache_dir
+
+    if config.labels:
+        return Path(config.labels)
+    return cache_dir() / "serve" / f"labels-{config.model}-cap{config.max_new_tokens}.jsonl"
+
+
+def train_labels(model, tokenizer, config: BenchConfig) -> tuple[list[str], list[float]]:
+    """Train-split prompts and their labels, generating the missing ones (greedy, one sample)."""
+    from ecru.serve.labels import label_prompts, read_labels
+    from ecru.serve.prompts import load_prompts
+
+    path = labels_path(config)
+    have = [r for r in read_labels(path) if r.max_new_tokens >= config.max_new_tokens]
+    if len(have) < config.train_n:
+        prompts = load_prompts("mixed", n=config.train_n, split="train")
+        print(f"labelling {config.train_n} train prompts into {path} (cached for later runs)")
+        have = label_prompts(
+            model, tokenizer, prompts, out=path, samples=1, max_new_tokens=config.max_new_tokens
+        )
+    have = have[: config.train_n]
+    return [r.prompt for r in have], [float(min(r.label, config.max_new_tokens)) for r in have]
+
+
+def build_predictor(model, tokenizer, config: BenchConfig, true_lengths: dict[str, float]):
+    """The named predictor, trained (and for self-lora cached) on the train labels."""
+    from ecru.serve.predictors import ConstantPredictor, MiniLMPredictor, OraclePredictor, ProbePredictor
+
+    if config.predictor == "oracle":
+        return OraclePredictor(true_lengths)
+    prompts, labels = train_labels(model, tokenizer, config)
+    if config.predictor == "constant":
+        return ConstantPredictor(sorted(labels)[len(labels) // 2])
+    if config.predictor == "minilm":
+        return MiniLMPredictor(cap=config.max_new_tokens).fit(prompts, labels)
+    if config.predictor == "probe":
+        return ProbePredictor(model, tokenizer, cap=config.max_new_tokens).fit(prompts, labels)
+    return _self_lora(model, tokenizer, config, prompts, labels)
+
+
+def _self_lora(model, tokenizer, config: BenchConfig, prompts, labels):
+    from ecru.models import cache_dir
+    from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
+
+    lora = SelfLoRAConfig(cap=config.max_new_tokens)
+    key = hashlib.sha256(json.dumps([config.model, repr(lora), prompts, labels]).encode()).hexdigest()[:12]
+    path = cache_dir() / "serve" / f"self-lora-{config.model}-{key}"
+    if (path / "adapter_config.json").is_file():
+        predictor = SelfLoRAPredictor(model, tokenizer, config=lora, adapter_path=path)
+        predictor.default = float(sorted(labels)[len(labels) // 2])
+        return predictor
+    predictor = SelfLoRAPredictor(model, tokenizer, config=lora).fit(prompts, labels)
+    predictor.save(path)
+    return predictor
+
+
+def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
+    """Run every policy; return the benchmark JSON (policies, predictor, setup)."""
+    import contextlib
+
+    import torch
+
+    from ecru.serve.engine import GenerationConfig
+    from ecru.serve.models import load_model
+    from ecru.serve.policies import PlanConfig
+    from ecru.serve.predictors import length_metrics, timed_predict
+    from ecru.serve.prompts import encode_chat, load_prompts
+    from ecru.serve.runner import run_policy
+
+    model, tokenizer = load_model(config.model)
+    texts = load_prompts(config.prompts, n=config.n, split="test")
+    ids = encode_chat(tokenizer, texts)
+    gen = GenerationConfig.for_tokenizer(tokenizer)
+    plan = PlanConfig(batch_size=config.batch_size, max_new_tokens=config.max_new_tokens)
+    run = lambda policy, predicted, predict_s: run_policy(  # noqa: E731
+        model,
+        ids,
+        policy=policy,
+        predicted=predicted,
+        gen=gen,
+        plan=plan,
+        aging=config.aging,
+        predict_s=predict_s,
+        progress=progress,
+    )
+    with torch.no_grad():
+        fcfs = run("fcfs", None, 0.0)
+    true = [float(len(t)) for t in fcfs.tokens]
+    predictor = build_predictor(model, tokenizer, config, dict(zip(texts, true, strict=True)))
+    predicted, predict_s = timed_predict(predictor, texts)
+    runs = {"fcfs": fcfs}
+    quiet = getattr(predictor, "adapter_disabled", contextlib.nullcontext)
+    with quiet(), torch.no_grad():
+        for policy in config.policies:
+            if policy == "fcfs":
+                continue
+            if policy == "oracle":
+                runs[policy] = run(policy, true, 0.0)
+            elif policy in NEEDS_PREDICTION:
+                runs[policy] = run(policy, predicted, predict_s)
+            else:
+                runs[policy] = run(policy, None, 0.0)
+            if progress:
+                print(f"{policy:>8}: {runs[policy].wall_s:.1f} s")
+    policies = {
+        name: {**r.metrics(), "outputs_match_fcfs": r.tokens == fcfs.tokens}
+        for name, r in runs.items()
+        if name in config.policies
+    }
+    return {
+        "policies": policies,
+        "predictor": {"name": predictor.name, **length_metrics(predicted, true), "predict_s": predict_s},
+        "setup": {
+            "model": config.model,
+            "prompts": config.prompts,
+            "n": len(texts),
+            "max_new_tokens": config.max_new_tokens,
+            "batch_size": config.batch_size,
+            "threads": torch.get_num_threads(),
+            "train_labels": str(labels_path(config)),
+            "true_lengths": true,
+            "predicted_lengths": predicted,
+            "prompt_lens": [len(i) for i in ids],
+        },
+    }

@@ -1,0 +1,131 @@
+"""A per-step cost model of batched decoding, t_step(batch, context), fitted on the running machine.
+
+Decode step: t = step_base + step_per_row * B + step_per_row_ctx * B * context.
+Prefill:     t = prefill_base + prefill_per_token * B * padded_prompt_len.
+A static batch of B rows, prompts padded to P, running S steps costs one prefill (which yields the first
+token) and S - 1 decode steps at contexts P + 1 .. P + S - 1.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ecru.errors import EcruError
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per forward pass as a linear function of batch size and context."""
+
+    step_base: float
+    """Fixed cost of one decode step (weights streamed once per step)."""
+    step_per_row: float
+    """Added cost per row in a decode step."""
+    step_per_row_ctx: float
+    """Added cost per row per cached position (attention over the KV cache)."""
+    prefill_base: float
+    """Fixed cost of one prefill forward."""
+    prefill_per_token: float
+    """Added cost per padded prompt position at prefill."""
+    source: str = "unknown"
+    """Where the numbers come from (machine, model)."""
+
+    def __post_init__(self):
+        values = (
+            self.step_base,
+            self.step_per_row,
+            self.step_per_row_ctx,
+            self.prefill_base,
+            self.prefill_per_token,
+        )
+        if any(v < 0 for v in values):
+            raise ValueError(f"cost model coefficients must be >= 0, got {values}")
+
+    def step_time(self, batch: int, context: int) -> float:
+        return self.step_base + self.step_per_row * batch + self.step_per_row_ctx * batch * context
+
+    def prefill_time(self, batch: int, prompt_len: int) -> float:
+        return self.prefill_base + self.prefill_per_token * batch * prompt_len
+
+    def batch_time(self, batch: int, prompt_len: int, steps: int) -> float:
+        """Prefill plus steps - 1 decode steps at contexts prompt_len + 1 .. prompt_len + steps - 1."""
+        decode = max(steps - 1, 0)
+        ctx_sum = decode * prompt_len + decode * (decode + 1) // 2
+        per_step = self.step_base + self.step_per_row * batch
+        return (
+            self.prefill_time(batch, prompt_len) + decode * per_step + self.step_per_row_ctx * batch * ctx_sum
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        try:
+            return cls(**json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            raise EcruError(
+                f"cannot read a cost model from {path} ({exc}); write one with `ecru serve cost`"
+            ) from exc
+
+
+# SmolLM2-135M-Instruct, fp32, 1 thread, quiet 2-core CPU (the spec's measurements).
+SMOLLM2_CPU = CostModel(0.096, 0.005, 1.66e-5, 0.17, 0.004, source="SmolLM2-135M fp32, 1 CPU thread (spec)")
+
+
+def _time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def measure_cost_model(
+    model,
+    *,
+    batches=(1, 4, 16),
+    contexts=(32, 128, 256),
+    prompt_lens=(16, 64),
+    reps: int = 3,
+    source: str = "",
+) -> CostModel:
+    """Fit the model by least squares on median timings of real forwards of `model` (random tokens)."""
+    from ecru.serve.engine import forward, new_cache
+
+    vocab = model.config.vocab_size
+    step_rows, step_t, pre_rows, pre_t = [], [], [], []
+    for b in batches:
+        for ctx in contexts:
+            cache = new_cache(model)
+            mask = torch.ones(b, ctx, dtype=torch.long)
+            forward(model, torch.randint(vocab, (b, ctx)), mask, cache)
+            mask1 = torch.ones(b, ctx + 1, dtype=torch.long)
+            tok = torch.randint(vocab, (b, 1))
+
+            def step(cache=cache, tok=tok, mask1=mask1, ctx=ctx):
+                forward(model, tok, mask1, cache)
+                cache.crop(ctx)  # keep the context fixed across repetitions
+
+            step_t.append(_time(step, reps))
+            step_rows.append([1.0, b, b * ctx])
+        for p in prompt_lens:
+            ids, mask = torch.randint(vocab, (b, p)), torch.ones(b, p, dtype=torch.long)
+            pre_t.append(_time(lambda ids=ids, mask=mask: forward(model, ids, mask, new_cache(model)), reps))
+            pre_rows.append([1.0, b * p])
+    step_coef = torch.linalg.lstsq(
+        torch.tensor(step_rows, dtype=torch.float64), torch.tensor(step_t, dtype=torch.float64)[:, None]
+    ).solution.flatten()
+    pre_coef = torch.linalg.lstsq(
+        torch.tensor(pre_rows, dtype=torch.float64), torch.tensor(pre_t, dtype=torch.float64)[:, None]
+    ).solution.flatten()
+    a, b, c = (max(0.0, float(v)) for v in step_coef)
+    p0, p1 = (max(0.0, float(v)) for v in pre_coef)
+    return CostModel(a, b, c, p0, p1, source=source or f"measured, {torch.get_num_threads()} thread(s)")

@@ -1,0 +1,141 @@
+"""Static-batch generation over a Hugging Face causal LM: left padding, a KV cache, per-row EOS.
+
+Every decode step computes one token slot per row of the batch, finished or not: `slots` counts them
+all, `useful` only the tokens a request actually produced (its EOS included). Their ratio is the
+effective token ratio the scheduling policies try to raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to decode: greedy unless `temperature` > 0."""
+
+    eos_token_ids: tuple[int, ...]
+    """Tokens that end a response (the EOS is kept in the output and counted as a useful token)."""
+    pad_token_id: int
+    """Token fed to padded prompt positions and to rows that have finished."""
+    temperature: float = 0.0
+    """0 for greedy decoding; > 0 samples from softmax(logits / temperature)."""
+    seed: int = 0
+    """Seed of the sampling generator (unused when greedy)."""
+
+    def __post_init__(self):
+        if not self.eos_token_ids:
+            raise ValueError(
+                "eos_token_ids is empty: give the tokenizer's EOS id(s), e.g. (tok.eos_token_id,)"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, *, temperature: float = 0.0, seed: int = 0) -> GenerationConfig:
+        """EOS and padding ids from a Hugging Face tokenizer."""
+        eos = tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+        return cls(eos_token_ids=(int(eos),), pad_token_id=int(pad), temperature=temperature, seed=seed)
+
+
+@dataclass
+class BatchResult:
+    """Outputs of one static batch, in the order its prompts were given."""
+
+    tokens: list[list[int]]
+    """Generated token ids per row (EOS included when produced)."""
+    ended: list[bool]
+    """Whether each row produced an EOS (False: it was cut at the batch's max_new_tokens)."""
+    steps: int
+    """Decode steps the batch ran (the longest row's length)."""
+    slots: int
+    """Token slots computed: rows x steps."""
+    prompt_slots: int
+    """Prompt positions computed at prefill, padding included: rows x longest prompt."""
+
+    @property
+    def useful(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask)` [B, T], prompts right-aligned so every row's next token is at T."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (and the batch at least one prompt)")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: 0 at each row's first real token (padding clamped to 0)."""
+    return (mask.cumsum(-1) - 1).clamp_min(0)
+
+
+def next_tokens(
+    logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Greedy argmax, or one sample per row from softmax(logits / temperature). logits: [B, V] -> [B]."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def forward(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+    """Run `ids` [B, q] after the cached positions; `mask` [B, cached + q]. Returns last logits [B, V]."""
+    pos = positions(mask)[:, -ids.shape[1] :]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1]
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+@torch.no_grad()
+def generate_static(
+    model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, config: GenerationConfig
+) -> BatchResult:
+    """Generate for one static batch until every row has an EOS or `max_new_tokens` tokens."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    device = next(model.parameters()).device
+    ids, mask = (t.to(device) for t in left_pad(prompts, config.pad_token_id))
+    eos = torch.tensor(config.eos_token_ids, device=device)
+    gen = torch.Generator(device=device).manual_seed(config.seed) if config.temperature > 0 else None
+    cache = new_cache(model)
+    logits = forward(model, ids, mask, cache)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    ended = done.clone()
+    columns = []
+    for step in range(max_new_tokens):
+        tok = next_tokens(logits, temperature=config.temperature, generator=gen)
+        tok = torch.where(done, config.pad_token_id, tok)
+        columns.append(torch.where(done, -1, tok))  # -1 marks slots after a row has finished
+        hit = torch.isin(tok, eos) & ~done
+        ended |= hit
+        done |= hit
+        if bool(done.all()) or step + 1 == max_new_tokens:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        logits = forward(model, tok[:, None], mask, cache)
+    table = torch.stack(columns, dim=1).tolist()
+    tokens = [[t for t in row if t >= 0] for row in table]
+    return BatchResult(
+        tokens=tokens,
+        ended=ended.tolist(),
+        steps=len(columns),
+        slots=len(prompts) * len(columns),
+        prompt_slots=int(ids.numel()),
+    )

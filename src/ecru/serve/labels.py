@@ -1,0 +1,92 @@
+"""Response-length labels: the model's own answers to each prompt, sampled k times; label = max length.
+
+The paper samples 4 answers (temperatures 0, 0.3, 0.5, 0.7) and labels a prompt with the longest, so a
+predictor trained on it errs towards over-estimating (fewer FCR failures). Labels are cached in a JSONL
+file keyed by prompt: a rerun only generates what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ecru.serve.engine import GenerationConfig, generate_static
+
+TEMPERATURES = (0.0, 0.3, 0.5, 0.7)
+
+
+@dataclass(frozen=True)
+class LengthLabel:
+    """One prompt's sampled response lengths (tokens, EOS included)."""
+
+    prompt: str
+    """The raw user prompt (before the chat template)."""
+    lengths: list[int]
+    """Response length per sample; sample 0 is greedy."""
+    max_new_tokens: int
+    """The cap the samples were generated under (a length equal to it may be truncated)."""
+
+    @property
+    def label(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def greedy(self) -> int:
+        return self.lengths[0]
+
+
+def read_labels(path: str | Path) -> list[LengthLabel]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [LengthLabel(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def label_prompts(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    out: str | Path,
+    samples: int = 4,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> list[LengthLabel]:
+    """Label every prompt not yet in `out` (appended batch by batch); return the labels of `prompts`."""
+    from tqdm.auto import tqdm
+
+    from ecru.serve.prompts import encode_chat
+
+    if not 1 <= samples <= len(TEMPERATURES):
+        raise ValueError(f"samples must be in 1..{len(TEMPERATURES)}, got {samples}")
+    out = Path(out)
+    done = {
+        r.prompt: r
+        for r in read_labels(out)
+        if len(r.lengths) >= samples and r.max_new_tokens == max_new_tokens
+    }
+    todo = list(dict.fromkeys(p for p in prompts if p not in done))
+    ids = dict(zip(todo, encode_chat(tokenizer, todo), strict=True))
+    todo.sort(key=lambda p: len(ids[p]))  # similar prompt lengths share a batch: less prompt padding
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(todo), desc="labelling", unit="prompt", disable=not progress)
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        lengths = [[] for _ in chunk]
+        for k in range(samples):
+            config = GenerationConfig.for_tokenizer(tokenizer, temperature=TEMPERATURES[k], seed=k)
+            result = generate_static(
+                model, [ids[p] for p in chunk], max_new_tokens=max_new_tokens, config=config
+            )
+            for row, toks in enumerate(result.tokens):
+                lengths[row].append(len(toks))
+        with out.open("a") as f:
+            for p, ls in zip(chunk, lengths, strict=True):
+                done[p] = LengthLabel(prompt=p, lengths=ls, max_new_tokens=max_new_tokens)
+                f.write(json.dumps(asdict(done[p])) + "\n")
+        bar.update(len(chunk))
+    bar.close()
+    return [done[p] for p in prompts]

@@ -1,0 +1,119 @@
+"""Static scheduling policies: how an offline group of requests is cut into batches, and with what cap.
+
+A policy returns a plan (a list of `Batch`); the real runner and the simulator both execute it, so
+their accounting cannot drift apart. FCR batches stop at their predicted cap; the rows that had not
+finished by then are failures, rerun after every planned batch at the global cap (`rerun_batches`).
+
+`fcr+vbs` replaces the paper's hand-tuned batch-size table with a token budget: a batch may grow while
+rows x (longest prompt + cap) <= `token_budget`, the KV-cache positions it reserves. The default budget
+is what one FCFS batch of `batch_size` reserves at the global cap, batch_size x (longest prompt in the
+group + max_new_tokens), so VBS never needs more memory than the baseline and short-predicted batches
+grow in proportion to how short they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+STATIC_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One static batch of a plan."""
+
+    rows: tuple[int, ...]
+    """Request indices, in the order they enter the batch."""
+    cap: int
+    """max_new_tokens for this batch."""
+    rerun: bool = False
+    """True for an FCR recomputation batch."""
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Knobs shared by every static policy."""
+
+    batch_size: int = 16
+    """Rows per batch (fcfs, sorted, fcr, reruns); VBS's default token budget is derived from it."""
+    max_new_tokens: int = 256
+    """The global cap on generated tokens per request."""
+    token_budget: int | None = None
+    """fcr+vbs: max rows x (longest prompt + cap) per batch; None = batch_size x (longest prompt + cap)."""
+    max_batch_size: int | None = None
+    """fcr+vbs: an optional hard limit on rows per batch (None: only the token budget limits)."""
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError(
+                f"batch_size and max_new_tokens must be >= 1, got {self.batch_size}, {self.max_new_tokens}"
+            )
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1 (or None for the default), got {self.token_budget}")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 (or None), got {self.max_batch_size}")
+
+
+def _chunks(order: Sequence[int], size: int) -> list[tuple[int, ...]]:
+    return [tuple(order[i : i + size]) for i in range(0, len(order), size)]
+
+
+def sort_by_prediction(predicted: Sequence[float]) -> list[int]:
+    """Indices in ascending predicted length; ties keep arrival order (a stable sort)."""
+    return sorted(range(len(predicted)), key=lambda i: predicted[i])
+
+
+def predicted_cap(rows: Sequence[int], predicted: Sequence[float], max_new_tokens: int) -> int:
+    """An FCR batch's cap: its largest prediction (rounded up, at least 1), never above the global cap."""
+    return max(1, min(max_new_tokens, math.ceil(max(predicted[r] for r in rows))))
+
+
+def vbs_batches(order: Sequence[int], predicted, prompt_lens, config: PlanConfig) -> list[tuple[int, ...]]:
+    """Greedy cut of `order` into batches whose rows x (longest prompt + cap) fits the token budget."""
+    budget = config.token_budget or config.batch_size * (max(prompt_lens) + config.max_new_tokens)
+    batches, rows = [], []
+    for r in order:
+        grown = rows + [r]
+        cost = len(grown) * (
+            max(prompt_lens[i] for i in grown) + predicted_cap(grown, predicted, config.max_new_tokens)
+        )
+        full = config.max_batch_size is not None and len(rows) >= config.max_batch_size
+        if rows and (cost > budget or full):
+            batches.append(tuple(rows))
+            grown = [r]
+        rows = grown
+    return batches + ([tuple(rows)] if rows else [])
+
+
+def plan_batches(
+    policy: str, *, predicted: Sequence[float] | None, prompt_lens: Sequence[int], config: PlanConfig
+) -> list[Batch]:
+    """First-attempt batches of a static policy ("oracle" is "sorted" given the true lengths)."""
+    n, cap = len(prompt_lens), config.max_new_tokens
+    if policy not in STATIC_POLICIES:
+        raise ValueError(f"unknown static policy {policy!r}; choose one of {', '.join(STATIC_POLICIES)}")
+    if policy == "fcfs":
+        return [Batch(rows, cap) for rows in _chunks(range(n), config.batch_size)]
+    if predicted is None or len(predicted) != n:
+        raise ValueError(f"policy {policy!r} needs one predicted length per request")
+    order = sort_by_prediction(predicted)
+    if policy in ("sorted", "oracle"):
+        return [Batch(rows, cap) for rows in _chunks(order, config.batch_size)]
+    groups = (
+        _chunks(order, config.batch_size)
+        if policy == "fcr"
+        else vbs_batches(order, predicted, prompt_lens, config)
+    )
+    return [Batch(rows, predicted_cap(rows, predicted, cap)) for rows in groups]
+
+
+def is_failure(output_len: int, cap: int, max_new_tokens: int) -> bool:
+    """A row fails when its batch's cap is below the global cap and its answer is longer than the cap."""
+    return cap < max_new_tokens and output_len > cap
+
+
+def rerun_batches(failed: Sequence[int], *, batch_size: int, max_new_tokens: int) -> list[Batch]:
+    """FCR recomputation: failures in the order they failed, in batches of `batch_size`, at the global cap."""
+    return [Batch(rows, max_new_tokens, rerun=True) for rows in _chunks(list(failed), batch_size)]

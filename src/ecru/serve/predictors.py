@@ -1,0 +1,147 @@
+"""Response-length predictors behind one protocol, `predict(prompts) -> lengths`, and their metrics.
+
+- `OraclePredictor`: the recorded true lengths (an upper bound on what scheduling can gain).
+- `ConstantPredictor`: one number for every prompt (the baseline a learned predictor must beat).
+- `MiniLMPredictor`: a separate proxy, ridge regression on all-MiniLM-L6-v2 sentence embeddings.
+- `ProbePredictor`: ridge regression on the LLM's own mean-pooled last hidden state over the prompt.
+- `SelfLoRAPredictor` (in `self_predict.py`): the LLM itself, LoRA-tuned to print its answer's length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+
+class LengthPredictor(Protocol):
+    """Predicts the response length (tokens) of each raw user prompt."""
+
+    name: str
+
+    def predict(self, prompts: Sequence[str]) -> list[float]: ...
+
+
+def timed_predict(predictor: LengthPredictor, prompts: Sequence[str]) -> tuple[list[float], float]:
+    """Predictions and the wall seconds they took (counted in the throughput of the policies using them)."""
+    start = time.perf_counter()
+    lengths = predictor.predict(prompts)
+    return list(lengths), time.perf_counter() - start
+
+
+def length_metrics(predicted: Sequence[float], true: Sequence[float]) -> dict[str, float]:
+    """MAE (tokens), Acc-50 and Acc-100 (share of predictions within 50 / 100 tokens)."""
+    err = (torch.as_tensor(predicted, dtype=torch.float64) - torch.as_tensor(true, dtype=torch.float64)).abs()
+    return {
+        "mae": err.mean().item(),
+        "acc50": (err <= 50).double().mean().item(),
+        "acc100": (err <= 100).double().mean().item(),
+    }
+
+
+def ridge_fit(x: torch.Tensor, y: torch.Tensor, *, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights and bias of ridge regression y ~ x w + b on centred features (closed form)."""
+    mu, ybar = x.mean(0), y.mean()
+    xc = (x - mu).double()
+    gram = xc.T @ xc + lam * torch.eye(x.shape[1], dtype=torch.float64)
+    w = torch.linalg.solve(gram, xc.T @ (y.double() - ybar))
+    return w.float(), (ybar - mu.double() @ w).float()
+
+
+class OraclePredictor:
+    """The recorded true length of each prompt."""
+
+    name = "oracle"
+
+    def __init__(self, lengths: Mapping[str, float]):
+        self.lengths = dict(lengths)
+
+    def predict(self, prompts: Sequence[str]) -> list[float]:
+        missing = [p for p in prompts if p not in self.lengths]
+        if missing:
+            raise KeyError(
+                f"the oracle has no recorded length for {len(missing)} prompt(s), e.g. {missing[0]!r}"
+            )
+        return [float(self.lengths[p]) for p in prompts]
+
+
+class ConstantPredictor:
+    """The same length for every prompt (e.g. the training labels' median)."""
+
+    name = "constant"
+
+    def __init__(self, value: float):
+        self.value = float(value)
+
+    def predict(self, prompts: Sequence[str]) -> list[float]:
+        return [self.value] * len(prompts)
+
+
+class _RidgeOnFeatures:
+    """Ridge regression on features of the prompt; subclasses define `features`. Predictions clamped to [1, cap]."""
+
+    name = "ridge"
+
+    def __init__(self, *, lam: float = 1.0, cap: int = 256):
+        self.lam, self.cap = lam, cap
+        self.w: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+
+    def features(self, prompts: Sequence[str]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fit(self, prompts: Sequence[str], labels: Sequence[float]) -> _RidgeOnFeatures:
+        self.w, self.b = ridge_fit(
+            self.features(prompts), torch.as_tensor(labels, dtype=torch.float32), lam=self.lam
+        )
+        return self
+
+    def predict(self, prompts: Sequence[str]) -> list[float]:
+        if self.w is None:
+            raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(prompts, labels) first")
+        return (self.features(prompts) @ self.w + self.b).clamp(1, self.cap).tolist()
+
+
+class MiniLMPredictor(_RidgeOnFeatures):
+    """A proxy model: ridge regression on all-MiniLM-L6-v2 embeddings of the raw prompt."""
+
+    name = "minilm"
+
+    def __init__(self, encoder=None, *, lam: float = 1.0, cap: int = 256):
+        super().__init__(lam=lam, cap=cap)
+        self._encoder = encoder
+
+    def features(self, prompts: Sequence[str]) -> torch.Tensor:
+        if self._encoder is None:
+            from ecru.models import load_minilm
+
+            self._encoder = load_minilm()
+        return self._encoder.encode(list(prompts))
+
+
+class ProbePredictor(_RidgeOnFeatures):
+    """A probe on the LLM itself: mean-pooled last hidden state of the chat-templated prompt, then ridge."""
+
+    name = "probe"
+
+    def __init__(self, model, tokenizer, *, lam: float = 10.0, cap: int = 256, batch_size: int = 16):
+        super().__init__(lam=lam, cap=cap)
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+
+    @torch.no_grad()
+    def features(self, prompts: Sequence[str]) -> torch.Tensor:
+        from ecru.serve.engine import left_pad, positions
+        from ecru.serve.prompts import encode_chat
+
+        ids = encode_chat(self.tokenizer, prompts)
+        out = []
+        for i in range(0, len(ids), self.batch_size):
+            x, mask = left_pad(ids[i : i + self.batch_size], self.tokenizer.pad_token_id or 0)
+            hidden = self.model(
+                input_ids=x, attention_mask=mask, position_ids=positions(mask), output_hidden_states=True
+            ).hidden_states[-1]
+            m = mask.unsqueeze(-1).float()
+            out.append((hidden * m).sum(1) / m.sum(1))
+        return torch.cat(out)

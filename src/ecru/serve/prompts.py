@@ -1,0 +1,71 @@
+"""Prompt sources (bundled CLINC150 / Banking77 queries or a JSONL file) and chat-template encoding."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from ecru.errors import EcruError
+
+SOURCES = ("clinc", "banking", "mixed")
+
+
+def _bundled(name: str, split: str) -> list[str]:
+    from ecru.datasets import load_banking77, load_clinc
+
+    clinc = lambda: [e.text for e in load_clinc()[split]]  # noqa: E731
+    banking = lambda: [e.text for e in load_banking77()[split]]  # noqa: E731
+    if name == "clinc":
+        return clinc()
+    if name == "banking":
+        return banking()
+    return [t for pair in zip(clinc(), banking(), strict=False) for t in pair]  # mixed: interleaved
+
+
+def read_jsonl_prompts(path: str | Path) -> list[str]:
+    """`{"prompt": "..."}` per line."""
+    path = Path(path)
+    if not path.is_file():
+        raise EcruError(f"prompt file {path} not found; give clinc, banking, mixed or a JSONL path")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(str(json.loads(line)["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise EcruError(f'{path}:{n}: expected a JSON object with a "prompt" field ({exc})') from exc
+    return out
+
+
+def load_prompts(source: str, *, n: int | None = None, split: str = "test", seed: int = 0) -> list[str]:
+    """`n` prompts from a bundled source (shuffled with `seed`, so any n is a fixed sample) or a file.
+
+    A file's prompts keep their order; bundled sources use the `split` ("train" or "test") so that a
+    predictor trained on train-split labels is evaluated on held-out test queries.
+    """
+    if source in SOURCES:
+        texts = _bundled(source, split)
+        random.Random(seed).shuffle(texts)
+    else:
+        texts = read_jsonl_prompts(source)
+    if n is not None:
+        if n < 1:
+            raise EcruError(f"--n must be >= 1, got {n}")
+        texts = texts[:n]
+    if not texts:
+        raise EcruError(f"no prompts found in {source}")
+    return texts
+
+
+def encode_chat(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text as one user turn in the model's chat template, ready for the answer."""
+    out = []
+    for text in texts:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        out.append(list(ids))
+    return out

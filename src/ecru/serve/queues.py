@@ -1,0 +1,63 @@
+"""Waiting queues for continuous batching: which request is admitted next when a row frees up.
+
+`FCFSQueue` admits in arrival order. `SJFQueue` admits the shortest predicted response first, with
+aging: a request's priority is predicted_len - aging x (steps waited). Every waiting request ages at the
+same rate, so the order is that of predicted_len + aging x arrival_step, a key fixed at arrival (a heap).
+A request arriving at step t has key >= aging x t, so one waiting since step a with prediction p is
+admitted by step a + p / aging at the latest, however many short requests keep arriving: no starvation.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class RequestQueue(Protocol):
+    """Where waiting requests are held; `pop` returns the index of the next request to admit."""
+
+    def push(self, index: int, *, now: int) -> None: ...
+
+    def pop(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
+class FCFSQueue:
+    """First come, first served."""
+
+    def __init__(self):
+        self._items: deque[int] = deque()
+
+    def push(self, index: int, *, now: int) -> None:
+        self._items.append(index)
+
+    def pop(self) -> int:
+        return self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class SJFQueue:
+    """Shortest predicted job first, aged by `aging` tokens of priority per decode step waited."""
+
+    def __init__(self, predicted: Sequence[float], *, aging: float = 0.5):
+        if aging < 0:
+            raise ValueError(f"aging must be >= 0 (0 = pure SJF, may starve long requests), got {aging}")
+        self.predicted, self.aging = predicted, aging
+        self._heap: list[tuple[float, int, int]] = []
+        self._count = 0
+
+    def push(self, index: int, *, now: int) -> None:
+        # the counter breaks ties in arrival order
+        heapq.heappush(self._heap, (self.predicted[index] + self.aging * now, self._count, index))
+        self._count += 1
+
+    def pop(self) -> int:
+        return heapq.heappop(self._heap)[2]
+
+    def __len__(self) -> int:
+        return len(self._heap)

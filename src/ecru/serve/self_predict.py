@@ -1,0 +1,168 @@
+"""Self-prediction: the LLM, LoRA-tuned on its own response lengths, prints how long its answer will be.
+
+As in the paper: a query prompt asks for the length instead of the answer; the target is the label (the
+max of k sampled lengths) rounded up to a multiple of `bucket`; LoRA r=8, alpha=16, dropout 0.05 on the
+q/v projections. The adapter is enabled for prediction and disabled for generation, so one model is in
+memory (`adapter_disabled()` wraps generation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ecru.serve.engine import GenerationConfig, generate_static
+
+QUERY = (
+    "{prompt}\n\nDon't output the response for the above instruction. Instead, you need to predict the number "
+    "of tokens in your response. Output one number only."
+)
+
+
+@dataclass(frozen=True)
+class SelfLoRAConfig:
+    """Instruction tuning of the length-predicting adapter."""
+
+    rank: int = 8
+    """LoRA rank."""
+    alpha: int = 16
+    """LoRA scaling numerator."""
+    dropout: float = 0.05
+    """LoRA dropout."""
+    lr: float = 5e-4
+    """AdamW learning rate (the paper's 2e-5 is for thousands of examples; we have hundreds)."""
+    epochs: int = 3
+    """Passes over the labelled prompts."""
+    batch_size: int = 8
+    """Examples per optimiser step."""
+    bucket: int = 50
+    """Labels are rounded up to a multiple of this."""
+    cap: int = 256
+    """Global max_new_tokens: labels and predictions never exceed it."""
+    seed: int = 0
+    """Seed of the adapter init and the example order."""
+
+    def __post_init__(self):
+        if (
+            min(self.rank, self.alpha, self.epochs, self.batch_size, self.bucket, self.cap) < 1
+            or self.lr <= 0
+        ):
+            raise ValueError("rank, alpha, epochs, batch_size, bucket, cap must be >= 1 and lr > 0")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+def bucket_label(length: float, *, bucket: int, cap: int) -> int:
+    """Round up to a multiple of `bucket`, then clip to `cap`."""
+    return min(cap, max(bucket, bucket * math.ceil(length / bucket)))
+
+
+def parse_length(text: str, *, default: float, cap: int) -> float:
+    """The first integer in the model's answer, clipped to [1, cap]; `default` when there is none."""
+    match = re.search(r"\d+", text)
+    return float(min(cap, max(1, int(match.group())))) if match else default
+
+
+class SelfLoRAPredictor:
+    """The LLM with a length adapter: `fit` tunes it, `predict` generates the number, greedily."""
+
+    name = "self-lora"
+
+    def __init__(self, model, tokenizer, *, config: SelfLoRAConfig = SelfLoRAConfig(), adapter_path=None):
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        self.tokenizer, self.config = tokenizer, config
+        self.default = float(config.cap // 2)
+        if adapter_path is not None:
+            self.model = PeftModel.from_pretrained(model, str(adapter_path))
+        else:
+            torch.manual_seed(config.seed)
+            lora = LoraConfig(
+                r=config.rank,
+                lora_alpha=config.alpha,
+                lora_dropout=config.dropout,
+                target_modules=["q_proj", "v_proj"],
+            )
+            self.model = get_peft_model(model, lora)
+        self.model.eval()
+
+    def _query_ids(self, prompts: Sequence[str]) -> list[list[int]]:
+        from ecru.serve.prompts import encode_chat
+
+        return encode_chat(self.tokenizer, [QUERY.format(prompt=p) for p in prompts])
+
+    def _examples(self, prompts: Sequence[str], labels: Sequence[float]) -> list[tuple[list[int], int]]:
+        eos = self.tokenizer.eos_token_id
+        out = []
+        for ids, y in zip(self._query_ids(prompts), labels, strict=True):
+            answer = self.tokenizer.encode(
+                str(bucket_label(y, bucket=self.config.bucket, cap=self.config.cap)), add_special_tokens=False
+            )
+            out.append((ids + answer + [eos], len(ids)))
+        return out
+
+    def fit(
+        self, prompts: Sequence[str], labels: Sequence[float], *, progress: bool = True
+    ) -> SelfLoRAPredictor:
+        """Teacher-forced cross-entropy on the answer tokens only, AdamW on the LoRA weights."""
+        from tqdm.auto import tqdm
+
+        examples = self._examples(prompts, labels)
+        self.default = float(torch.tensor([float(y) for y in labels]).median())
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(self.config.seed)
+        steps = self.config.epochs * math.ceil(len(examples) / self.config.batch_size)
+        bar = tqdm(total=steps, desc="self-lora tuning", unit="step", disable=not progress)
+        self.model.train()
+        for _ in range(self.config.epochs):
+            order = torch.randperm(len(examples), generator=gen).tolist()
+            for i in range(0, len(order), self.config.batch_size):
+                loss = self._loss([examples[j] for j in order[i : i + self.config.batch_size]])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.close()
+        self.model.eval()
+        return self
+
+    def _loss(self, batch: list[tuple[list[int], int]]) -> torch.Tensor:
+        width = max(len(ids) for ids, _ in batch)
+        pad = self.tokenizer.pad_token_id or 0
+        x = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(x)
+        target = torch.full_like(x, -100)  # right padding; only the answer (number + EOS) is learned
+        for row, (ids, start) in enumerate(batch):
+            x[row, : len(ids)] = torch.tensor(ids)
+            mask[row, : len(ids)] = 1
+            target[row, start : len(ids)] = torch.tensor(ids[start:])
+        return self.model(input_ids=x, attention_mask=mask, labels=target).loss
+
+    @torch.no_grad()
+    def predict(self, prompts: Sequence[str], *, batch_size: int = 32) -> list[float]:
+        gen = GenerationConfig.for_tokenizer(self.tokenizer)
+        ids = self._query_ids(prompts)
+        out = []
+        for i in range(0, len(ids), batch_size):
+            result = generate_static(self.model, ids[i : i + batch_size], max_new_tokens=6, config=gen)
+            texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
+            out += [parse_length(t, default=self.default, cap=self.config.cap) for t in texts]
+        return out
+
+    def adapter_disabled(self):
+        """Context in which the model generates as the base LLM (the adapter is bypassed)."""
+        return (
+            self.model.disable_adapter()
+            if hasattr(self.model, "disable_adapter")
+            else contextlib.nullcontext()
+        )
+
+    def save(self, path) -> None:
+        self.model.save_pretrained(str(path))

@@ -1,0 +1,140 @@
+"""Replay a length trace through a static policy: exact token-slot accounting plus modelled time.
+
+Trace JSONL, one request per line: {"prompt_len": int, "output_len": int, "predicted_len": number}.
+Each batch runs min(cap, longest output_len in it) steps and computes rows x steps token slots (first
+attempts and FCR reruns alike). A request's useful tokens, min(output_len, max_new_tokens), count once,
+on the run that completes it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ecru.errors import EcruError
+from ecru.serve.cost import SMOLLM2_CPU, CostModel
+from ecru.serve.policies import Batch, PlanConfig, is_failure, plan_batches, rerun_batches
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a length trace."""
+
+    prompt_len: int
+    """Prompt tokens (chat template included)."""
+    output_len: int
+    """True response length in tokens (uncapped when known)."""
+    predicted_len: float | None = None
+    """A predictor's estimate of output_len (needed by every policy but fcfs)."""
+
+
+@dataclass
+class SimResult:
+    """Accounting of one policy over one trace (names as in the JSON)."""
+
+    policy: str
+    requests: int
+    batches: int
+    rerun_batches: int
+    batch_steps: int
+    padded_slots: int
+    useful_tokens: int
+    effective_token_ratio: float
+    failures: int
+    failure_ratio: float
+    avg_padded_length: float
+    time_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    mean_latency_s: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def read_trace(path: str | Path) -> list[TraceRequest]:
+    path = Path(path)
+    if not path.is_file():
+        raise EcruError(f"trace {path} not found (JSONL lines of prompt_len, output_len, predicted_len)")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            req = TraceRequest(int(row["prompt_len"]), int(row["output_len"]), row.get("predicted_len"))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise EcruError(
+                f"{path}:{n}: expected {{'prompt_len', 'output_len', 'predicted_len'}} ({exc})"
+            ) from exc
+        if req.prompt_len < 0 or req.output_len < 0:
+            raise EcruError(f"{path}:{n}: lengths must be >= 0")
+        out.append(req)
+    if not out:
+        raise EcruError(f"trace {path} is empty")
+    return out
+
+
+def run_batch(batch: Batch, trace: Sequence[TraceRequest], max_new_tokens: int) -> tuple[int, list[int]]:
+    """Steps a batch runs and its failed rows."""
+    steps = min(batch.cap, max(trace[r].output_len for r in batch.rows))
+    failed = [
+        r
+        for r in batch.rows
+        if not batch.rerun and is_failure(trace[r].output_len, batch.cap, max_new_tokens)
+    ]
+    return steps, failed
+
+
+def simulate(
+    trace: Sequence[TraceRequest],
+    *,
+    policy: str,
+    config: PlanConfig,
+    cost: CostModel = SMOLLM2_CPU,
+    predict_s: float = 0.0,
+) -> SimResult:
+    """Execute `policy`'s plan (and FCR reruns) against the true lengths of `trace`."""
+    if policy == "oracle":
+        predicted = [r.output_len for r in trace]
+    else:
+        predicted = [r.predicted_len for r in trace]
+        if policy != "fcfs" and any(p is None for p in predicted):
+            raise EcruError(f"policy {policy!r} needs predicted_len on every trace line")
+    plan = plan_batches(policy, predicted=predicted, prompt_lens=[r.prompt_len for r in trace], config=config)
+    clock, slots, steps_total, failures, done_at = predict_s, 0, 0, [], {}
+    queue, reruns = list(plan), 0
+    while queue:
+        batch = queue.pop(0)
+        steps, failed = run_batch(batch, trace, config.max_new_tokens)
+        clock += cost.batch_time(len(batch.rows), max(trace[r].prompt_len for r in batch.rows), steps)
+        slots += len(batch.rows) * steps
+        steps_total += steps
+        failures += failed
+        done_at.update({r: clock for r in batch.rows if r not in failed})
+        reruns += batch.rerun
+        if not queue and failures and not batch.rerun:
+            queue = rerun_batches(
+                failures, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens
+            )
+    useful = sum(min(r.output_len, config.max_new_tokens) for r in trace)
+    n = len(trace)
+    return SimResult(
+        policy=policy,
+        requests=n,
+        batches=len(plan) + reruns,
+        rerun_batches=reruns,
+        batch_steps=steps_total,
+        padded_slots=slots,
+        useful_tokens=useful,
+        effective_token_ratio=useful / slots if slots else 1.0,
+        failures=len(failures),
+        failure_ratio=len(failures) / n,
+        avg_padded_length=slots / n,
+        time_s=clock,
+        samples_per_s=n / clock if clock else float("inf"),
+        tokens_per_s=useful / clock if clock else float("inf"),
+        mean_latency_s=sum(done_at.values()) / n,
+    )

@@ -1,0 +1,52 @@
+"""Shared fixtures: a tiny random Llama whose greedy answers vary in length, and prompts as token ids."""
+
+import pytest
+import torch
+
+from ecru.models import tiny_llama
+from ecru.serve import GenerationConfig, generate_static
+
+VOCAB, MAX_NEW = 64, 24
+
+
+def chaotic_llama():
+    """tiny_llama with larger weights: greedy outputs do not collapse into one repeated token."""
+    model = tiny_llama(vocab_size=VOCAB, seed=1)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.35)
+    return model
+
+
+@pytest.fixture(scope="session")
+def model():
+    return chaotic_llama()
+
+
+@pytest.fixture(scope="session")
+def gen():
+    # two EOS ids so that answers end at many different lengths (1 .. MAX_NEW)
+    return GenerationConfig(eos_token_ids=(2, 35), pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 12, (24,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture(scope="session")
+def reference(model, prompts, gen):
+    """Unscheduled greedy generation: each prompt alone through Hugging Face `generate`."""
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        full = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+            eos_token_id=list(gen.eos_token_ids), pad_token_id=gen.pad_token_id,
+        )
+        out.append(full[0, len(p):].tolist())
+    return out

@@ -1,0 +1,54 @@
+import pytest
+
+from ecru.serve import GenerationConfig, generate_static, left_pad
+from tests.serve.conftest import MAX_NEW
+
+
+def test_reference_lengths_vary(reference):
+    lengths = [len(r) for r in reference]
+    assert min(lengths) < MAX_NEW // 2 and max(lengths) == MAX_NEW and len(set(lengths)) >= 6
+
+
+def test_static_batch_equals_unbatched_greedy_in_input_order(model, prompts, reference, gen):
+    result = generate_static(model, prompts, max_new_tokens=MAX_NEW, config=gen)
+    assert result.tokens == reference
+
+
+def test_slot_accounting_counts_every_row_every_step(model, prompts, reference, gen):
+    batch = prompts[:8]
+    result = generate_static(model, batch, max_new_tokens=MAX_NEW, config=gen)
+    lengths = [len(r) for r in reference[:8]]
+    assert result.steps == max(lengths)
+    assert result.slots == 8 * max(lengths)
+    assert result.useful == sum(lengths)
+    assert result.prompt_slots == 8 * max(len(p) for p in batch)
+    assert result.ended == [t[-1] in gen.eos_token_ids for t in reference[:8]]
+
+
+def test_per_batch_cap_truncates_and_marks_unfinished(model, prompts, reference, gen):
+    result = generate_static(model, prompts, max_new_tokens=5, config=gen)
+    assert result.tokens == [r[:5] for r in reference]
+    assert result.steps == 5
+    for toks, ended, ref in zip(result.tokens, result.ended, reference, strict=True):
+        assert ended == (len(ref) <= 5 and ref[-1] in gen.eos_token_ids)
+
+
+def test_left_pad_right_aligns():
+    ids, mask = left_pad([[5, 6, 7], [9]], pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="at least one token"):
+        left_pad([[1], []], pad_token_id=0)
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        GenerationConfig(eos_token_ids=(), pad_token_id=0)
+
+
+def test_sampling_is_seeded(model, prompts):
+    cfg = GenerationConfig(eos_token_ids=(2,), pad_token_id=0, temperature=0.7, seed=3)
+    a = generate_static(model, prompts[:4], max_new_tokens=8, config=cfg).tokens
+    b = generate_static(model, prompts[:4], max_new_tokens=8, config=cfg).tokens
+    greedy = generate_static(model, prompts[:4], max_new_tokens=8, config=GenerationConfig((2,), 0)).tokens
+    assert a == b and a != greedy

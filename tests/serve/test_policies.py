@@ -1,0 +1,83 @@
+"""Every policy serves the same greedy outputs in input order; FCR failures are counted and rerun."""
+
+import pytest
+
+from ecru.serve import POLICIES, ContinuousConfig, FCFSQueue, PlanConfig, generate_continuous, plan_batches, run_policy
+from tests.serve.conftest import MAX_NEW
+
+PLAN = PlanConfig(batch_size=4, max_new_tokens=MAX_NEW)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_equals_unscheduled_greedy(model, prompts, reference, gen, policy):
+    true = [len(r) for r in reference]
+    predicted = [max(1, t - 3 + 5 * (i % 3)) for i, t in enumerate(true)]  # noisy: some under-predicted
+    predicted = true if policy == "oracle" else predicted
+    run = run_policy(model, prompts, policy=policy, predicted=predicted, gen=gen, plan=PLAN, refill_min=2)
+    assert run.tokens == reference
+    assert run.useful == sum(true)
+    assert run.slots >= run.useful
+
+
+def test_static_slots_match_hand_count(model, prompts, reference, gen):
+    true = [len(r) for r in reference]
+    run = run_policy(model, prompts, policy="fcfs", predicted=None, gen=gen, plan=PLAN)
+    assert run.slots == sum(4 * max(true[i : i + 4]) for i in range(0, len(true), 4))
+    oracle = run_policy(model, prompts, policy="oracle", predicted=true, gen=gen, plan=PLAN)
+    ordered = sorted(true)
+    assert oracle.slots == sum(4 * max(ordered[i : i + 4]) for i in range(0, len(true), 4))
+    assert oracle.slots <= run.slots
+
+
+def test_fcr_reruns_underpredicted_rows_and_counts_wasted_attempt(model, prompts, reference, gen):
+    true = [len(r) for r in reference]
+    predicted = [1.0] * len(true)  # every batch capped at 1 token: rows longer than 1 fail
+    run = run_policy(model, prompts, policy="fcr", predicted=predicted, gen=gen, plan=PLAN)
+    failed = [i for i, t in enumerate(true) if t > 1]
+    assert run.failures == len(failed)
+    first = len(true)  # each first-attempt batch runs exactly 1 step
+    chunks = [failed[k : k + 4] for k in range(0, len(failed), 4)]  # rerun in the order they failed
+    reruns = sum(len(c) * max(true[i] for i in c) for c in chunks)
+    assert run.slots == first + reruns
+    assert run.tokens == reference
+
+
+def test_fcr_with_cap_at_global_max_never_fails(model, prompts, reference, gen):
+    run = run_policy(model, prompts, policy="fcr", predicted=[10_000.0] * len(prompts), gen=gen, plan=PLAN)
+    assert run.failures == 0 and run.tokens == reference
+
+
+def test_continuous_batching_refills_with_late_arrivals(model, prompts, reference, gen):
+    config = ContinuousConfig(max_batch_size=3, max_new_tokens=MAX_NEW, refill_min=1)
+    arrivals = [3 * i for i in range(len(prompts))]
+    result = generate_continuous(model, prompts, queue=FCFSQueue(), gen=gen, config=config, arrivals=arrivals)
+    assert result.tokens == reference
+    # finished rows leave at once: every computed slot is a real token
+    assert result.slots == sum(len(r) for r in reference)
+    assert result.admitted_order == list(range(len(prompts)))
+
+
+def test_vbs_respects_token_budget():
+    predicted = [10, 10, 10, 10, 50, 50, 100, 100]
+    prompt_lens = [5] * 8
+    config = PlanConfig(batch_size=2, max_new_tokens=100, token_budget=200)
+    batches = plan_batches("fcr+vbs", predicted=predicted, prompt_lens=prompt_lens, config=config)
+    assert [b.rows for b in batches] == [(0, 1, 2, 3), (4, 5), (6,), (7,)]
+    assert [b.cap for b in batches] == [10, 50, 100, 100]
+    for b in batches:
+        assert len(b.rows) * (5 + b.cap) <= 200 or len(b.rows) == 1
+
+
+def test_vbs_default_budget_never_below_batch_size():
+    predicted = [256.0] * 8 + [20.0] * 40
+    config = PlanConfig(batch_size=4, max_new_tokens=256)
+    batches = plan_batches("fcr+vbs", predicted=predicted, prompt_lens=[30] * 48, config=config)
+    assert all(len(b.rows) >= 4 for b in batches[:-1])
+    assert len(batches[0].rows) > 4  # the short-predicted requests share bigger batches
+
+
+def test_unknown_policy_and_missing_predictions_raise():
+    with pytest.raises(ValueError, match="unknown static policy"):
+        plan_batches("lifo", predicted=None, prompt_lens=[1], config=PLAN)
+    with pytest.raises(ValueError, match="predicted length"):
+        plan_batches("sorted", predicted=None, prompt_lens=[1], config=PLAN)
