@@ -62,6 +62,8 @@ class TrainConfig:
     """Continue from `checkpoint` if it exists."""
     progress: bool = True
     """Show a tqdm progress bar (rank 0)."""
+    device: str = "cpu"
+    """Where the model trains ("cuda" under torchrun: each rank uses cuda:LOCAL_RANK); data stays on the host."""
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -114,7 +116,10 @@ def _world() -> tuple[int, int]:
 def evaluate(model: nn.Module, data: CTRData, *, batch_size: int = 65536) -> tuple[float, float]:
     """Held-out AUC and logloss."""
     model.eval()
-    probs = torch.cat([torch.sigmoid(model(d, c)) for d, c, _ in data.batches(batch_size)])
+    device = next(model.parameters()).device
+    probs = torch.cat(
+        [torch.sigmoid(model(d.to(device), c.to(device))).cpu() for d, c, _ in data.batches(batch_size)]
+    )
     model.train()
     return auc(data.labels, probs), logloss(data.labels, probs)
 
@@ -163,7 +168,7 @@ def train(
     steps_per_epoch = len(train_data) // cfg.batch_size
     if steps_per_epoch < 1:
         raise EcruError(f"batch size {cfg.batch_size} exceeds the {len(train_data)} training rows")
-    model = make_model(cfg, train_data)
+    model = make_model(cfg, train_data).to(cfg.device)
     embed_opt, dense_opt, sched, clipper = make_optimizers(
         model, recipe, mode=cfg.mode, steps_per_epoch=steps_per_epoch
     )
@@ -182,6 +187,7 @@ def train(
         for dense, cats, labels in train_data.batches(
             cfg.batch_size, seed=cfg.seed * 1000 + epoch, drop_last=True
         ):
+            dense, cats, labels = (t.to(cfg.device, non_blocking=True) for t in (dense, cats, labels))
             mine = slice(rank * shard, (rank + 1) * shard)
             loss = F.binary_cross_entropy_with_logits(net(dense[mine], cats[mine]), labels[mine])
             embed_opt.zero_grad(set_to_none=True), dense_opt.zero_grad(set_to_none=True)
@@ -193,6 +199,8 @@ def train(
                 losses.append(_global_mean(loss.detach(), world))
             bar.update()
         bar.close()
+        if cfg.device.startswith("cuda"):
+            torch.cuda.synchronize()
         wall += time.perf_counter() - start
         test_auc, test_ll = evaluate(model, test_data, batch_size=cfg.eval_batch)
         history.append({"epoch": epoch + 1, "auc": test_auc, "logloss": test_ll})
@@ -241,7 +249,7 @@ def _plain(value):
 def _resume(cfg: TrainConfig, model, embed_opt, dense_opt, sched) -> tuple[int, list]:
     if not (cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).is_file()):
         return 0, []
-    state = torch.load(cfg.checkpoint, weights_only=True)
+    state = torch.load(cfg.checkpoint, weights_only=True, map_location=cfg.device)
     saved = state["config"]
     for key in ("model", "batch_size", "recipe", "mode", "mlp", "embed_dim", "seed"):
         if _plain(saved[key]) != _plain(getattr(cfg, key)):
