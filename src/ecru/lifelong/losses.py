@@ -29,8 +29,8 @@ def task_loss(
     if candidates is not None:
         logits = logits.masked_fill(~candidates, float("-inf"))
         # label smoothing must not put mass on masked classes: renormalise over each row's candidates
-        k = candidates.sum(-1, keepdim=True)
-        target = candidates * (label_smoothing / k)
+        k = candidates.sum(-1, keepdim=True).to(logits.dtype)
+        target = candidates.to(logits.dtype) * (label_smoothing / k)
         target = target.scatter_add(-1, labels[:, None], torch.full_like(target[:, :1], 1 - label_smoothing))
         return -(target * logits.log_softmax(-1).masked_fill(~candidates, 0.0)).sum(-1).mean()
     return F.cross_entropy(logits, labels, label_smoothing=label_smoothing)

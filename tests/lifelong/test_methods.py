@@ -1,0 +1,96 @@
+import math
+
+import pytest
+import torch
+
+from ecru.errors import EcruError
+from ecru.lifelong import METHODS, TeacherCache, TrainConfig, make_method, run_stream
+from ecru.lifelong.methods import DISTILLING
+
+TRAIN = TrainConfig(epochs=1, batch_size=8, lr=1e-3, progress=False)
+COST_KEYS = {"trainable_params", "optimizer_bytes", "wall_s", "peak_rss_mb", "stored_bytes"}
+
+
+def _teacher(stream, model, **kw):
+    return TeacherCache(stream.reference, model, model_id="tiny", **kw)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_each_method_runs_a_tiny_stream(name, tiny_model, tiny_evaluator):
+    stream = tiny_evaluator.stream
+    method = make_method(name, tiny_model(), train=TRAIN, teacher=_teacher(stream, tiny_model()))
+    res = run_stream(method, tiny_evaluator, log=lambda s: None)
+    T = len(stream.tasks)
+    assert len(res.R) == len(res.R_ci) == T and all(len(r) == T for r in res.R)
+    assert len(res.heldout) == T + 1 and len(res.R0) == T
+    assert all(0 <= a <= 100 for row in res.R + res.R_ci for a in row)
+    assert COST_KEYS <= set(res.cost) and all(math.isfinite(v) for v in res.cost.values())
+    assert not math.isnan(res.metrics["transfer_retention"])
+    if name == "zeroshot":
+        assert res.cost["trainable_params"] == 0 and res.R == [res.R0] * T
+    else:
+        assert res.cost["trainable_params"] > 0 and res.cost["optimizer_bytes"] >= 8 * res.cost["trainable_params"]
+        assert res.R != [res.R0] * T or res.cost["steps"] > 0
+
+
+def test_adapter_methods_train_only_adapters(tiny_model, tiny_evaluator):
+    stream = tiny_evaluator.stream
+    full = sum(p.numel() for p in tiny_model().parameters())
+    for name in ("seqlora", "lora-per-task", "ecru"):
+        model = tiny_model()
+        before = {k: v.clone() for k, v in model.encoder.state_dict().items()}
+        method = make_method(name, model, train=TRAIN, teacher=_teacher(stream, tiny_model()))
+        cost = method.learn(stream.tasks[0], index=0)
+        assert 0 < cost.trainable_params < full
+        base = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+                for k, v in model.encoder.state_dict().items() if "lora_" not in k}  # fmt: skip
+        for k, v in before.items():
+            torch.testing.assert_close(base[k], v, rtol=0, atol=0)
+
+
+def test_teacher_outputs_are_computed_once(tiny_model, tiny_evaluator, tmp_path):
+    stream, teacher_model = tiny_evaluator.stream, tiny_model()
+    cache = _teacher(stream, teacher_model, folder=tmp_path)
+    for name in sorted(DISTILLING):
+        run_stream(make_method(name, tiny_model(), train=TRAIN, teacher=cache), tiny_evaluator, log=lambda s: None)
+    assert cache.computed == 1
+    again = _teacher(stream, teacher_model, folder=tmp_path)  # a new process: read from disk, not re-encoded
+    torch.testing.assert_close(again.embeddings(), cache.embeddings(), rtol=0, atol=0)
+    assert again.computed == 0
+
+
+@pytest.mark.parametrize("name", ["seqft", "replay", "lora-per-task", "zscl", "ecru"])
+def test_resume_from_task_checkpoint_equals_uninterrupted_run(name, tiny_model, tiny_evaluator, tmp_path):
+    stream = tiny_evaluator.stream
+
+    def method():
+        return make_method(name, tiny_model(), train=TRAIN, teacher=_teacher(stream, tiny_model()))
+
+    whole = method()
+    ref = run_stream(whole, tiny_evaluator, checkpoint_dir=tmp_path / "a", log=lambda s: None)
+    assert run_stream(method(), tiny_evaluator, checkpoint_dir=tmp_path / "b", stop_after=1, log=lambda s: None) is None
+    resumed = method()
+    got = run_stream(resumed, tiny_evaluator, checkpoint_dir=tmp_path / "b", log=lambda s: None)
+    assert (got.R, got.R_ci, got.heldout) == (ref.R, ref.R_ci, ref.heldout)
+    want = whole.encoder().encoder.state_dict()
+    for k, v in resumed.encoder().encoder.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_wise_ft_interpolates_the_fine_tuned_weights_with_the_initial_ones(tiny_model, tiny_evaluator):
+    task = tiny_evaluator.stream.tasks[0]
+    init = {k: v.clone() for k, v in tiny_model().encoder.state_dict().items()}
+    ft, wise = make_method("seqft", tiny_model(), train=TRAIN), make_method("wise-ft", tiny_model(), train=TRAIN)
+    ft.learn(task, index=0)
+    wise.learn(task, index=0)
+    tuned, got = ft.encoder().encoder.state_dict(), wise.encoder().encoder.state_dict()
+    for k, v in got.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, init[k] + 0.5 * (tuned[k] - init[k]), rtol=1e-6, atol=1e-7)
+
+
+def test_distilling_method_without_teacher_is_a_clear_error(tiny_model):
+    with pytest.raises(EcruError, match="TeacherCache"):
+        make_method("zscl", tiny_model(), train=TRAIN)
+    with pytest.raises(EcruError, match="unknown method"):
+        make_method("sgd", tiny_model(), train=TRAIN)
