@@ -12,7 +12,8 @@ from torch import nn
 from ecru.errors import EcruError
 from ecru.l2l import L2L, L2LConfig, L2LInputError
 from ecru.models import tiny_llama
-from tests.l2l.helpers import lm_batch
+
+from .helpers import lm_batch
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 

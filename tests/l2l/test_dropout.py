@@ -10,7 +10,8 @@ from transformers.masking_utils import create_causal_mask
 
 from ecru.l2l import L2L, L2LConfig
 from ecru.models import tiny_gpt2
-from tests.l2l.helpers import GRAD_TOL, GradRecorder, lm_batch, named_grads
+
+from .helpers import GRAD_TOL, GradRecorder, lm_batch, named_grads
 
 MICRO = 2
 
@@ -30,9 +31,9 @@ def same_masks_reference_grads(model, batch: dict, seed: int) -> dict[str, torch
                                         attention_mask=mb["attention_mask"], past_key_values=None, position_ids=pos))
         hidden.append(t.drop(embeds + t.wpe(pos)))
     for block in t.h:
-        hidden = [block(h, attention_mask=m, use_cache=False, position_ids=pos) for h, m in zip(hidden, masks)]
+        hidden = [block(h, attention_mask=m, use_cache=False, position_ids=pos) for h, m in zip(hidden, masks, strict=True)]
     loss = sum(model.loss_function(model.lm_head(t.ln_f(h)), mb["labels"], vocab_size=model.config.vocab_size,
-                                   num_items_in_batch=num_items) for h, mb in zip(hidden, pieces))
+                                   num_items_in_batch=num_items) for h, mb in zip(hidden, pieces, strict=True))
     loss.backward()
     return {name: p.grad for name, p in model.named_parameters()}
 

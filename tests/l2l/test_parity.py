@@ -11,7 +11,8 @@ from torch import nn
 
 from ecru.l2l import L2L, L2LConfig
 from ecru.models import tiny_gpt2, tiny_llama
-from tests.l2l.helpers import (
+
+from .helpers import (
     GRAD_TOL,
     GradRecorder,
     assert_params_close,
