@@ -1,0 +1,40 @@
+"""One benchmark run, wired from configs: stream, evaluator, the cached teacher, the pretrained row."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ecru.lifelong.evaluate import EvalRow, Evaluator
+from ecru.lifelong.methods import DISTILLING, TrainConfig, make_method
+from ecru.lifelong.reference import TeacherCache
+from ecru.lifelong.runner import RunResult, run_stream
+from ecru.lifelong.stream import StreamConfig, build_clinc_stream
+from ecru.models import cache_dir, load_minilm
+
+MODEL_ID = "all-MiniLM-L6-v2"
+
+
+class Experiment:
+    """A stream with what every method on it shares: the evaluator, the teacher cache and R0."""
+
+    def __init__(self, stream: StreamConfig, *, cache: Path | None = None, log: Callable[[str], None] = print):
+        self.stream_cfg, self.log = stream, log
+        self.evaluator = Evaluator(build_clinc_stream(stream))
+        self.teacher = TeacherCache(self.evaluator.stream.reference, load_minilm(), model_id=MODEL_ID,
+                                    folder=cache if cache is not None else cache_dir() / "lifelong")  # fmt: skip
+        self._r0: EvalRow | None = None
+
+    def r0(self) -> EvalRow:
+        """The pretrained model's evaluation, computed once for all methods."""
+        if self._r0 is None:
+            self.log("evaluating the pretrained model (row R0)")
+            self._r0 = self.evaluator.evaluate(self.teacher.teacher, seen=0)
+        return self._r0
+
+    def run(self, method: str, train: TrainConfig, *, checkpoint_dir: Path | None = None) -> RunResult:
+        teacher = self.teacher if method in DISTILLING else None
+        if teacher is not None:
+            teacher.embeddings()  # encode the reference set before the clock of the first task starts
+        m = make_method(method, load_minilm(), train=train, teacher=teacher)
+        return run_stream(m, self.evaluator, r0=self.r0(), checkpoint_dir=checkpoint_dir, log=self.log)
