@@ -34,6 +34,8 @@ class SelfLoRAConfig:
     """LoRA scaling numerator."""
     dropout: float = 0.05
     """LoRA dropout."""
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    """Linear layers that get an adapter (the paper: the attention query and value projections)."""
     lr: float = 5e-4
     """AdamW learning rate (the paper's 2e-5 is for thousands of examples; we have hundreds)."""
     epochs: int = 3
@@ -86,7 +88,7 @@ class SelfLoRAPredictor:
                 r=config.rank,
                 lora_alpha=config.alpha,
                 lora_dropout=config.dropout,
-                target_modules=["q_proj", "v_proj"],
+                target_modules=list(config.target_modules),
             )
             self.model = get_peft_model(model, lora)
         self.model.eval()

@@ -1,0 +1,80 @@
+"""Length predictors: metrics, ridge against lstsq, oracle, and the self-predicting LoRA adapter."""
+
+import pytest
+import torch
+
+from ecru.serve import (
+    ConstantPredictor,
+    GenerationConfig,
+    OraclePredictor,
+    SelfLoRAConfig,
+    SelfLoRAPredictor,
+    generate_static,
+    length_metrics,
+    ridge_fit,
+    timed_predict,
+)
+from ecru.serve.self_predict import bucket_label, parse_length
+
+
+def test_length_metrics_by_hand():
+    m = length_metrics([10, 100, 300, 50], [40, 160, 100, 50])  # errors 30, 60, 200, 0
+    assert m == {"mae": pytest.approx(72.5), "acc50": 0.5, "acc100": 0.75}
+
+
+def test_ridge_matches_lstsq_when_unregularised():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 4, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 7 + 0.01 * torch.randn(50, generator=g)
+    w, b = ridge_fit(x, y, lam=0.0)
+    ref = torch.linalg.lstsq(torch.cat([x, torch.ones(50, 1)], 1).double(), y.double()[:, None]).solution.flatten()
+    torch.testing.assert_close(torch.cat([w, b[None]]).double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_oracle_and_constant():
+    oracle = OraclePredictor({"a": 3, "b": 7})
+    lengths, seconds = timed_predict(oracle, ["b", "a"])
+    assert lengths == [7.0, 3.0] and seconds >= 0
+    with pytest.raises(KeyError, match="no recorded length"):
+        oracle.predict(["c"])
+    assert ConstantPredictor(88).predict(["x", "y"]) == [88.0, 88.0]
+
+
+def test_bucket_and_parse():
+    assert [bucket_label(v, bucket=50, cap=256) for v in (1, 50, 51, 240, 256)] == [50, 50, 100, 250, 256]
+    assert parse_length("About 150 tokens.", default=9, cap=256) == 150
+    assert parse_length("9999", default=9, cap=256) == 256
+    assert parse_length("no idea", default=9, cap=256) == 9
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from ecru.models import cache_dir
+
+    path = cache_dir() / "smollm2-135m-instruct"
+    if not (path / "tokenizer_config.json").is_file():
+        from ecru.models import load_smollm2
+
+        return load_smollm2()[1]
+    return AutoTokenizer.from_pretrained(path)
+
+
+def test_self_lora_learns_its_answer_and_disables_for_generation(tokenizer):
+    from ecru.models import tiny_llama
+
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, seed=0)
+    with torch.no_grad():  # larger embeddings: the tied head can then put most mass on one token
+        model.model.embed_tokens.weight.mul_(25)
+    prompt = [[5, 6, 7, 8]]
+    gen = GenerationConfig(eos_token_ids=(tokenizer.eos_token_id,), pad_token_id=0)
+    before = generate_static(model, prompt, max_new_tokens=6, config=gen).tokens
+    every_linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    config = SelfLoRAConfig(lr=2e-2, epochs=6, batch_size=4, dropout=0.0, target_modules=every_linear)
+    predictor = SelfLoRAPredictor(model, tokenizer, config=config)
+    train = [f"question number {i}" for i in range(8)]
+    predictor.fit(train, [140.0] * 8, progress=False)  # bucketed label: 150
+    assert predictor.predict(["an unseen question", "another one"]) == [150.0, 150.0]
+    with predictor.adapter_disabled():
+        assert generate_static(model, prompt, max_new_tokens=6, config=gen).tokens == before

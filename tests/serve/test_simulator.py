@@ -1,0 +1,89 @@
+"""Simulator accounting on small traces computed by hand, and through `ecru serve simulate`."""
+
+import json
+
+import pytest
+
+from ecru.cli import main
+from ecru.serve import SMOLLM2_CPU, CostModel, PlanConfig, TraceRequest, simulate
+
+# (output_len, predicted_len); prompt_len 10 everywhere. batch_size 2, max_new_tokens 10.
+ROWS = [(3, 5), (12, 4), (2, 2), (7, 9), (5, 6)]
+TRACE = [TraceRequest(10, o, p) for o, p in ROWS]
+CONFIG = PlanConfig(batch_size=2, max_new_tokens=10)
+USEFUL = 3 + 10 + 2 + 7 + 5  # B is truncated to the cap
+
+
+@pytest.mark.parametrize(
+    ("policy", "slots", "failures", "steps"),
+    [
+        # fcfs: [A,B] 10 steps, [C,D] 7, [E] 5
+        ("fcfs", 2 * 10 + 2 * 7 + 1 * 5, 0, 22),
+        # sorted by prediction C,B,A,E,D: [C,B] 10, [A,E] 5, [D] 7
+        ("sorted", 2 * 10 + 2 * 5 + 1 * 7, 0, 22),
+        # fcr: [C,B] cap 4 -> 4 steps, B fails; [A,E] cap 6 -> 5; [D] cap 9 -> 7; rerun [B] 10
+        ("fcr", 2 * 4 + 2 * 5 + 1 * 7 + 1 * 10, 1, 26),
+        # oracle sorts by true length C,A,E,D,B: [C,A] 3, [E,D] 7, [B] 10
+        ("oracle", 2 * 3 + 2 * 7 + 1 * 10, 0, 20),
+    ],
+)
+def test_hand_computed_accounting(policy, slots, failures, steps):
+    r = simulate(TRACE, policy=policy, config=CONFIG)
+    assert (r.padded_slots, r.failures, r.batch_steps, r.useful_tokens) == (slots, failures, steps, USEFUL)
+    assert r.effective_token_ratio == USEFUL / slots
+    assert r.failure_ratio == failures / 5
+
+
+def test_fcr_reruns_in_failure_order_in_batches():
+    # batch_size 2, cap 10; predictions 1 for all: every first-attempt batch is capped at 1
+    trace = [TraceRequest(4, o, 1) for o in (1, 5, 8, 3, 1)]
+    r = simulate(trace, policy="fcr", config=PlanConfig(batch_size=2, max_new_tokens=10))
+    # first attempts [0,1] [2,3] [4]: 1 step each; failures 1,2,3 rerun as [1,2] (8 steps), [3] (3 steps)
+    assert r.padded_slots == 2 + 2 + 1 + 2 * 8 + 1 * 3
+    assert (r.failures, r.batches, r.rerun_batches) == (3, 5, 2)
+    assert r.useful_tokens == 1 + 5 + 8 + 3 + 1
+
+
+def test_prediction_at_or_above_global_cap_cannot_fail():
+    trace = [TraceRequest(4, 30, 20), TraceRequest(4, 2, 1)]
+    r = simulate(trace, policy="fcr", config=PlanConfig(batch_size=2, max_new_tokens=20))
+    assert r.failures == 0 and r.padded_slots == 2 * 20 and r.useful_tokens == 20 + 2
+
+
+def test_time_uses_cost_model_per_batch():
+    cost = CostModel(1.0, 0.1, 0.01, 2.0, 0.5)
+    trace = [TraceRequest(3, 4, 4), TraceRequest(5, 2, 2)]
+    r = simulate(trace, policy="fcfs", config=PlanConfig(batch_size=2, max_new_tokens=10), cost=cost, predict_s=1.5)
+    # one batch: prefill of 2 x 5, then 3 decode steps at contexts 6, 7, 8
+    expected = 2.0 + 0.5 * 10 + sum(1.0 + 0.1 * 2 + 0.01 * 2 * c for c in (6, 7, 8))
+    assert r.time_s == pytest.approx(1.5 + expected, rel=1e-12)
+    assert cost.batch_time(2, 5, 4) == pytest.approx(expected, rel=1e-12)
+
+
+def test_cost_model_roundtrip(tmp_path):
+    SMOLLM2_CPU.save(tmp_path / "c.json")
+    assert CostModel.load(tmp_path / "c.json") == SMOLLM2_CPU
+
+
+def write_trace(path, rows):
+    path.write_text("".join(json.dumps({"prompt_len": 10, "output_len": o, "predicted_len": p}) + "\n" for o, p in rows))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "sorted", "fcr", "fcr+vbs"])
+def test_cli_simulate_writes_json(tmp_path, policy):
+    write_trace(tmp_path / "t.jsonl", ROWS)
+    code = main(["serve", "simulate", "--trace", str(tmp_path / "t.jsonl"), "--policy", policy,
+                 "--batch-size", "2", "--max-new-tokens", "10", "--json", str(tmp_path / "o.json")])
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert code == 0 and out["useful_tokens"] == USEFUL
+    assert out["effective_token_ratio"] == pytest.approx(USEFUL / out["padded_slots"])
+    if policy == "fcr":
+        assert out["padded_slots"] == 35 and out["failure_ratio"] == 0.2
+
+
+def test_cli_simulate_bad_trace_is_one_line_error(tmp_path, capsys):
+    (tmp_path / "t.jsonl").write_text('{"prompt_len": 3}\n')
+    assert main(["serve", "simulate", "--trace", str(tmp_path / "t.jsonl")]) == 1
+    assert "output_len" in capsys.readouterr().err
+    write_trace(tmp_path / "u.jsonl", [(3, None)])
+    assert main(["serve", "simulate", "--trace", str(tmp_path / "u.jsonl"), "--policy", "sorted"]) == 1
