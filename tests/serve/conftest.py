@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ecru.models import tiny_llama
-from ecru.serve import GenerationConfig, generate_static
+from ecru.serve import GenerationConfig
 
 VOCAB, MAX_NEW = 64, 24
 
@@ -45,8 +45,17 @@ def reference(model, prompts, gen):
     for p in prompts:
         ids = torch.tensor([p])
         full = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-            eos_token_id=list(gen.eos_token_ids), pad_token_id=gen.pad_token_id,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=list(gen.eos_token_ids),
+            pad_token_id=gen.pad_token_id,
         )
-        out.append(full[0, len(p):].tolist())
+        out.append(full[0, len(p) :].tolist())
     return out
+
+
+@pytest.fixture(scope="session")
+def max_new():
+    return MAX_NEW

@@ -1,22 +1,21 @@
 import pytest
 
 from ecru.serve import GenerationConfig, generate_static, left_pad
-from tests.serve.conftest import MAX_NEW
 
 
-def test_reference_lengths_vary(reference):
+def test_reference_lengths_vary(reference, max_new):
     lengths = [len(r) for r in reference]
-    assert min(lengths) < MAX_NEW // 2 and max(lengths) == MAX_NEW and len(set(lengths)) >= 6
+    assert min(lengths) < max_new // 2 and max(lengths) == max_new and len(set(lengths)) >= 6
 
 
-def test_static_batch_equals_unbatched_greedy_in_input_order(model, prompts, reference, gen):
-    result = generate_static(model, prompts, max_new_tokens=MAX_NEW, config=gen)
+def test_static_batch_equals_unbatched_greedy_in_input_order(model, prompts, reference, gen, max_new):
+    result = generate_static(model, prompts, max_new_tokens=max_new, config=gen)
     assert result.tokens == reference
 
 
-def test_slot_accounting_counts_every_row_every_step(model, prompts, reference, gen):
+def test_slot_accounting_counts_every_row_every_step(model, prompts, reference, gen, max_new):
     batch = prompts[:8]
-    result = generate_static(model, batch, max_new_tokens=MAX_NEW, config=gen)
+    result = generate_static(model, batch, max_new_tokens=max_new, config=gen)
     lengths = [len(r) for r in reference[:8]]
     assert result.steps == max(lengths)
     assert result.slots == 8 * max(lengths)
@@ -29,7 +28,7 @@ def test_per_batch_cap_truncates_and_marks_unfinished(model, prompts, reference,
     result = generate_static(model, prompts, max_new_tokens=5, config=gen)
     assert result.tokens == [r[:5] for r in reference]
     assert result.steps == 5
-    for toks, ended, ref in zip(result.tokens, result.ended, reference, strict=True):
+    for ended, ref in zip(result.ended, reference, strict=True):
         assert ended == (len(ref) <= 5 and ref[-1] in gen.eos_token_ids)
 
 

@@ -2,10 +2,17 @@
 
 import pytest
 
-from ecru.serve import POLICIES, ContinuousConfig, FCFSQueue, PlanConfig, generate_continuous, plan_batches, run_policy
-from tests.serve.conftest import MAX_NEW
+from ecru.serve import (
+    POLICIES,
+    ContinuousConfig,
+    FCFSQueue,
+    PlanConfig,
+    generate_continuous,
+    plan_batches,
+    run_policy,
+)
 
-PLAN = PlanConfig(batch_size=4, max_new_tokens=MAX_NEW)
+PLAN = PlanConfig(batch_size=4, max_new_tokens=24)  # conftest's MAX_NEW
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -48,7 +55,7 @@ def test_fcr_with_cap_at_global_max_never_fails(model, prompts, reference, gen):
 
 
 def test_continuous_batching_refills_with_late_arrivals(model, prompts, reference, gen):
-    config = ContinuousConfig(max_batch_size=3, max_new_tokens=MAX_NEW, refill_min=1)
+    config = ContinuousConfig(max_batch_size=3, max_new_tokens=PLAN.max_new_tokens, refill_min=1)
     arrivals = [3 * i for i in range(len(prompts))]
     result = generate_continuous(model, prompts, queue=FCFSQueue(), gen=gen, config=config, arrivals=arrivals)
     assert result.tokens == reference

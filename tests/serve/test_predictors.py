@@ -27,7 +27,9 @@ def test_ridge_matches_lstsq_when_unregularised():
     x = torch.randn(50, 4, generator=g)
     y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 7 + 0.01 * torch.randn(50, generator=g)
     w, b = ridge_fit(x, y, lam=0.0)
-    ref = torch.linalg.lstsq(torch.cat([x, torch.ones(50, 1)], 1).double(), y.double()[:, None]).solution.flatten()
+    ref = torch.linalg.lstsq(
+        torch.cat([x, torch.ones(50, 1)], 1).double(), y.double()[:, None]
+    ).solution.flatten()
     torch.testing.assert_close(torch.cat([w, b[None]]).double(), ref, rtol=1e-4, atol=1e-4)
 
 

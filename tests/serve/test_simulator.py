@@ -53,7 +53,9 @@ def test_prediction_at_or_above_global_cap_cannot_fail():
 def test_time_uses_cost_model_per_batch():
     cost = CostModel(1.0, 0.1, 0.01, 2.0, 0.5)
     trace = [TraceRequest(3, 4, 4), TraceRequest(5, 2, 2)]
-    r = simulate(trace, policy="fcfs", config=PlanConfig(batch_size=2, max_new_tokens=10), cost=cost, predict_s=1.5)
+    r = simulate(
+        trace, policy="fcfs", config=PlanConfig(batch_size=2, max_new_tokens=10), cost=cost, predict_s=1.5
+    )
     # one batch: prefill of 2 x 5, then 3 decode steps at contexts 6, 7, 8
     expected = 2.0 + 0.5 * 10 + sum(1.0 + 0.1 * 2 + 0.01 * 2 * c for c in (6, 7, 8))
     assert r.time_s == pytest.approx(1.5 + expected, rel=1e-12)
@@ -66,14 +68,30 @@ def test_cost_model_roundtrip(tmp_path):
 
 
 def write_trace(path, rows):
-    path.write_text("".join(json.dumps({"prompt_len": 10, "output_len": o, "predicted_len": p}) + "\n" for o, p in rows))
+    path.write_text(
+        "".join(json.dumps({"prompt_len": 10, "output_len": o, "predicted_len": p}) + "\n" for o, p in rows)
+    )
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "sorted", "fcr", "fcr+vbs"])
 def test_cli_simulate_writes_json(tmp_path, policy):
     write_trace(tmp_path / "t.jsonl", ROWS)
-    code = main(["serve", "simulate", "--trace", str(tmp_path / "t.jsonl"), "--policy", policy,
-                 "--batch-size", "2", "--max-new-tokens", "10", "--json", str(tmp_path / "o.json")])
+    code = main(
+        [
+            "serve",
+            "simulate",
+            "--trace",
+            str(tmp_path / "t.jsonl"),
+            "--policy",
+            policy,
+            "--batch-size",
+            "2",
+            "--max-new-tokens",
+            "10",
+            "--json",
+            str(tmp_path / "o.json"),
+        ]
+    )
     out = json.loads((tmp_path / "o.json").read_text())
     assert code == 0 and out["useful_tokens"] == USEFUL
     assert out["effective_token_ratio"] == pytest.approx(USEFUL / out["padded_slots"])

@@ -44,6 +44,8 @@ class BenchConfig:
     """Train-split prompts to label (if missing) and train on."""
     aging: float = 0.5
     """cb-sjf aging, priority tokens per decode step waited."""
+    lora_epochs: int = 2
+    """Epochs of self-lora tuning (the paper: 3; each SmolLM2 step costs seconds on a CPU)."""
 
     def __post_init__(self):
         bad = [p for p in self.policies if p not in POLICIES]
@@ -100,7 +102,7 @@ def _self_lora(model, tokenizer, config: BenchConfig, prompts, labels):
     from ecru.models import cache_dir
     from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
 
-    lora = SelfLoRAConfig(cap=config.max_new_tokens)
+    lora = SelfLoRAConfig(cap=config.max_new_tokens, epochs=config.lora_epochs)
     key = hashlib.sha256(json.dumps([config.model, repr(lora), prompts, labels]).encode()).hexdigest()[:12]
     path = cache_dir() / "serve" / f"self-lora-{config.model}-{key}"
     if (path / "adapter_config.json").is_file():

@@ -1,0 +1,135 @@
+"""Sequence-scheduling benchmark: every policy for real on held-out prompts, plus the simulator's view.
+
+    OMP_NUM_THREADS=1 python bench/serve.py --model smollm2 --n 64 --max-new-tokens 128 \
+        --predictor probe --labels bench/results/serve_labels_smollm2.jsonl --json bench/results/serve_bench.json
+
+Prints the policy table, replays the measured lengths through the simulator (same lengths, cost model of
+this machine if given) to compare effective token ratios and throughput ratios, writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+
+def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
+    """The simulator on the bench's own lengths: effective ratio and samples/s ratio per static policy."""
+    from ecru.serve import SMOLLM2_CPU, CostModel, PlanConfig, TraceRequest, simulate
+
+    setup = result["setup"]
+    cost = CostModel.load(cost_path) if cost_path else SMOLLM2_CPU
+    trace = [
+        TraceRequest(p, int(t), q)
+        for p, t, q in zip(
+            setup["prompt_lens"], setup["true_lengths"], setup["predicted_lengths"], strict=True
+        )
+    ]
+    config = PlanConfig(batch_size=setup["batch_size"], max_new_tokens=setup["max_new_tokens"])
+    predict_s = result["predictor"]["predict_s"]
+    out = {}
+    for policy in ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle"):
+        if policy not in result["policies"]:
+            continue
+        uses_prediction = policy in ("sorted", "fcr", "fcr+vbs")
+        sim = simulate(
+            trace, policy=policy, config=config, cost=cost, predict_s=predict_s if uses_prediction else 0
+        )
+        out[policy] = {
+            "effective_token_ratio": sim.effective_token_ratio,
+            "samples_per_s": sim.samples_per_s,
+            "failure_ratio": sim.failure_ratio,
+        }
+    base_sim, base_real = out["fcfs"]["samples_per_s"], result["policies"]["fcfs"]["samples_per_s"]
+    for policy, sim in out.items():
+        real = result["policies"][policy]
+        sim["speedup"] = sim["samples_per_s"] / base_sim
+        sim["measured_speedup"] = real["samples_per_s"] / base_real
+        sim["measured_effective_token_ratio"] = real["effective_token_ratio"]
+    return {"cost_model": cost.source, "policies": out}
+
+
+def plot(result: dict, path: Path) -> None:
+    from ecru.demo.plots import new_figure, save
+
+    names = list(result["policies"])
+    base = result["policies"]["fcfs"]["samples_per_s"]
+    fig, (ax1, ax2) = new_figure(width=10, height=3.5, ncols=2)
+    ax1.bar(names, [result["policies"][n]["samples_per_s"] / base for n in names], color="tab:blue")
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    ax1.set(ylabel="samples/s relative to fcfs", title="throughput (prediction time included)")
+    ax2.bar(names, [result["policies"][n]["mean_latency_s"] for n in names], color="tab:orange")
+    ax2.set(ylabel="mean latency (s)", title="latency")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", rotation=30)
+    save(fig, path)
+
+
+def main() -> None:
+    from ecru.serve.bench import PREDICTORS, BenchConfig, run_bench
+    from ecru.serve.runner import POLICIES
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", choices=("smollm2", "tiny"))
+    p.add_argument("--prompts", default="mixed")
+    p.add_argument("--n", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--predictor", default="probe", choices=PREDICTORS)
+    p.add_argument("--labels", default=None)
+    p.add_argument("--train-n", type=int, default=256)
+    p.add_argument("--cost-model", default=None, help="cost model JSON for the simulator comparison")
+    p.add_argument("--json", default="bench/results/serve_bench.json")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    config = BenchConfig(
+        model=args.model,
+        prompts=args.prompts,
+        n=args.n,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        policies=tuple(args.policies.split(",")),
+        predictor=args.predictor,
+        labels=args.labels,
+        train_n=args.train_n,
+    )
+    start = time.perf_counter()
+    result = run_bench(config)
+    result["simulator"] = simulate_measured(result, cost_path=args.cost_model)
+    result["setup"]["bench_wall_s"] = time.perf_counter() - start
+    result["setup"]["host_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    base = result["policies"]["fcfs"]["samples_per_s"]
+    print(
+        f"\n{'policy':>8} {'samples/s':>9} {'x fcfs':>7} {'eff':>6} {'fail':>5} {'mean lat':>8} {'p99 lat':>8} {'same':>5}"
+    )
+    for name, m in result["policies"].items():
+        print(
+            f"{name:>8} {m['samples_per_s']:9.3f} {m['samples_per_s'] / base:7.2f} {m['effective_token_ratio']:6.3f} "
+            f"{m['failure_ratio']:5.2f} {m['mean_latency_s']:8.1f} {m['p99_latency_s']:8.1f} {str(m['outputs_match_fcfs']):>5}"
+        )
+    pr = result["predictor"]
+    print(
+        f"predictor {pr['name']}: MAE {pr['mae']:.1f} Acc-50 {pr['acc50']:.2f} Acc-100 {pr['acc100']:.2f} "
+        f"({pr['predict_s']:.1f} s)"
+    )
+    print(f"\nsimulator ({result['simulator']['cost_model']}) on the same lengths:")
+    for name, s in result["simulator"]["policies"].items():
+        print(
+            f"{name:>8} eff {s['effective_token_ratio']:.3f} (measured {s['measured_effective_token_ratio']:.3f})  "
+            f"x fcfs {s['speedup']:.2f} (measured {s['measured_speedup']:.2f})"
+        )
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
