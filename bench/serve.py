@@ -84,6 +84,7 @@ def main() -> None:
     p.add_argument("--predictor", default="probe", choices=PREDICTORS)
     p.add_argument("--labels", default=None)
     p.add_argument("--train-n", type=int, default=256)
+    p.add_argument("--lora-epochs", type=int, default=2)
     p.add_argument("--cost-model", default=None, help="cost model JSON for the simulator comparison")
     p.add_argument("--json", default="bench/results/serve_bench.json")
     args = p.parse_args()
@@ -98,6 +99,7 @@ def main() -> None:
         predictor=args.predictor,
         labels=args.labels,
         train_n=args.train_n,
+        lora_epochs=args.lora_epochs,
     )
     start = time.perf_counter()
     result = run_bench(config)

@@ -85,6 +85,7 @@ def _bench(args: argparse.Namespace) -> int:
         labels=args.labels,
         train_n=args.train_n,
         aging=args.aging,
+        lora_epochs=args.lora_epochs,
     )
     result = run_bench(config)
     base = result["policies"]["fcfs"]["samples_per_s"]
@@ -174,6 +175,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--train-n", type=int, default=256)
     bench.add_argument("--aging", type=float, default=0.5)
+    bench.add_argument("--lora-epochs", type=int, default=2, help="self-lora tuning epochs")
     bench.add_argument("--json", default=None)
     bench.set_defaults(func=_bench)
 
