@@ -64,16 +64,18 @@ def test_resume_from_task_checkpoint_equals_uninterrupted_run(name, tiny_model, 
     stream = tiny_evaluator.stream
 
     def method():
-        return make_method(name, tiny_model(), train=TRAIN, teacher=_teacher(stream, tiny_model()))
+        model = tiny_model()
+        return make_method(name, model, train=TRAIN, teacher=_teacher(stream, tiny_model())), model
 
-    whole = method()
+    whole, whole_model = method()
     ref = run_stream(whole, tiny_evaluator, checkpoint_dir=tmp_path / "a", log=lambda s: None)
-    assert run_stream(method(), tiny_evaluator, checkpoint_dir=tmp_path / "b", stop_after=1, log=lambda s: None) is None
-    resumed = method()
+    stopped = run_stream(method()[0], tiny_evaluator, checkpoint_dir=tmp_path / "b", stop_after=1, log=lambda s: None)
+    assert stopped is None
+    resumed, resumed_model = method()
     got = run_stream(resumed, tiny_evaluator, checkpoint_dir=tmp_path / "b", log=lambda s: None)
     assert (got.R, got.R_ci, got.heldout) == (ref.R, ref.R_ci, ref.heldout)
-    want = whole.encoder().encoder.state_dict()
-    for k, v in resumed.encoder().encoder.state_dict().items():
+    want = whole_model.encoder.state_dict()
+    for k, v in resumed_model.encoder.state_dict().items():
         torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 

@@ -1,12 +1,14 @@
 """LoRA adapters (HF peft) on a frozen encoder: `seqlora`, `lora-per-task` (+ merging) and `ecru`.
 
-`ecru` = one LoRA adapter on the top layers only (so backward stops there), distilled towards the frozen
-initial model on reference sentences whose teacher embeddings are cached once, with a weight ensemble of
-the adapter tensors alone (a running mean of snapshots, starting from the pre-task adapter).
+`ecru` = one LoRA adapter on every linear layer of the top layers only, so the frozen bottom layers' outputs
+are computed once per text and cached (training and evaluation run only the top layers), distilled towards
+the frozen initial model on reference sentences whose teacher embeddings are cached once, with a weight
+ensemble of the adapter tensors alone (a running mean of snapshots, starting from the pre-task adapter).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from ecru.errors import EcruError
+from ecru.lifelong.evaluate import Encoder
 from ecru.lifelong.losses import task_loss
 from ecru.lifelong.methods.base import (
     TaskCost,
@@ -26,6 +29,7 @@ from ecru.lifelong.methods.base import (
     seed_task,
     trainable,
 )  # fmt: skip
+from ecru.lifelong.prefix import FrozenPrefix, PrefixCachedEncoder
 from ecru.lifelong.reference import TeacherCache
 from ecru.lifelong.stream import Task
 from ecru.models import MiniLM
@@ -59,6 +63,8 @@ class AdapterConfig:
     """Distillation temperature."""
     we_snapshots: int = 0
     """Adapter snapshots averaged per task, evenly spaced (0 = off)."""
+    cache_prefix: bool = False
+    """Cache the outputs of the frozen layers below the lowest adapted one (needs `layers`)."""
 
     def __post_init__(self) -> None:
         if self.r < 1 or self.alpha <= 0 or self.lr <= 0:
@@ -67,6 +73,8 @@ class AdapterConfig:
             raise EcruError(f"layers must name MiniLM layers 0..5 (or be None for all); got {self.layers}")
         if self.distill < 0 or self.we_snapshots < 0 or self.ref_batch < 1 or self.temperature <= 0:
             raise EcruError("need distill >= 0, we_snapshots >= 0, ref_batch >= 1, temperature > 0")
+        if self.cache_prefix and (self.layers is None or self.per_task):
+            raise EcruError("cache_prefix needs adapters on the top `layers` only, and a single adapter")
         if self.merge_weight is not None and self.merge_weight <= 0:
             raise EcruError(f"merge_weight must be > 0 or None; got {self.merge_weight}")
 
@@ -85,7 +93,12 @@ class Adapters:
             raise EcruError(f"method {name!r} distils on reference sentences: pass a TeacherCache")
         self.name, self.model, self.train, self.cfg, self.teacher = name, model, train, cfg, teacher
         self.adapters: list[str] = [self._adapter_name(0)]
-        model.encoder = get_peft_model(model.encoder, cfg.lora(), adapter_name=self.adapters[0])
+        with warnings.catch_warnings():  # transformers' deprecation notice raised from inside peft
+            warnings.simplefilter("ignore", FutureWarning)
+            model.encoder = get_peft_model(model.encoder, cfg.lora(), adapter_name=self.adapters[0])
+        self.prefix = FrozenPrefix(model, min(cfg.layers)) if cfg.cache_prefix else None
+        # the student: the whole encoder, or only its adapted top layers on cached frozen-prefix states
+        self.student = PrefixCachedEncoder(model, self.prefix) if self.prefix is not None else model
 
     def _adapter_name(self, index: int) -> str:
         return f"task{index}" if self.cfg.per_task else "default"
@@ -94,8 +107,8 @@ class Adapters:
     def peft(self):
         return self.model.encoder
 
-    def encoder(self) -> MiniLM:
-        return self.model
+    def encoder(self) -> Encoder:
+        return self.student
 
     def _activate(self, adapter: str) -> None:
         self.peft.base_model.set_adapter(adapter)
@@ -115,10 +128,10 @@ class Adapters:
         self.model.train()
 
         def loss_fn(batch: list, step: int) -> torch.Tensor:
-            emb, names, labels, _ = intent_batch(self.model, batch)
+            emb, names, labels, _ = intent_batch(self.student, batch)
             loss = task_loss(emb, names, labels, scale=self.train.scale, label_smoothing=self.train.label_smoothing)
             if cfg.distill > 0:
-                loss = loss + cfg.distill * reference_loss(self.model, self.teacher, rng, batch=cfg.ref_batch,
+                loss = loss + cfg.distill * reference_loss(self.student, self.teacher, rng, batch=cfg.ref_batch,
                                                            scale=self.train.scale, temperature=cfg.temperature)  # fmt: skip
             return loss
 
@@ -144,6 +157,8 @@ class Adapters:
                     p.copy_(a)
         if cfg.per_task:
             self._merge()
+        if self.prefix is not None:  # this task's utterances will not come back
+            self.prefix.drop(e.text for e in task.train)
         return cost
 
     def _merge(self) -> None:

@@ -45,7 +45,7 @@ ADAPTERS: dict[str, AdapterConfig] = {
     "seqlora": AdapterConfig(),
     "lora-per-task": AdapterConfig(per_task=True),
     "ecru": AdapterConfig(targets=("query", "key", "value", "dense"), layers=(3, 4, 5), lr=1e-3,
-                          distill=1.0, ref_batch=16, we_snapshots=5),  # fmt: skip
+                          distill=1.0, ref_batch=16, we_snapshots=5, cache_prefix=True),  # fmt: skip
 }
 METHODS: tuple[str, ...] = ("zeroshot", *FINETUNE, *ADAPTERS)
 DISTILLING = frozenset(n for n, c in {**FINETUNE, **ADAPTERS}.items() if c.distill > 0)

@@ -1,0 +1,153 @@
+"""Lifelong benchmark: every method on the CLINC domain stream, accuracy matrices, metrics and costs.
+
+    python bench/lifelong.py --quick --json bench/results/lifelong_quick.json     # ~10 min on 2 CPU cores
+    python bench/lifelong.py --full --json bench/results/lifelong_full.json       # 10 domains x 3 (seed, order)
+                                                                                 # pairs: CPU-hours
+Writes {"config", "methods": {name: {R, R0, metrics, metrics_std, heldout, cost, runs}}} (R and metrics
+averaged over the runs, std over runs) and two PNGs next to the JSON: R heatmaps per method, and Transfer /
+Last versus cost. The zero-shot row R0 and the teacher's reference embeddings are computed once per run
+and shared by the methods (the frozen model's outputs are never recomputed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ecru.demo.plots import new_figure, save
+from ecru.lifelong.experiment import Experiment
+from ecru.lifelong.methods import METHODS, TrainConfig
+from ecru.lifelong.stream import StreamConfig
+
+QUICK = dict(tasks=3, train_per_intent=8, test_per_intent=5, heldout_per_class=5, reference_size=500)
+FULL = dict(tasks=10, train_per_intent=100, test_per_intent=30, heldout_per_class=40, reference_size=2000)
+HEADLINE = ("last", "avg", "transfer", "transfer_retention", "bwt", "heldout_drop", "diag")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="3 domains, 8 examples per intent, one seed")
+    size.add_argument("--full", action="store_true", help="10 domains, all examples, 3 (seed, order) pairs")
+    p.add_argument("--tasks", type=int, default=None, help="override the number of domains")
+    p.add_argument("--train-per-intent", type=int, default=None, help="override training utterances per intent")
+    p.add_argument("--test-per-intent", type=int, default=None, help="override test utterances per intent")
+    p.add_argument("--heldout-per-class", type=int, default=None, help="override Banking77 utterances per class")
+    p.add_argument("--runs", default=None, help="comma-separated seed:order pairs, e.g. 0:0,1:1,2:2")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods to run")
+    p.add_argument("--epochs", type=int, default=2, help="epochs per task")
+    p.add_argument("--batch-size", type=int, default=None, help="utterances per step (quick: 16, else 32)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, help="per-task checkpoints (resumable)")
+    p.add_argument("--json", type=Path, required=True, help="output JSON; the PNGs are written beside it")
+    return p.parse_args(argv)
+
+
+def stream_kwargs(args) -> dict:
+    kw = dict(FULL if args.full or not args.quick else QUICK)
+    for k in ("tasks", "train_per_intent", "test_per_intent", "heldout_per_class"):
+        if getattr(args, k) is not None:
+            kw[k] = getattr(args, k)
+    return kw
+
+
+def run_pairs(args) -> list[tuple[int, int]]:
+    if args.runs:
+        return [tuple(int(x) for x in r.split(":")) for r in args.runs.split(",")]
+    return [(0, 0), (1, 1), (2, 2)] if args.full else [(0, 0)]
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Mean R, heldout and cost over runs; metrics as mean and std (0 with a single run)."""
+    mean = lambda key: np.mean([r[key] for r in runs], axis=0).tolist()  # noqa: E731
+    metrics = {k: statistics.fmean(r["metrics"][k] for r in runs) for k in runs[0]["metrics"]}
+    std = {k: statistics.pstdev(r["metrics"][k] for r in runs) for k in runs[0]["metrics"]}
+    cost = {k: statistics.fmean(r["cost"][k] for r in runs) for k in runs[0]["cost"]}
+    metrics_ci = {k: statistics.fmean(r["metrics_ci"][k] for r in runs) for k in runs[0]["metrics_ci"]}
+    return {"R": mean("R"), "R0": mean("R0"), "R_ci": mean("R_ci"), "metrics": metrics, "metrics_std": std,
+            "metrics_ci": metrics_ci, "heldout": mean("heldout"), "cost": cost, "runs": runs}  # fmt: skip
+
+
+def plot_heatmaps(methods: dict, path: Path) -> str:
+    names = list(methods)
+    cols = min(4, len(names))
+    rows = -(-len(names) // cols)
+    fig, _ = new_figure(width=3.2 * cols, height=2.9 * rows, ncols=cols)
+    fig.clear()
+    grid = fig.subplots(rows, cols, squeeze=False)
+    for ax, name in zip(grid.flat, names, strict=False):
+        R = np.array(methods[name]["R"])
+        im = ax.imshow(R, vmin=40, vmax=100, cmap="viridis")
+        ticks = range(R.shape[0])
+        ax.set(title=f"{name}: last {methods[name]['metrics']['last']:.1f}", xlabel="task", ylabel="after task",
+               xticks=ticks, yticks=ticks, xticklabels=[t + 1 for t in ticks], yticklabels=[t + 1 for t in ticks])  # fmt: skip
+        for (i, j), v in np.ndenumerate(R):
+            if R.shape[0] <= 5:
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7, color="w")
+    for ax in list(grid.flat)[len(names) :]:
+        ax.axis("off")
+    fig.colorbar(im, ax=grid, shrink=0.6, label="accuracy %")
+    return save(fig, path)
+
+
+def plot_cost(methods: dict, path: Path) -> str:
+    fig, (ax1, ax2) = new_figure(width=10, height=4, ncols=2)
+    for name, m in methods.items():
+        x = max(m["cost"]["wall_s"], 1e-2)
+        for ax, key in ((ax1, "transfer_retention"), (ax2, "last")):
+            ax.scatter(x, m["metrics"][key], s=20 + 60 * np.log10(1 + m["cost"]["trainable_params"]) / 8)
+            ax.annotate(name, (x, m["metrics"][key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax1.set(xscale="log", xlabel="training wall s per task (log)", ylabel="transfer retention (points)",
+            title="zero-shot transfer kept vs cost")  # fmt: skip
+    ax2.set(xscale="log", xlabel="training wall s per task (log)", ylabel="last (%)", title="final accuracy vs cost")
+    ax1.axhline(0, color="grey", lw=0.5)
+    return save(fig, path)
+
+
+def print_table(methods: dict) -> None:
+    print(f"\n{'method':<14}" + "".join(f"{k[:10]:>11}" for k in HEADLINE) + f"{'params':>11}{'s/task':>8}{'rss MB':>8}")
+    for name, m in methods.items():
+        vals = "".join(f"{m['metrics'][k]:>7.1f}±{m['metrics_std'][k]:<3.1f}" for k in HEADLINE)
+        c = m["cost"]
+        print(f"{name:<14}{vals}{c['trainable_params']:>11.0f}{c['wall_s']:>8.1f}{c['peak_rss_mb']:>8.0f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    names = [n.strip() for n in args.methods.split(",")]
+    unknown = set(names) - set(METHODS)
+    if unknown:
+        sys.exit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    kw, start = stream_kwargs(args), time.perf_counter()
+    batch = args.batch_size or (16 if args.quick else 32)
+    per_method: dict[str, list[dict]] = {n: [] for n in names}
+    for seed, order in run_pairs(args):
+        exp = Experiment(StreamConfig(**kw, order=order, seed=seed), log=lambda s: print(s, file=sys.stderr, flush=True))
+        train = TrainConfig(epochs=args.epochs, batch_size=batch, seed=seed)
+        for name in names:
+            ckpt = None if args.checkpoint_dir is None else args.checkpoint_dir / f"{name}-s{seed}-o{order}"
+            per_method[name].append({"seed": seed, "order": order, **exp.run(name, train, checkpoint_dir=ckpt).to_json()})
+    methods = {n: aggregate(r) for n, r in per_method.items()}
+    config = {"stream": kw, "runs": run_pairs(args), "epochs": args.epochs, "batch_size": batch,
+              "threads": torch.get_num_threads(), "command": " ".join(["python", *sys.argv]),
+              "total_wall_s": time.perf_counter() - start, "units": "percent"}  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"config": config, "methods": methods}, indent=1))
+    stem = args.json.with_suffix("")
+    plots = [plot_heatmaps(methods, stem.with_name(stem.name + "_R.png")),
+             plot_cost(methods, stem.with_name(stem.name + "_cost.png"))]  # fmt: skip
+    print_table(methods)
+    print(f"\nwrote {args.json} and {', '.join(plots)} in {config['total_wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
