@@ -1,0 +1,70 @@
+"""`ecru serve label` and `ecru serve bench` end to end on the tiny model (SmolLM2's tokenizer)."""
+
+import json
+
+from ecru.cli import main
+
+
+def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"tell me about topic {i}"}) + "\n" for i in range(6)))
+    labels = tmp_path / "labels.jsonl"
+    args = ["serve", "label", "--model", "tiny", "--prompts", str(prompts), "--n", "6", "--samples", "2"]
+    assert main([*args, "--max-new-tokens", "6", "--out", str(labels)]) == 0
+    rows = [json.loads(line) for line in labels.read_text().splitlines()]
+    assert len(rows) == 6 and all(len(r["lengths"]) == 2 and r["max_new_tokens"] == 6 for r in rows)
+    assert main([*args, "--max-new-tokens", "6", "--out", str(labels)]) == 0  # cached: nothing appended
+    assert len(labels.read_text().splitlines()) == 6
+
+    out = tmp_path / "bench.json"
+    code = main(
+        [
+            "serve",
+            "bench",
+            "--model",
+            "tiny",
+            "--prompts",
+            str(prompts),
+            "--n",
+            "5",
+            "--max-new-tokens",
+            "6",
+            "--batch-size",
+            "2",
+            "--predictor",
+            "constant",
+            "--labels",
+            str(labels),
+            "--train-n",
+            "6",
+            "--json",
+            str(out),
+        ]
+    )
+    result = json.loads(out.read_text())
+    assert code == 0 and set(result["policies"]) == {
+        "fcfs",
+        "sorted",
+        "fcr",
+        "fcr+vbs",
+        "oracle",
+        "cb",
+        "cb-sjf",
+    }
+    keys = {
+        "samples_per_s",
+        "tokens_per_s",
+        "effective_token_ratio",
+        "failure_ratio",
+        "mean_latency_s",
+        "p99_latency_s",
+        "wall_s",
+    }
+    for m in result["policies"].values():
+        assert keys <= set(m) and m["outputs_match_fcfs"]
+    assert {"name", "mae", "acc50", "acc100", "predict_s"} <= set(result["predictor"])
+
+
+def test_bench_rejects_unknown_policy(capsys):
+    assert main(["serve", "bench", "--model", "tiny", "--policies", "fcfs,lifo"]) == 1
+    assert "lifo" in capsys.readouterr().err
