@@ -1,0 +1,297 @@
+"""Large-batch CTR scaling on synthetic Criteo-shaped data with a known optimum (ecru's CowClip pillar).
+
+Every recipe trains DeepFM on the same data and seed at the 1K base batch and at large batches, in the
+faithful full-table mode and (for the CowClip and ecru recipes) the row-sparse mode; the teacher FM gives
+the oracle AUC/logloss, so each run's gap to the optimum is known. Also times row-sparse vs faithful
+updates at 1K (alternating repetitions, median).
+
+    python bench/ctr_scaling.py --quick --json bench/results/ctr_quick.json   # ~10 min on 2 CPU cores
+    python bench/ctr_scaling.py --full --json bench/results/ctr_full.json     # hours: the paper's regime
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ecru.cowclip import scaled_recipe
+from ecru.ctr import SyntheticConfig, TrainConfig, generate, train
+from ecru.ctr.synthetic import realised_oracle
+
+RECIPES = ("adam", "adam-sqrt", "linear", "cowclip", "ecru")
+BOTH_MODES = ("cowclip", "ecru")  # the other baselines run in the faithful mode only
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One benchmark size."""
+
+    rows: int
+    """Synthetic rows (train + test)."""
+    test_fraction: float
+    """Held-out share (random split)."""
+    scale: float
+    """Cardinalities are Criteo's x this."""
+    zipf: float
+    """Zipf exponent of the ids (lower: heavier tail, more rare ids)."""
+    mlp: tuple[int, ...]
+    """DeepFM's hidden widths."""
+    epochs: int
+    """Epochs of every run (the 1K reference trains on the same samples)."""
+    batches: tuple[int, ...]
+    """Batch sizes; the first is the base (1K)."""
+    timing_steps: int
+    """Steps per repetition of the row-sparse vs faithful timing at the base batch."""
+
+
+QUICK = Setting(
+    rows=1_200_000,
+    test_fraction=1 / 6,
+    scale=1e-2,
+    zipf=1.1,
+    mlp=(128, 128, 128),
+    epochs=1,
+    batches=(1024, 32768),
+    timing_steps=100,
+)
+# >= 1,000 steps at 32K (10M rows x 4 epochs / 32K = 1,220) and 305 at 128K; 3.4M ids, heavier tail
+FULL = Setting(
+    rows=11_000_000,
+    test_fraction=1 / 11,
+    scale=1e-1,
+    zipf=1.05,
+    mlp=(400, 400, 400),
+    epochs=4,
+    batches=(1024, 32768, 131072),
+    timing_steps=300,
+)
+
+
+def run_one(
+    setting: Setting, data, recipe_name: str, mode: str, batch: int, oracle: tuple[float, float]
+) -> dict:
+    train_data, test_data = data
+    recipe = scaled_recipe(recipe_name, batch, base_batch=setting.batches[0])
+    cfg = TrainConfig(
+        batch_size=batch,
+        epochs=setting.epochs,
+        recipe=recipe_name,
+        mode=mode,
+        mlp=setting.mlp,
+        base_batch=setting.batches[0],
+        progress=True,
+    )
+    res = train(cfg, train_data, test_data, recipe=recipe)
+    row = {
+        "recipe": recipe_name,
+        "mode": mode,
+        "batch_size": batch,
+        "epochs": setting.epochs,
+        "steps": res.steps,
+        "auc": res.auc,
+        "logloss": res.logloss,
+        "oracle_auc": oracle[0],
+        "oracle_logloss": oracle[1],
+        "samples_per_s": res.samples_per_s,
+        "wall_s": res.wall_s,
+        "clipped_fraction": res.clip.clipped_fraction,
+        "threads": torch.get_num_threads(),
+        "clipped_rows": res.clip.clipped,
+        "seen_rows": res.clip.rows,
+        "clip_ratio_quantiles": res.clip.ratio_quantiles,
+        "clip_active": recipe.clip,
+        "settings": asdict(recipe),
+        "first_losses": res.losses[:5],
+    }
+    print(
+        f"{recipe_name:>9} {mode:>6} b={batch:>6}: AUC {res.auc:.5f} (oracle {oracle[0]:.5f}) logloss {res.logloss:.5f} "
+        f"{res.steps} steps {res.samples_per_s:>9,.0f}/s clipped {res.clip.clipped_fraction:.3%} "
+        f"max ||g||/thr {res.clip.ratio_quantiles['max']:.3g}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def plan(setting: Setting) -> list[tuple[str, str, int]]:
+    """(recipe, mode, batch) runs; at the base batch the scaling rules coincide, so identical settings run once."""
+    runs = []
+    for batch in setting.batches:
+        for name in RECIPES:
+            for mode in ("full", "sparse") if name in BOTH_MODES else ("full",):
+                runs.append((name, mode, batch))
+    return [("adam", "sparse", setting.batches[0]), *runs]  # the row-sparse 1K reference first
+
+
+def time_modes(setting: Setting, data, reps: int = 3) -> dict:
+    """Samples/s of faithful vs row-sparse CowClip at the base batch: alternating repetitions, medians."""
+    batch = setting.batches[0]
+    subset = data[0].subset(slice(0, batch * setting.timing_steps))
+    speed = {"full": [], "sparse": []}
+    for _ in range(reps):
+        for mode in ("full", "sparse"):
+            cfg = TrainConfig(
+                batch_size=batch,
+                recipe="cowclip",
+                mode=mode,
+                mlp=setting.mlp,
+                progress=False,
+                base_batch=batch,
+                eval_batch=65536,
+            )
+            speed[mode].append(train(cfg, subset, data[1].subset(slice(0, 20000))).samples_per_s)
+    med = {m: statistics.median(v) for m, v in speed.items()}
+    return {
+        "batch_size": batch,
+        "steps_per_rep": setting.timing_steps,
+        "reps": reps,
+        "samples_per_s": speed,
+        "median_full": med["full"],
+        "median_sparse": med["sparse"],
+        "speedup": med["sparse"] / med["full"],
+    }
+
+
+def targets(runs: list[dict], timing: dict, base: int, big: int) -> dict:
+    def find(recipe, mode, batch):
+        return next(r for r in runs if (r["recipe"], r["mode"], r["batch_size"]) == (recipe, mode, batch))
+
+    ref = find("adam", "full", base)["auc"]
+    best_ecru = max(find("ecru", m, big)["auc"] for m in ("full", "sparse"))
+    best_cowclip = max(find("cowclip", m, big)["auc"] for m in ("full", "sparse"))
+    cc_full, cc_sparse = find("cowclip", "full", base), find("cowclip", "sparse", base)
+    return {
+        "reference_1k_auc": ref,
+        "large_batch": big,
+        "ecru_gap_to_1k": ref - best_ecru,
+        "ecru_within_0.005": ref - best_ecru <= 0.005,
+        "cowclip_gap_to_1k": ref - best_cowclip,
+        "ecru_beats_cowclip": best_ecru > best_cowclip,
+        "sparse_vs_full_speedup_1k": timing["speedup"],
+        "sparse_speedup_ge_1.2": timing["speedup"] >= 1.2,
+        "sparse_vs_full_auc_diff_1k": cc_sparse["auc"] - cc_full["auc"],
+        "sparse_auc_within_0.001": abs(cc_sparse["auc"] - cc_full["auc"]) <= 0.001,
+        "clip_fired_at_large_batch": any(
+            r["clipped_rows"] for r in runs if r["batch_size"] == big and r["clip_active"]
+        ),
+    }
+
+
+def plot(runs: list[dict], path: Path, title: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for recipe, mode in dict.fromkeys((r["recipe"], r["mode"]) for r in runs):
+        pts = sorted(
+            (r["batch_size"], r["oracle_auc"] - r["auc"])
+            for r in runs
+            if (r["recipe"], r["mode"]) == (recipe, mode)
+        )
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="o",
+            label=f"{recipe} ({mode})",
+            linestyle="-" if mode == "full" else "--",
+        )
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="oracle AUC - test AUC", title=title)
+    ax.set_xticks(
+        sorted({r["batch_size"] for r in runs}),
+        [f"{b // 1024}K" for b in sorted({r["batch_size"] for r in runs})],
+    )
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="1K vs 32K, one epoch, 1M train rows (default)")
+    size.add_argument(
+        "--full", action="store_true", help=">= 1,000 steps at 32K, 1K on the same samples (hours)"
+    )
+    p.add_argument("--json", default="bench/results/ctr_quick.json")
+    p.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (recorded in every run)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    setting = FULL if args.full else QUICK
+    start = time.perf_counter()
+    data = generate(
+        SyntheticConfig(n_rows=setting.rows, scale=setting.scale, zipf=setting.zipf, seed=args.seed)
+    )
+    train_data, test_data = data.split_random(setting.test_fraction, seed=args.seed)
+    oracle = realised_oracle(test_data)
+    print(
+        f"data: {len(train_data):,} train / {len(test_data):,} test rows, {sum(data.cardinalities):,} ids, "
+        f"oracle AUC {oracle[0]:.5f} logloss {oracle[1]:.5f}",
+        file=sys.stderr,
+        flush=True,
+    )
+    runs, done = [], {}
+    for name, mode, batch in plan(setting):
+        key = (
+            mode,
+            *(
+                v
+                for k, v in asdict(scaled_recipe(name, batch, base_batch=setting.batches[0])).items()
+                if k != "name"
+            ),
+        )
+        if key in done:  # e.g. every rule is the plain 1K recipe at s = 1: identical run, not repeated
+            runs.append({**done[key], "recipe": name, "same_run_as": done[key]["recipe"]})
+            continue
+        runs.append(run_one(setting, (train_data, test_data), name, mode, batch, oracle))
+        done[key] = runs[-1]
+    timing = time_modes(setting, (train_data, test_data))
+    summary = targets(runs, timing, setting.batches[0], setting.batches[1])
+    out = {
+        "command": " ".join(
+            ["python", "bench/ctr_scaling.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "setting": asdict(setting),
+        "data": {
+            "train_rows": len(train_data),
+            "test_rows": len(test_data),
+            "ids": sum(data.cardinalities),
+            "oracle_auc": oracle[0],
+            "oracle_logloss": oracle[1],
+        },
+        "host": {"python": platform.python_version(), "torch": torch.__version__, "threads": args.threads},
+        "runs": runs,
+        "timing_1k": timing,
+        "targets": summary,
+        "total_wall_s": time.perf_counter() - start,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    plot(
+        runs,
+        Path(args.plot or Path(args.json).with_suffix(".png")),
+        f"DeepFM, {'full' if args.full else 'quick'}: gap to the oracle",
+    )
+    print(
+        f"\n{'recipe':>9} {'mode':>6} {'batch':>6} {'steps':>6} {'AUC':>8} {'gap1K':>8} {'gapOr':>8} {'samples/s':>10} {'clipped':>8}"
+    )
+    ref = summary["reference_1k_auc"]
+    for r in runs:
+        print(
+            f"{r['recipe']:>9} {r['mode']:>6} {r['batch_size']:>6} {r['steps']:>6} {r['auc']:>8.5f} {ref - r['auc']:>8.5f} "
+            f"{r['oracle_auc'] - r['auc']:>8.5f} {r['samples_per_s']:>10,.0f} {r['clipped_fraction']:>8.3%}"
+        )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
