@@ -193,20 +193,23 @@ class L2L:
         self.store.synchronize()
 
     # ---- weight binding -------------------------------------------------------------------------
-    @staticmethod
-    def _leaves(binding: Binding, weights: Sequence[torch.Tensor]) -> tuple[dict[int, torch.Tensor], list[int]]:
-        """Fresh autograd leaves over the group's device weights that `binding` uses, keyed by index."""
+    def _leaves(self, binding: Binding, weights: Sequence[torch.Tensor]) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """Autograd leaves over the group's device weights that `binding` uses, keyed by index: the
+        masters themselves when they are bound directly, else fresh leaves over the device copies."""
         indices = sorted({idx for _, idx in binding})
+        if self.store.binds_masters:
+            return {idx: weights[idx] for idx in indices}, indices
         return {idx: weights[idx].detach().requires_grad_() for idx in indices}, indices
 
-    @staticmethod
-    def _call(module: nn.Module, binding: Binding, weights, args: tuple, *, fresh_buffers: bool = False):
-        """`module(*args)` with its parameters bound to `weights` (a sequence or an index -> tensor dict).
-        A recomputation gets copies of the buffers so running statistics are updated once, in the forward."""
-        bound = {name: weights[idx] for name, idx in binding}
+    def _call(self, module: nn.Module, binding: Binding, weights, args: tuple, *, fresh_buffers: bool = False):
+        """`module(*args)` with its parameters bound to `weights` (a sequence or an index -> tensor dict)
+        through `functional_call`; when the masters are the device weights, they are the module's own
+        parameters already and only buffers are bound. A recomputation gets copies of the buffers, so
+        running statistics are updated once, in the forward."""
+        bound = {} if self.store.binds_masters else {name: weights[idx] for name, idx in binding}
         if fresh_buffers:
             bound.update({name: b.clone() for name, b in module.named_buffers()})
-        return functional_call(module, bound, args)
+        return functional_call(module, bound, args) if bound else module(*args)
 
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -118,13 +118,19 @@ class ParameterStore:
         group.refresh_wire()
         return group
 
+    @property
+    def binds_masters(self) -> bool:
+        """True when the device weights are the fp32 masters themselves (CPU device, float32 compute)."""
+        return not self.cuda and self.dtype == torch.float32
+
     # ---- weights: host -> device -------------------------------------------------------------------
     def weights(self, g: int) -> list[torch.Tensor]:
-        """Group `g`'s weights on the device in the compute dtype, usable on the current stream."""
+        """Group `g`'s weights on the device in the compute dtype, usable on the current stream (the
+        masters themselves when `binds_masters`)."""
         group = self.groups[g]
         self.wait(g)
         if not self.cuda:
-            return [p.detach() for p in group.params] if group.wire is None else group.views(group.wire)
+            return list(group.params) if group.wire is None else group.views(group.wire)
         slot = self._load(g)
         torch.cuda.current_stream(self.device).wait_event(slot.ready)
         return group.views(slot.flat)

@@ -1,0 +1,236 @@
+"""Plain PyTorch training vs L2L at the same batch: step time (same process, alternating, median) and peak
+host RSS (a fresh subprocess per configuration and mode; peak device memory too on CUDA).
+
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python bench/l2l.py --quick --json bench/results/l2l_quick.json
+
+Models: a random Llama of SmolLM2-135M's shape (30 blocks, width 576, 49K vocabulary, tied embedding)
+and a deep narrow random Llama. Both sides use fused AdamW (the fastest CPU optimizer) in fp32; the
+compute runs on one thread, and L2L adds its optimizer worker thread (on 2 cores it overlaps the backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark configuration."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    batch: int
+    seq: int
+    micro: int
+
+
+CASES = {
+    "smollm2-shape": Case("smollm2-shape", 576, 30, 9, 3, 1536, 49152, batch=4, seq=128, micro=2),
+    "deep-narrow": Case("deep-narrow", 256, 48, 4, 2, 688, 2048, batch=8, seq=128, micro=4),
+}
+QUICK = {
+    "smollm2-shape": Case("smollm2-shape", 576, 30, 9, 3, 1536, 49152, batch=4, seq=64, micro=2),
+    "deep-narrow": Case("deep-narrow", 256, 24, 4, 2, 688, 2048, batch=8, seq=64, micro=4),
+}
+
+
+def build(case: Case) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=case.vocab, hidden_size=case.hidden, num_hidden_layers=case.layers,
+        num_attention_heads=case.heads, num_key_value_heads=case.kv_heads, intermediate_size=case.intermediate,
+        max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).train()
+
+
+def make_batch(case: Case, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, case.vocab, (case.batch, case.seq), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-4, fused=True)
+
+
+class Plain:
+    """Ordinary training: model (on the device), fused AdamW, full-batch forward/backward."""
+
+    def __init__(self, model: torch.nn.Module, device: str):
+        self.model, self.device = model.to(device), device
+        self.opt = ADAMW(self.model.parameters()) if device == "cpu" else torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    def step(self, batch: dict) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.model(**{k: v.to(self.device) for k, v in batch.items()}).loss
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+
+def make_runner(mode: str, model: torch.nn.Module, case: Case, device: str):
+    if mode == "plain":
+        return Plain(model, device)
+    from ecru.l2l import L2L, L2LConfig
+
+    return L2L.from_hf(model, optimizer=ADAMW, config=L2LConfig(micro_batch_size=case.micro, device=device))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_alternating(case: Case, *, reps: int, device: str) -> dict[str, list[float]]:
+    """Step times of plain and L2L, alternating so that load changes hit both alike; first step is warm-up."""
+    base = build(case)
+    runners = {"plain": make_runner("plain", copy.deepcopy(base), case, device),
+               "l2l": make_runner("l2l", copy.deepcopy(base), case, device)}
+    del base
+    times: dict[str, list[float]] = {"plain": [], "l2l": []}
+    for rep in range(reps + 1):
+        for mode in (("plain", "l2l") if rep % 2 == 0 else ("l2l", "plain")):
+            batch = make_batch(case, rep)
+            sync(device)
+            start = time.perf_counter()
+            runners[mode].step(batch)
+            sync(device)
+            if rep > 0:
+                times[mode].append(time.perf_counter() - start)
+        print(f"  {case.name} rep {rep}: plain {times['plain'][-1:]} l2l {times['l2l'][-1:]}", file=sys.stderr, flush=True)
+    return times
+
+
+def reset_peak_rss() -> None:
+    """Linux: a child inherits its parent's peak RSS through fork; writing 5 to clear_refs resets it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float:
+    try:
+        status = Path("/proc/self/status").read_text()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(case: Case, mode: str, device: str) -> dict:
+    """Peak memory of one mode in this (fresh) process: build, two steps."""
+    reset_peak_rss()
+    runner = make_runner(mode, build(case), case, device)
+    for s in range(2):
+        runner.step(make_batch(case, s))
+    out = {"peak_rss_mb": peak_rss_mb()}
+    if device.startswith("cuda"):
+        out["peak_device_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def peak_in_subprocess(name: str, mode: str, *, quick: bool, device: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", name, "--mode", mode, "--device", device] + (["--quick"] if quick else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_case(case: Case, *, reps: int, quick: bool, device: str) -> dict:
+    # memory first: the children then start from this process before it holds any model
+    peaks = {mode: peak_in_subprocess(case.name, mode, quick=quick, device=device) for mode in ("plain", "l2l")}
+    times = time_alternating(case, reps=reps, device=device)
+    result = {"case": asdict(case), "tokens_per_step": case.batch * case.seq,
+              "micro_batches": -(-case.batch // case.micro)}
+    for mode in ("plain", "l2l"):
+        result[mode] = {"step_s": statistics.median(times[mode]), "step_s_all": times[mode], **peaks[mode]}
+    result["ratio"] = result["l2l"]["step_s"] / result["plain"]["step_s"]
+    result["rss_ratio"] = result["l2l"]["peak_rss_mb"] / result["plain"]["peak_rss_mb"]
+    if device.startswith("cuda"):
+        result["device_memory_ratio"] = result["l2l"]["peak_device_mb"] / result["plain"]["peak_device_mb"]
+    result["params"] = sum(p.numel() for p in build(case).parameters())
+    return result
+
+
+def plot(results: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    names = list(results)
+    for k, mode in enumerate(("plain", "l2l")):
+        xs = [i + 0.38 * k for i in range(len(names))]
+        ax1.bar(xs, [results[n][mode]["step_s"] for n in names], width=0.38, label=mode)
+        ax2.bar(xs, [results[n][mode]["peak_rss_mb"] for n in names], width=0.38, label=mode)
+    for ax, label in ((ax1, "median step time (s)"), (ax2, "peak host RSS (MiB)")):
+        ax.set_xticks([i + 0.19 for i in range(len(names))], names)
+        ax.set_ylabel(label)
+        ax.legend()
+    ax1.set_title("L2L / plain: " + ", ".join(f"{n} {results[n]['ratio']:.2f}x" for n in names), fontsize=9)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes: within 5 minutes on 2 CPU cores")
+    parser.add_argument("--json", default=None, help="write results here (a PNG is written beside it)")
+    parser.add_argument("--reps", type=int, default=None, help="timed steps per mode (after one warm-up)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--only", default=None, help="comma-separated case names")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cases = QUICK if args.quick else CASES
+    if args.child:
+        print(json.dumps(child(cases[args.child], args.mode, args.device)))
+        return 0
+    reps = args.reps or (3 if args.quick else 5)
+    names = args.only.split(",") if args.only else list(cases)
+    start = time.perf_counter()
+    results = {n: run_case(cases[n], reps=reps, quick=args.quick, device=args.device) for n in names}
+    print(f"\n{'case':<15}{'params':>9}{'plain s':>10}{'l2l s':>9}{'ratio':>7}{'plain RSS':>11}{'l2l RSS':>9}")
+    for n, r in results.items():
+        print(f"{n:<15}{r['params'] / 1e6:>8.1f}M{r['plain']['step_s']:>10.3f}{r['l2l']['step_s']:>9.3f}"
+              f"{r['ratio']:>7.2f}{r['plain']['peak_rss_mb']:>10.0f}M{r['l2l']['peak_rss_mb']:>8.0f}M")
+    head = results[names[0]]
+    out = {
+        "command": " ".join(["python", *sys.argv]),
+        "threads": {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "l2l_optimizer_worker_threads": 1},
+        "device": args.device, "cpu_cores": os.cpu_count(), "torch": torch.__version__, "dtype": "float32",
+        "headline_case": names[0], "plain": head["plain"], "l2l": head["l2l"], "ratio": head["ratio"],
+        "ratio_max": max(r["ratio"] for r in results.values()), "cases": results,
+        "wall_s": time.perf_counter() - start,
+    }
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2))
+        plot(results, path.with_suffix(".png"))
+        print(f"wrote {path} and {path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
