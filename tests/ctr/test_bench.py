@@ -1,0 +1,41 @@
+"""bench/ctr_scaling.py on a tiny setting: every recipe/mode/batch runs and the JSON has the issue's schema."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "ctr_scaling.py"
+KEYS = {"recipe", "mode", "batch_size", "epochs", "steps", "auc", "logloss", "oracle_auc", "oracle_logloss",
+        "samples_per_s", "wall_s", "clipped_fraction", "threads"}
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("ctr_scaling", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ctr_scaling", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_schema_on_a_tiny_setting(bench, tmp_path, monkeypatch):
+    tiny = bench.Setting(rows=6000, test_fraction=0.25, scale=1e-3, zipf=1.1, mlp=(8,), epochs=1,
+                         batches=(128, 512), timing_steps=3)
+    monkeypatch.setattr(bench, "QUICK", tiny)
+    out = tmp_path / "r.json"
+    assert bench.main(["--quick", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert all(KEYS <= set(r) for r in runs)
+    got = {(r["recipe"], r["mode"], r["batch_size"]) for r in runs}
+    for b in (128, 512):
+        assert {("adam", "full", b), ("adam-sqrt", "full", b), ("linear", "full", b)} <= got
+        assert {(n, m, b) for n in ("cowclip", "ecru") for m in ("full", "sparse")} <= got
+    same = [r for r in runs if r.get("same_run_as")]
+    assert {r["recipe"] for r in same if r["batch_size"] == 128} == {"adam-sqrt", "linear", "ecru"}
+    assert all(r["batch_size"] == 128 for r in same)  # at s = 1 every rule is the 1K recipe
+    assert set(result["targets"]) >= {"ecru_gap_to_1k", "sparse_vs_full_speedup_1k", "clip_fired_at_large_batch"}
+    assert out.with_suffix(".png").stat().st_size > 0
