@@ -105,3 +105,10 @@ def test_cli_simulate_bad_trace_is_one_line_error(tmp_path, capsys):
     assert "output_len" in capsys.readouterr().err
     write_trace(tmp_path / "u.jsonl", [(3, None)])
     assert main(["serve", "simulate", "--trace", str(tmp_path / "u.jsonl"), "--policy", "sorted"]) == 1
+
+
+def test_measure_cost_model_on_tiny_model(model):
+    from ecru.serve import measure_cost_model
+
+    cost = measure_cost_model(model, batches=(1, 4), contexts=(8, 32), prompt_lens=(4, 16), reps=2, source="tiny")
+    assert cost.source == "tiny" and cost.step_time(4, 32) > 0 and cost.prefill_time(4, 16) > 0

@@ -59,7 +59,13 @@ class BatchResult:
 
     @property
     def useful(self) -> int:
+        """Slots that produced a real token (EOS included)."""
         return sum(len(t) for t in self.tokens)
+
+    @property
+    def padding(self) -> int:
+        """Slots computed for rows that had already finished."""
+        return self.slots - self.useful
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
