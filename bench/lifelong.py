@@ -27,7 +27,7 @@ from ecru.lifelong.experiment import Experiment
 from ecru.lifelong.methods import METHODS, TrainConfig
 from ecru.lifelong.stream import StreamConfig
 
-QUICK = dict(tasks=3, train_per_intent=8, test_per_intent=5, heldout_per_class=5, reference_size=500)
+QUICK = dict(tasks=3, train_per_intent=4, test_per_intent=4, heldout_per_class=3, reference_size=400)
 FULL = dict(tasks=10, train_per_intent=100, test_per_intent=30, heldout_per_class=40, reference_size=2000)
 HEADLINE = ("last", "avg", "transfer", "transfer_retention", "bwt", "heldout_drop", "diag")
 
@@ -35,7 +35,7 @@ HEADLINE = ("last", "avg", "transfer", "transfer_retention", "bwt", "heldout_dro
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="3 domains, 8 examples per intent, one seed")
+    size.add_argument("--quick", action="store_true", help="3 domains, 4 examples per intent, one seed")
     size.add_argument("--full", action="store_true", help="10 domains, all examples, 3 (seed, order) pairs")
     p.add_argument("--tasks", type=int, default=None, help="override the number of domains")
     p.add_argument("--train-per-intent", type=int, default=None, help="override training utterances per intent")
@@ -135,18 +135,25 @@ def main(argv=None) -> int:
         for name in names:
             ckpt = None if args.checkpoint_dir is None else args.checkpoint_dir / f"{name}-s{seed}-o{order}"
             per_method[name].append({"seed": seed, "order": order, **exp.run(name, train, checkpoint_dir=ckpt).to_json()})
-    methods = {n: aggregate(r) for n, r in per_method.items()}
-    config = {"stream": kw, "runs": run_pairs(args), "epochs": args.epochs, "batch_size": batch,
-              "threads": torch.get_num_threads(), "command": " ".join(["python", *sys.argv]),
-              "total_wall_s": time.perf_counter() - start, "units": "percent"}  # fmt: skip
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"config": config, "methods": methods}, indent=1))
+            write_json(args, kw, batch, start, {n: r for n, r in per_method.items() if r}, partial=True)
+    methods = write_json(args, kw, batch, start, per_method, partial=False)
     stem = args.json.with_suffix("")
     plots = [plot_heatmaps(methods, stem.with_name(stem.name + "_R.png")),
              plot_cost(methods, stem.with_name(stem.name + "_cost.png"))]  # fmt: skip
     print_table(methods)
-    print(f"\nwrote {args.json} and {', '.join(plots)} in {config['total_wall_s']:.0f} s")
+    print(f"\nwrote {args.json} and {', '.join(plots)} in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def write_json(args, kw: dict, batch: int, start: float, per_method: dict, *, partial: bool) -> dict:
+    """Write the results so far (after every method: a long run killed mid-way keeps what it measured)."""
+    methods = {n: aggregate(r) for n, r in per_method.items()}
+    config = {"stream": kw, "runs": run_pairs(args), "epochs": args.epochs, "batch_size": batch,
+              "threads": torch.get_num_threads(), "command": " ".join(["python", *sys.argv]),
+              "total_wall_s": time.perf_counter() - start, "units": "percent", "partial": partial}  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"config": config, "methods": methods}, indent=1))
+    return methods
 
 
 if __name__ == "__main__":

@@ -93,8 +93,10 @@ class Adapters:
             raise EcruError(f"method {name!r} distils on reference sentences: pass a TeacherCache")
         self.name, self.model, self.train, self.cfg, self.teacher = name, model, train, cfg, teacher
         self.adapters: list[str] = [self._adapter_name(0)]
-        with warnings.catch_warnings():  # transformers' deprecation notice raised from inside peft
-            warnings.simplefilter("ignore", FutureWarning)
+        # the adapter's random init must not depend on what ran before in this process
+        with warnings.catch_warnings(), torch.random.fork_rng():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notice, raised inside peft
+            torch.manual_seed(train.seed)
             model.encoder = get_peft_model(model.encoder, cfg.lora(), adapter_name=self.adapters[0])
         self.prefix = FrozenPrefix(model, min(cfg.layers)) if cfg.cache_prefix else None
         # the student: the whole encoder, or only its adapted top layers on cached frozen-prefix states
