@@ -155,6 +155,20 @@ def make_optimizers(model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_ep
     return embed_opt, dense_opt, sched, clipper
 
 
+def _step(
+    net: nn.Module, model: CTRModel, batch: list, mine: slice, opts: tuple, clipper: CowClip
+) -> torch.Tensor:
+    """One optimizer step on this rank's shard `mine` of the global batch; returns the shard's mean loss."""
+    dense, cats, labels = batch
+    embed_opt, dense_opt, sched = opts
+    loss = F.binary_cross_entropy_with_logits(net(dense[mine], cats[mine]), labels[mine])
+    embed_opt.zero_grad(set_to_none=True), dense_opt.zero_grad(set_to_none=True)
+    loss.backward()  # under DDP the gradients are now the global batch's mean
+    clipper.clip_(model.tables.global_ids(cats))  # counts over the whole global batch, as one process would
+    embed_opt.step(), dense_opt.step(), sched.step()
+    return loss
+
+
 def train(
     cfg: TrainConfig, train_data: CTRData, test_data: CTRData, *, recipe: Recipe | None = None
 ) -> TrainResult:
@@ -187,13 +201,15 @@ def train(
         for dense, cats, labels in train_data.batches(
             cfg.batch_size, seed=cfg.seed * 1000 + epoch, drop_last=True
         ):
-            dense, cats, labels = (t.to(cfg.device, non_blocking=True) for t in (dense, cats, labels))
-            mine = slice(rank * shard, (rank + 1) * shard)
-            loss = F.binary_cross_entropy_with_logits(net(dense[mine], cats[mine]), labels[mine])
-            embed_opt.zero_grad(set_to_none=True), dense_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            clipper.clip_(model.tables.global_ids(cats))
-            embed_opt.step(), dense_opt.step(), sched.step()
+            batch = [t.to(cfg.device, non_blocking=True) for t in (dense, cats, labels)]
+            loss = _step(
+                net,
+                model,
+                batch,
+                slice(rank * shard, (rank + 1) * shard),
+                (embed_opt, dense_opt, sched),
+                clipper,
+            )
             steps += 1
             if len(losses) < 1000:
                 losses.append(_global_mean(loss.detach(), world))
@@ -209,7 +225,7 @@ def train(
         _save(cfg, rank, model, embed_opt, dense_opt, sched, epoch, history)
     if not history:
         raise EcruError(f"checkpoint {cfg.checkpoint} already has all {cfg.epochs} epochs; raise --epochs")
-    samples = steps * steps_per_epoch and steps * cfg.batch_size
+    samples = steps * cfg.batch_size
     return TrainResult(
         history[-1]["auc"],
         history[-1]["logloss"],
