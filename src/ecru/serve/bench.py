@@ -17,6 +17,8 @@ from ecru.errors import EcruError
 from ecru.serve.runner import POLICIES
 
 PREDICTORS = ("self-lora", "probe", "minilm", "oracle", "constant")
+# SmolLM2's labels committed with the repository (rebuilt by `ecru serve label`, see bench/results/)
+REPO_LABELS = Path(__file__).resolve().parents[3] / "bench" / "results" / "serve_labels_smollm2.jsonl"
 NEEDS_PREDICTION = ("sorted", "fcr", "fcr+vbs", "cb-sjf")
 
 
@@ -40,7 +42,7 @@ class BenchConfig:
     """Length predictor for the predicted policies."""
     labels: str | None = None
     """Labels JSONL for training the predictor (default: the cache, built on first use)."""
-    train_n: int = 256
+    train_n: int = 192
     """Train-split prompts to label (if missing) and train on."""
     aging: float = 0.5
     """cb-sjf aging, priority tokens per decode step waited."""
@@ -62,6 +64,8 @@ def labels_path(config: BenchConfig) -> Path:
 
     if config.labels:
         return Path(config.labels)
+    if config.model == "smollm2" and config.max_new_tokens <= 256 and REPO_LABELS.is_file():
+        return REPO_LABELS
     return cache_dir() / "serve" / f"labels-{config.model}-cap{config.max_new_tokens}.jsonl"
 
 

@@ -173,7 +173,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--labels", default=None, help="train labels JSONL (default: cached, built on first use)"
     )
-    bench.add_argument("--train-n", type=int, default=256)
+    bench.add_argument("--train-n", type=int, default=192)
     bench.add_argument("--aging", type=float, default=0.5)
     bench.add_argument("--lora-epochs", type=int, default=2, help="self-lora tuning epochs")
     bench.add_argument("--json", default=None)
