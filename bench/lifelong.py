@@ -46,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=2, help="epochs per task")
     p.add_argument("--batch-size", type=int, default=None, help="utterances per step (quick: 16, else 32)")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="per-task checkpoints (resumable)")
+    p.add_argument("--plot-only", action="store_true", help="redraw the PNGs and table from an existing --json")
     p.add_argument("--json", type=Path, required=True, help="output JSON; the PNGs are written beside it")
     return p.parse_args(argv)
 
@@ -99,15 +100,18 @@ def plot_heatmaps(methods: dict, path: Path) -> str:
 
 def plot_cost(methods: dict, path: Path) -> str:
     fig, (ax1, ax2) = new_figure(width=10, height=4, ncols=2)
-    for name, m in methods.items():
-        x = max(m["cost"]["wall_s"], 1e-2)
-        for ax, key in ((ax1, "transfer_retention"), (ax2, "last")):
-            ax.scatter(x, m["metrics"][key], s=20 + 60 * np.log10(1 + m["cost"]["trainable_params"]) / 8)
-            ax.annotate(name, (x, m["metrics"][key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax1.set(xscale="log", xlabel="training wall s per task (log)", ylabel="transfer retention (points)",
-            title="zero-shot transfer kept vs cost")  # fmt: skip
-    ax2.set(xscale="log", xlabel="training wall s per task (log)", ylabel="last (%)", title="final accuracy vs cost")
-    ax1.axhline(0, color="grey", lw=0.5)
+    for ax, key in ((ax1, "transfer_retention"), (ax2, "last")):
+        for name, m in methods.items():
+            if m["cost"]["trainable_params"] == 0:  # the frozen model costs nothing: a reference line
+                ax.axhline(m["metrics"][key], color="grey", ls="--", lw=0.8, label=name)
+                continue
+            x, y = m["cost"]["wall_s"], m["metrics"][key]
+            ax.scatter(x, y, s=15 + 10 * np.log10(m["cost"]["trainable_params"]))
+            ax.annotate(name, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set(xscale="log", xlabel="training wall s per task (log; marker size ~ log trainable params)")
+        ax.legend(fontsize=7, loc="lower right")
+    ax1.set(ylabel="transfer retention (points)", title="zero-shot transfer kept vs cost")
+    ax2.set(ylabel="last (%)", title="final accuracy vs cost")
     return save(fig, path)
 
 
@@ -121,6 +125,11 @@ def print_table(methods: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot_only:
+        methods = json.loads(args.json.read_text())["methods"]
+        print_table(methods)
+        print("wrote", *plot_all(methods, args.json))
+        return 0
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     names = [n.strip() for n in args.methods.split(",")]
     unknown = set(names) - set(METHODS)
@@ -137,12 +146,16 @@ def main(argv=None) -> int:
             per_method[name].append({"seed": seed, "order": order, **exp.run(name, train, checkpoint_dir=ckpt).to_json()})
             write_json(args, kw, batch, start, {n: r for n, r in per_method.items() if r}, partial=True)
     methods = write_json(args, kw, batch, start, per_method, partial=False)
-    stem = args.json.with_suffix("")
-    plots = [plot_heatmaps(methods, stem.with_name(stem.name + "_R.png")),
-             plot_cost(methods, stem.with_name(stem.name + "_cost.png"))]  # fmt: skip
+    plots = plot_all(methods, args.json)
     print_table(methods)
     print(f"\nwrote {args.json} and {', '.join(plots)} in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def plot_all(methods: dict, json_path: Path) -> list[str]:
+    stem = json_path.with_suffix("")
+    return [plot_heatmaps(methods, stem.with_name(stem.name + "_R.png")),
+            plot_cost(methods, stem.with_name(stem.name + "_cost.png"))]  # fmt: skip
 
 
 def write_json(args, kw: dict, batch: int, start: float, per_method: dict, *, partial: bool) -> dict:
