@@ -55,6 +55,8 @@ QUICK = {
     "deep-narrow": Case("deep-narrow", 256, 32, 4, 2, 688, 49152, batch=8, seq=64, micro=4),
 }
 
+REPS = {True: {"smollm2-shape": 3, "deep-narrow": 7}, False: {"smollm2-shape": 5, "deep-narrow": 7}}
+
 
 def build(case: Case) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -171,6 +173,8 @@ def run_case(case: Case, *, reps: int, quick: bool, device: str) -> dict:
         result[mode] = {"step_s": statistics.median(times[mode]), "step_s_all": times[mode],
                         "cpu_s": statistics.median(times[f"{mode}_cpu"]), **peaks[mode]}
     result["ratio"] = result["l2l"]["step_s"] / result["plain"]["step_s"]
+    # each round times both modes back to back: the median of per-round ratios cancels slow load drifts
+    result["paired_ratio"] = statistics.median(a / b for a, b in zip(times["l2l"], times["plain"], strict=True))
     result["cpu_ratio"] = result["l2l"]["cpu_s"] / result["plain"]["cpu_s"]  # less sensitive to other load
     result["rss_ratio"] = result["l2l"]["peak_rss_mb"] / result["plain"]["peak_rss_mb"]
     if device.startswith("cuda"):
@@ -201,7 +205,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: within 5 minutes on 2 CPU cores")
     parser.add_argument("--json", default=None, help="write results here (a PNG is written beside it)")
-    parser.add_argument("--reps", type=int, default=None, help="timed steps per mode (after one warm-up)")
+    parser.add_argument("--reps", type=int, default=None, help="timed steps per mode after one warm-up (default per case)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", default=None, help="comma-separated case names")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -212,10 +216,10 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(cases[args.child], args.mode, args.device)))
         return 0
-    reps = args.reps or (3 if args.quick else 5)
     names = args.only.split(",") if args.only else list(cases)
     start = time.perf_counter()
-    results = {n: run_case(cases[n], reps=reps, quick=args.quick, device=args.device) for n in names}
+    results = {n: run_case(cases[n], reps=args.reps or REPS[args.quick][n], quick=args.quick, device=args.device)
+               for n in names}
     print(f"\n{'case':<15}{'params':>9}{'plain s':>10}{'l2l s':>9}{'ratio':>7}{'cpu ratio':>10}{'plain RSS':>11}{'l2l RSS':>9}")
     for n, r in results.items():
         print(f"{n:<15}{r['params'] / 1e6:>8.1f}M{r['plain']['step_s']:>10.3f}{r['l2l']['step_s']:>9.3f}"
@@ -227,7 +231,7 @@ def main() -> int:
                     "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "l2l_optimizer_worker_threads": 1},
         "device": args.device, "cpu_cores": os.cpu_count(), "torch": torch.__version__, "dtype": "float32",
         "headline_case": names[0], "plain": head["plain"], "l2l": head["l2l"], "ratio": head["ratio"],
-        "cpu_ratio": head["cpu_ratio"], "ratio_max": max(r["ratio"] for r in results.values()),
+        "cpu_ratio": head["cpu_ratio"], "paired_ratio": head["paired_ratio"], "ratio_max": max(r["ratio"] for r in results.values()),
         "load_average_1min": os.getloadavg()[0], "cases": results,
         "wall_s": time.perf_counter() - start,
     }

@@ -178,6 +178,7 @@ class L2L:
                     h, _ = self._call(self.parts.stem, binding, weights, (mb.inputs,), fresh_buffers=True)
                     out = torch.autograd.grad(h, list(weights.values()), grads[j], materialize_grads=True)
                 self.store.add_grads(RESIDENT, out, indices=indices)
+        self.store.done_with(RESIDENT)
         if self.store.groups[RESIDENT].params:
             self._submit(RESIDENT)
 
