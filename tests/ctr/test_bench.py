@@ -8,8 +8,21 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "ctr_scaling.py"
-KEYS = {"recipe", "mode", "batch_size", "epochs", "steps", "auc", "logloss", "oracle_auc", "oracle_logloss",
-        "samples_per_s", "wall_s", "clipped_fraction", "threads"}
+KEYS = {
+    "recipe",
+    "mode",
+    "batch_size",
+    "epochs",
+    "steps",
+    "auc",
+    "logloss",
+    "oracle_auc",
+    "oracle_logloss",
+    "samples_per_s",
+    "wall_s",
+    "clipped_fraction",
+    "threads",
+}
 
 
 @pytest.fixture
@@ -22,8 +35,16 @@ def bench(monkeypatch):
 
 
 def test_quick_schema_on_a_tiny_setting(bench, tmp_path, monkeypatch):
-    tiny = bench.Setting(rows=6000, test_fraction=0.25, scale=1e-3, zipf=1.1, mlp=(8,), epochs=1,
-                         batches=(128, 512), timing_steps=3)
+    tiny = bench.Setting(
+        rows=6000,
+        test_fraction=0.25,
+        scale=1e-3,
+        zipf=1.1,
+        mlp=(8,),
+        epochs=1,
+        batches=(128, 512),
+        timing_steps=3,
+    )
     monkeypatch.setattr(bench, "QUICK", tiny)
     out = tmp_path / "r.json"
     assert bench.main(["--quick", "--json", str(out)]) == 0
@@ -37,5 +58,9 @@ def test_quick_schema_on_a_tiny_setting(bench, tmp_path, monkeypatch):
     same = [r for r in runs if r.get("same_run_as")]
     assert {r["recipe"] for r in same if r["batch_size"] == 128} == {"adam-sqrt", "linear", "ecru"}
     assert all(r["batch_size"] == 128 for r in same)  # at s = 1 every rule is the 1K recipe
-    assert set(result["targets"]) >= {"ecru_gap_to_1k", "sparse_vs_full_speedup_1k", "clip_fired_at_large_batch"}
+    assert set(result["targets"]) >= {
+        "ecru_gap_to_1k",
+        "sparse_vs_full_speedup_1k",
+        "clip_fired_at_large_batch",
+    }
     assert out.with_suffix(".png").stat().st_size > 0
