@@ -64,3 +64,29 @@ def test_quick_schema_on_a_tiny_setting(bench, tmp_path, monkeypatch):
         "clip_fired_at_large_batch",
     }
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_partial_plan(bench, tmp_path, monkeypatch):
+    tiny = bench.Setting(
+        rows=4000,
+        test_fraction=0.25,
+        scale=1e-3,
+        zipf=1.1,
+        mlp=(8,),
+        epochs=1,
+        batches=(128, 512),
+        timing_steps=3,
+    )
+    monkeypatch.setattr(bench, "QUICK", tiny)
+    out = tmp_path / "p.json"
+    assert bench.main(["--recipes", "cowclip,ecru", "--no-sparse", "--epochs", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    got = [(r["recipe"], r["mode"], r["batch_size"], r["epochs"]) for r in result["runs"]]
+    assert got == [
+        ("adam", "full", 128, 2),
+        ("cowclip", "full", 128, 2),
+        ("ecru", "full", 128, 2),
+        ("cowclip", "full", 512, 2),
+        ("ecru", "full", 512, 2),
+    ]
+    assert result["timing_1k"] is None and "ecru_full_512_gap_to_1k" in result["targets"]
