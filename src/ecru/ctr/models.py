@@ -10,7 +10,7 @@ Every model has the same two embedding tables, so the optimizer and CowClip trea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -36,8 +36,6 @@ class CTRConfig:
     """Standard deviation of the N(0, std^2) embedding initialisation."""
     sparse: bool = False
     """Sparse embedding gradients (for the row-sparse update mode)."""
-    extra: dict = field(default_factory=dict, compare=False)
-    """Free-form provenance (e.g. the data source) saved with checkpoints."""
 
     def __post_init__(self) -> None:
         if not self.cardinalities or min(self.cardinalities) < 1:
