@@ -1,36 +1,29 @@
 """CTR prediction: DeepFM / Wide&Deep / DCN / DCN-v2, Criteo and Avazu readers, a synthetic data set with
-a known optimum, and a training loop with CowClip and large-batch scaling recipes."""
+a known optimum, and a training loop with CowClip and large-batch scaling rules.
 
-from ecru.ctr.data import CTRData, Encoder, MalformedLineError, ReaderConfig, load_ctr_file, read_ctr_file
-from ecru.ctr.metrics import auc, logloss
-from ecru.ctr.models import DCN, MODELS, CTRConfig, CTRModel, DCNv2, DeepFM, WideDeep, build_model
-from ecru.ctr.synthetic import SyntheticConfig, expected_oracle, generate, oracle_summary, write_criteo_tsv
-from ecru.ctr.train import TrainConfig, TrainResult, evaluate, train
+The public names load lazily (PEP 562), so `ecru --help`, which imports `ecru.ctr.cli`, does not import torch.
+"""
 
-__all__ = [
-    "DCN",
-    "MODELS",
-    "CTRConfig",
-    "CTRData",
-    "CTRModel",
-    "DCNv2",
-    "DeepFM",
-    "Encoder",
-    "MalformedLineError",
-    "ReaderConfig",
-    "SyntheticConfig",
-    "TrainConfig",
-    "TrainResult",
-    "WideDeep",
-    "auc",
-    "build_model",
-    "evaluate",
-    "expected_oracle",
-    "generate",
-    "load_ctr_file",
-    "logloss",
-    "oracle_summary",
-    "read_ctr_file",
-    "train",
-    "write_criteo_tsv",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ecru.ctr.data": ("CTRData", "Encoder", "MalformedLineError", "ReaderConfig", "load_ctr_file", "read_ctr_file"),
+    "ecru.ctr.metrics": ("auc", "logloss"),
+    "ecru.ctr.models": ("MODELS", "DCN", "CTRConfig", "CTRModel", "DCNv2", "DeepFM", "WideDeep", "build_model"),
+    "ecru.ctr.synthetic": ("SyntheticConfig", "expected_oracle", "generate", "oracle_summary", "write_criteo_tsv"),
+    "ecru.ctr.train": ("TrainConfig", "TrainResult", "evaluate", "train"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'ecru.ctr' has no attribute {name!r}")
+    return getattr(importlib.import_module(_WHERE[name]), name)
+
+
+def __dir__() -> list[str]:
+    return __all__
