@@ -111,6 +111,7 @@ def run_one(
         "clip_active": recipe.clip,
         "settings": asdict(recipe),
         "first_losses": res.losses[:5],
+        "history": res.history,
     }
     print(
         f"{recipe_name:>9} {mode:>6} b={batch:>6}: AUC {res.auc:.5f} (oracle {oracle[0]:.5f}) logloss {res.logloss:.5f} "
