@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import gc
 import json
 import os
 import resource
@@ -126,6 +127,9 @@ def time_alternating(case: Case, *, reps: int, device: str) -> dict[str, list[fl
                 times[mode].append(time.perf_counter() - start)
                 times[f"{mode}_cpu"].append(time.process_time() - cpu)
         print(f"  {case.name} rep {rep}: plain {times['plain'][-1:]} l2l {times['l2l'][-1:]}", file=sys.stderr, flush=True)
+    runners["l2l"].close()  # stop its optimizer thread; the next case starts from a clean process heap
+    del runners
+    gc.collect()
     return times
 
 
