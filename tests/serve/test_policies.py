@@ -88,3 +88,9 @@ def test_unknown_policy_and_missing_predictions_raise():
         plan_batches("lifo", predicted=None, prompt_lens=[1], config=PLAN)
     with pytest.raises(ValueError, match="predicted length"):
         plan_batches("sorted", predicted=None, prompt_lens=[1], config=PLAN)
+
+
+def test_fcr_zero_cap_batch_is_skipped_then_rerun(model, prompts, reference, gen):
+    run = run_policy(model, prompts[:4], policy="fcr", predicted=[0.0] * 4, gen=gen, plan=PLAN)
+    assert run.failures == 4 and run.tokens == reference[:4]
+    assert run.slots == 4 * max(len(r) for r in reference[:4])

@@ -110,5 +110,14 @@ def test_cli_simulate_bad_trace_is_one_line_error(tmp_path, capsys):
 def test_measure_cost_model_on_tiny_model(model):
     from ecru.serve import measure_cost_model
 
-    cost = measure_cost_model(model, batches=(1, 4), contexts=(8, 32), prompt_lens=(4, 16), reps=2, source="tiny")
+    cost = measure_cost_model(
+        model, batches=(1, 4), contexts=(8, 32), prompt_lens=(4, 16), reps=2, source="tiny"
+    )
     assert cost.source == "tiny" and cost.step_time(4, 32) > 0 and cost.prefill_time(4, 16) > 0
+
+
+def test_fcr_zero_prediction_runs_nothing_and_fails_every_row():
+    trace = [TraceRequest(4, 3, 0), TraceRequest(4, 0, 0), TraceRequest(4, 5, 6)]
+    r = simulate(trace, policy="fcr", config=PlanConfig(batch_size=2, max_new_tokens=10))
+    # [0,1] cap 0: 0 steps, row 0 fails (3 > 0), row 1 (length 0) completes; [2] cap 6: 5 steps; rerun [0]: 3
+    assert (r.padded_slots, r.failures, r.useful_tokens) == (0 + 5 + 3, 1, 8)

@@ -66,8 +66,11 @@ def sort_by_prediction(predicted: Sequence[float]) -> list[int]:
 
 
 def predicted_cap(rows: Sequence[int], predicted: Sequence[float], max_new_tokens: int) -> int:
-    """An FCR batch's cap: its largest prediction (rounded up, at least 1), never above the global cap."""
-    return max(1, min(max_new_tokens, math.ceil(max(predicted[r] for r in rows))))
+    """An FCR batch's cap: its largest prediction (rounded up), never above the global cap.
+
+    A cap of 0 (every prediction 0) is kept as such: the batch computes nothing and all its rows fail.
+    """
+    return max(0, min(max_new_tokens, math.ceil(max(predicted[r] for r in rows))))
 
 
 def vbs_batches(order: Sequence[int], predicted, prompt_lens, config: PlanConfig) -> list[tuple[int, ...]]:

@@ -68,21 +68,28 @@ def run_static(
     bar = tqdm(total=len(prompts), desc=policy, unit="req", disable=not progress, leave=False)
     while batches:
         batch = batches.pop(0)
-        result = generate_static(
-            model, [prompts[r] for r in batch.rows], max_new_tokens=batch.cap, config=gen
-        )
-        now = predict_s + time.perf_counter() - start
-        slots += result.slots
-        for r, toks, ended in zip(batch.rows, result.tokens, result.ended, strict=True):
-            if batch.cap < plan.max_new_tokens and not ended:
-                failed.append(r)  # cut at the predicted cap: recomputed from scratch later
-                continue
-            tokens[r], finish[r] = toks, now
-            bar.update(1)
+        if batch.cap == 0:  # every prediction was 0: nothing is computed and every row fails
+            failed += batch.rows
+        else:
+            result = generate_static(
+                model, [prompts[r] for r in batch.rows], max_new_tokens=batch.cap, config=gen
+            )
+            slots += result.slots
+            _collect(batch, result, plan, tokens, finish, failed, now=predict_s + time.perf_counter() - start)
+            bar.update(sum(tokens[r] is not None for r in batch.rows))
         if not batches and not batch.rerun and failed:
             batches = rerun_batches(failed, batch_size=plan.batch_size, max_new_tokens=plan.max_new_tokens)
     bar.close()
     return PolicyRun(policy, tokens, finish, predict_s + time.perf_counter() - start, slots, len(failed))
+
+
+def _collect(batch, result, plan: PlanConfig, tokens, finish, failed: list[int], *, now: float) -> None:
+    """Store the rows a batch completed; collect the rows cut at a predicted cap (failures)."""
+    for r, toks, ended in zip(batch.rows, result.tokens, result.ended, strict=True):
+        if batch.cap < plan.max_new_tokens and not ended:
+            failed.append(r)  # cut at the predicted cap: recomputed from scratch later
+        else:
+            tokens[r], finish[r] = toks, now
 
 
 def run_continuous(
