@@ -13,7 +13,7 @@ _EXPORTS = {
     "ecru.ctr.metrics": ("auc", "logloss"),
     "ecru.ctr.models": ("MODELS", "DCN", "CTRConfig", "CTRModel", "DCNv2", "DeepFM", "WideDeep", "build_model"),
     "ecru.ctr.synthetic": ("SyntheticConfig", "expected_oracle", "generate", "oracle_summary", "write_criteo_tsv"),
-    "ecru.ctr.train": ("TrainConfig", "TrainResult", "evaluate", "train"),
+    "ecru.ctr.training": ("TrainConfig", "TrainResult", "evaluate", "train"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -105,7 +105,7 @@ def _train(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ecru.ctr.train import TrainConfig, train
+    from ecru.ctr.training import TrainConfig, train
     from ecru.errors import EcruError
 
     if args.threads:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ecru.ctr.data import CTRData
 from ecru.ctr.synthetic import SyntheticConfig, generate, realised_oracle
-from ecru.ctr.train import TrainConfig, train
+from ecru.ctr.training import TrainConfig, train
 from ecru.demo.plots import new_figure, save
 from ecru.demo.report import DemoContext, Section
 
