@@ -17,6 +17,7 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 STASH_PLACES = ("device", "host")
+STORES = ("ram", "disk")
 
 
 class L2LInputError(EcruError, ValueError):
@@ -42,6 +43,19 @@ class L2LConfig:
     steps wait for the whole backward instead of overlapping with it."""
     max_pending_updates: int = 2
     """Block updates that may queue behind the backward before it waits (bounds host gradient buffers)."""
+    store: str = "ram"
+    """Where the fp32 masters and optimizer states live: "ram" (host memory, O(model)) or "disk" (one file
+    pair per block under `store_dir`, read ahead and written behind; host memory O(a few blocks))."""
+    store_dir: str | None = None
+    """Folder of the disk tier (required with store="disk"); an existing store there is resumed from its
+    last complete step."""
+    fsync: bool = True
+    """Disk tier: fsync every block file before the step's manifest is committed (durable across power
+    loss; a crashed process is safe either way because files are renamed into place)."""
+    data_parallel: bool = True
+    """When torch.distributed runs several ranks: start from rank 0's weights and all-reduce each block's
+    gradient before its host update (every rank trains on its shard; the result equals one process on
+    the concatenated batch). False leaves the ranks independent."""
     loss_scale: float = 2.0**16
     """Initial dynamic loss scale (float16 only)."""
     loss_scale_growth_interval: int = 2000
@@ -62,6 +76,15 @@ class L2LConfig:
             raise L2LInputError(f"max_pending_updates must be >= 1, got {self.max_pending_updates}")
         if not self.loss_scale > 0 or self.loss_scale_growth_interval < 1:
             raise L2LInputError("loss_scale must be > 0 and loss_scale_growth_interval >= 1")
+        if self.store not in STORES:
+            raise L2LInputError(f"store must be one of {STORES}, got {self.store!r}")
+        if self.store == "disk" and not self.store_dir:
+            raise L2LInputError('store="disk" needs store_dir=, a folder for the block files')
+        if self.store == "disk" and self.deferred_update:
+            raise L2LInputError(
+                'store="disk" updates each block as soon as its gradient is ready; max_grad_norm and float16 '
+                "loss scaling need every gradient first (the whole model in RAM): use bfloat16 and no clipping"
+            )
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as exc:

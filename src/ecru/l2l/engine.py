@@ -46,16 +46,30 @@ class L2L:
         groups = _groups(parts)
         self._bindings = {"stem": _binding(parts.stem, groups[RESIDENT]), "head": _binding(parts.head, groups[RESIDENT])}
         self._block_bindings = [_binding(b, groups[i + 1]) for i, b in enumerate(parts.blocks)]
-        self.store = ParameterStore(
-            groups, optimizer=optimizer, device=self.device, dtype=self.config.dtype, resident=RESIDENT,
-            slots=self.config.prefetch + 2, max_pending=self.config.max_pending_updates,
-        )
+        self.process_group = _data_parallel_group() if self.config.data_parallel else None
+        if self.process_group is not None:  # every rank starts from rank 0's weights
+            import torch.distributed as dist
+
+            for p in _unique(self.model.parameters()):
+                dist.broadcast(p.data, src=0, group=self.process_group)
+        store_kw = dict(optimizer=optimizer, device=self.device, dtype=self.config.dtype, resident=RESIDENT,
+                        slots=self.config.prefetch + 2, max_pending=self.config.max_pending_updates)
+        if self.config.store == "disk":
+            from ecru.l2l.disk import DiskParameterStore
+
+            self.store = DiskParameterStore(groups, directory=self.config.store_dir, fsync=self.config.fsync,
+                                            read_ahead=max(1, self.config.prefetch), **store_kw)
+        else:
+            self.store = ParameterStore(groups, **store_kw)
+        self.store.process_group = self.process_group
         self.stash = ActivationStash(self.config.stash, self.device)
         self.scaler = LossScale(self.config.loss_scale, self.config.loss_scale_growth_interval) \
             if self.config.dtype == torch.float16 else None
         self._rng_devices = (self.device.index,) if self.device.type == "cuda" else ()
         self._rng: dict[tuple[int, int], RngState] = {}
-        self.steps = 0
+        self.steps = getattr(self.store, "step", 0)  # a disk store resumes from its last complete step
+        if getattr(self.store, "extra", {}).get("rng") is not None:
+            torch.set_rng_state(self.store.extra["rng"])
         self.last_grad_norm: float | None = None
 
     # ---- constructors ---------------------------------------------------------------------------
@@ -87,15 +101,22 @@ class L2L:
         return resume(cls, path, model, optimizer=optimizer, config=config, loss_fn=loss_fn)
 
     # ---- one training step ----------------------------------------------------------------------
-    def step(self, batch: Any) -> float:
-        """Forward, backward and update on one minibatch; returns its loss as the model defines it."""
+    def step(self, batch: Any, *, blocks: Sequence[int] | None = None) -> float:
+        """Forward, backward and update on one minibatch; returns its loss as the model defines it.
+
+        `blocks` runs only these blocks, in this order (layer drop, reordering; default: all in order);
+        blocks left out keep their weights and optimizer state untouched."""
+        order = self._order(blocks)
+        self._current_order = order
         micro = [mb.to(self.device, self.config.dtype) for mb in self.parts.split(batch, self.config.micro_batch_size)]
         scale = self.scaler.scale if self.scaler else 1.0
+        share = self._rank_share(micro)
         try:
-            hidden, contexts = self._forward(micro)
-            grads, loss = self._head(hidden, micro, scale)
-            for i in reversed(range(len(self.parts.blocks))):
-                grads = self._backward_block(i, grads, contexts)
+            hidden, contexts = self._forward(micro, order)
+            grads, loss = self._head(hidden, micro, scale * share)
+            self.store.begin("backward", [i + 1 for i in reversed(order)])
+            for k in reversed(range(len(order))):
+                grads = self._backward_block(order[k], grads, contexts, first=k == 0)
             self._backward_stem(micro, grads)
             self._finish_update(scale)
         finally:
@@ -103,9 +124,66 @@ class L2L:
             self._rng.clear()
             self.store.discard_grads()
         self.steps += 1
-        return loss
+        if hasattr(self.store, "extra"):
+            self.store.extra = {"rng": torch.get_rng_state()}
+        self.store.end_step(self.steps)
+        return self._global_loss(loss * share)
 
-    def _forward(self, micro: list[MicroBatch]) -> tuple[list[torch.Tensor], list[Any]]:
+    def _order(self, blocks: Sequence[int] | None) -> list[int]:
+        n = len(self.parts.blocks)
+        if blocks is None:
+            return list(range(n))
+        order = list(blocks)
+        if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n for i in order):
+            raise L2LInputError(f"blocks must be indices in [0, {n}), got {order}")
+        if len(set(order)) != len(order):
+            raise L2LInputError(f"blocks {order} repeats a block; each block runs at most once per step")
+        return order
+
+    def _rank_share(self, micro: list[MicroBatch]) -> float:
+        """Data parallel: this rank's share of the global loss normaliser (its targets / all targets), so
+        that summed gradients equal one process on the concatenated batch; 1.0 otherwise."""
+        if self.process_group is None or self.parts.count is None:
+            return 1.0
+        import torch.distributed as dist
+
+        counts = torch.tensor([float(self.parts.count(micro))], dtype=torch.float64)
+        total = counts.clone()
+        dist.all_reduce(total, group=self.process_group)
+        return float(counts / total)
+
+    def _global_loss(self, loss: float) -> float:
+        if self.process_group is None:
+            return loss
+        import torch.distributed as dist
+
+        t = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(t, group=self.process_group)
+        return float(t)
+
+    def add_block(self, block: nn.Module) -> int:
+        """Progressive stacking: append `block` to the model (after the last block) and to the parameter
+        server with a fresh optimizer state; returns its index. Existing blocks keep their state."""
+        if self.parts.append is None:
+            raise L2LInputError(f"this model ({self.parts.kind}) cannot grow; add_block needs from_hf or from_sequential")
+        for name, p in block.named_parameters():
+            if not p.is_floating_point() or p.device.type != "cpu":
+                raise L2LInputError(f"parameter {name} of the new block must be a floating-point tensor on the CPU")
+        known = {id(p) for g in self.store.groups for p in g.params}
+        params = _unique(block.parameters())
+        if any(id(p) in known for p in params):
+            raise L2LInputError("the new block shares a parameter with the model; give it its own weights")
+        self.store.synchronize()
+        _fp32_masters_(block)
+        _buffers_to_(block, self.device)
+        wrapped = self.parts.append(block)
+        self.parts.blocks.append(wrapped)
+        self._block_bindings.append(_binding(wrapped, params))
+        self.store.add_group(params)
+        return len(self.parts.blocks) - 1
+
+    def _forward(self, micro: list[MicroBatch], order: list[int] | None = None) -> tuple[list[torch.Tensor], list[Any]]:
+        order = list(range(len(self.parts.blocks))) if order is None else order
         stem = self.store.weights(RESIDENT)
         hidden, contexts = [], []
         for j, mb in enumerate(micro):
@@ -114,10 +192,12 @@ class L2L:
                 h, ctx = self._call(self.parts.stem, self._bindings["stem"], stem, (mb.inputs,))
             hidden.append(h)
             contexts.append(ctx)
-        for i, block in enumerate(self.parts.blocks):
+        self.store.begin("forward", [i + 1 for i in order])
+        for pos, i in enumerate(order):
+            block = self.parts.blocks[i]
             weights = self.store.weights(i + 1)
-            for k in range(2, self.config.prefetch + 2):
-                self.store.prefetch(i + k)
+            for nxt in order[pos + 1: pos + 1 + self.config.prefetch]:
+                self.store.prefetch(nxt + 1)
             outputs = []
             for j, x in enumerate(hidden):
                 self._rng[(i + 1, j)] = capture(self._rng_devices)
@@ -143,15 +223,14 @@ class L2L:
             total += loss.detach().float()
         return grads, float(total)
 
-    def _backward_block(self, i: int, grads: list[torch.Tensor], contexts: list[Any]) -> list[torch.Tensor]:
+    def _backward_block(self, i: int, grads: list[torch.Tensor], contexts: list[Any], *, first: bool) -> list[torch.Tensor]:
         g, binding, block = i + 1, self._block_bindings[i], self.parts.blocks[i]
         weights, _ = self._leaves(binding, self.store.weights(g))
-        for k in range(1, self.config.prefetch + 1):
-            if g - k >= 1:
-                self.store.prefetch(g - k)
+        for below in self._below(i):
+            self.store.prefetch(below + 1)
         for j, grad_out in enumerate(grads):
             x = self.stash.pop(i, j)
-            needs_input = (i > 0 or bool(self._bindings["stem"])) and x.is_floating_point()
+            needs_input = (not first or bool(self._bindings["stem"])) and x.is_floating_point()
             if needs_input:
                 x = x.detach().requires_grad_()
             inputs = ([x] if needs_input else []) + list(weights.values())
@@ -181,6 +260,12 @@ class L2L:
         self.store.done_with(RESIDENT)
         if self.store.groups[RESIDENT].params:
             self._submit(RESIDENT)
+
+    def _below(self, i: int) -> list[int]:
+        """The blocks whose backward follows block `i`'s in the current step (for prefetching)."""
+        order = self._current_order
+        k = order.index(i)
+        return order[max(0, k - self.config.prefetch): k][::-1]
 
     def _submit(self, g: int) -> None:
         self.store.collect(g) if self.config.deferred_update else self.store.update(g)
@@ -214,9 +299,16 @@ class L2L:
 
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict (the fp32 masters); the original model loads it with strict=True."""
+        """The model's state dict (the fp32 masters); the original model loads it with strict=True. On the
+        disk tier it is read from disk into new tensors (O(model) memory)."""
         self.store.synchronize()
-        return self.model.state_dict()
+        if not hasattr(self.store, "materialize"):
+            return self.model.state_dict()
+        self.store.materialize()
+        try:
+            return {k: v.clone() for k, v in self.model.state_dict().items()}
+        finally:
+            self.store.release()
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.store.synchronize()
@@ -239,6 +331,15 @@ class L2L:
     def close(self) -> None:
         """Finish pending updates and stop the optimizer thread."""
         self.store.close()
+
+
+def _data_parallel_group():
+    """The default process group when torch.distributed runs more than one rank, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
 
 
 def _fp32_masters_(model: nn.Module) -> None:

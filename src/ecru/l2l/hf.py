@@ -110,9 +110,19 @@ def hf_parts(model: nn.Module) -> ModelParts:
             "model, wrap its blocks in an nn.Sequential and use L2L.from_sequential"
         )
     vocab = model.config.vocab_size
+
+    def append(layer: nn.Module) -> nn.Module:
+        layers.append(layer)
+        if hasattr(model.config, "num_hidden_layers"):
+            model.config.num_hidden_layers = len(layers)
+        if getattr(model.config, "layer_types", None) is not None and len(model.config.layer_types) < len(layers):
+            model.config.layer_types = [*model.config.layer_types, model.config.layer_types[-1]]
+        return DecoderBlock(layer)
+
     return ModelParts(
         kind="hf", model=model, stem=stem, blocks=[DecoderBlock(layer) for layer in layers],
         head=CausalLMHead(model, norm), split=lambda batch, size: split_lm_batch(batch, size, vocab_size=vocab),
+        count=lambda micro: float(micro[0].weight), append=append,
     )
 
 

@@ -47,6 +47,11 @@ class ModelParts:
     blocks: list[nn.Module]
     head: nn.Module
     split: Callable[[Any, int], list[MicroBatch]]
+    count: Callable[[list[MicroBatch]], float] | None = None
+    """The minibatch's loss normaliser (targets or samples) for data parallel weighting; None: a summed
+    loss, whose per-rank gradients simply add up."""
+    append: Callable[[nn.Module], nn.Module] | None = None
+    """Progressive stacking: registers a new block in `model` after the last one, returns it wrapped."""
     options: dict[str, Any] = field(default_factory=dict)
     """Adapter options a checkpoint must record to rebuild the same parts (e.g. the loss reduction)."""
 

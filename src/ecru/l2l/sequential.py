@@ -56,6 +56,8 @@ def sequential_parts(seq: nn.Module, loss_fn: Callable, *, reduction: str = "mea
         kind="sequential", model=seq, stem=InputStem(), blocks=[ChildBlock(c) for c in seq],
         head=WeightedLoss(loss_fn), split=lambda batch, size: split_pairs(batch, size, reduction=reduction),
         options={"reduction": reduction},
+        count=(lambda micro: float(sum(mb.inputs.shape[0] for mb in micro))) if reduction == "mean" else None,
+        append=lambda child: (seq.append(child), ChildBlock(child))[1],
     )
 
 

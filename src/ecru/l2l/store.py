@@ -32,13 +32,14 @@ class ParamGroup:
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, wire: torch.Tensor | None):
         self.params, self.optimizer, self.wire = params, optimizer, wire
         self.sizes = [p.numel() for p in params]
+        self.shapes = [p.shape for p in params]  # kept: the disk tier empties evicted parameters
         self.numel = sum(self.sizes)
         self.version = 0
         self.pending: Future | None = None
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` cut into tensors shaped like the group's parameters."""
-        return [v.view(p.shape) for v, p in zip(flat[: self.numel].split(self.sizes), self.params, strict=True)]
+        return [v.view(shape) for v, shape in zip(flat[: self.numel].split(self.sizes), self.shapes, strict=True)]
 
     def refresh_wire(self) -> None:
         if self.wire is not None:
@@ -92,11 +93,11 @@ class ParameterStore:
     ):
         self.device, self.dtype, self.resident = device, dtype, resident
         self.cuda = device.type == "cuda"
+        self._factory, self._slot_count = optimizer, slots
+        self.process_group = None  # set for data parallel: block gradients are all-reduced before updates
         needs_wire = self.cuda or dtype != torch.float32
         self.groups = [self._make_group(list(ps), optimizer, needs_wire=needs_wire) for ps in groups]
-        streamed = [g.numel for i, g in enumerate(self.groups) if i != resident] or [0]
-        self._acc_pool = _BufferPool(max(streamed), device, pin=False)
-        self._host_pool = _BufferPool(max(streamed), torch.device("cpu"), pin=self.cuda)
+        self._make_pools()
         self._acc: dict[int, torch.Tensor] = {}
         # the resident group's buffers persist: its update is waited for before the next step touches them
         n_res = self.groups[resident].numel
@@ -108,8 +109,32 @@ class ParameterStore:
         self._max_pending = max_pending
         if self.cuda:
             self._h2d, self._d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
-            self._slots = [_Slot(max(streamed), dtype, device) for _ in range(slots)]
             self._resident_slot = _Slot(self.groups[resident].numel, dtype, device)
+
+    def _make_pools(self) -> None:
+        """Gradient buffers and device slots sized for the largest streamed group."""
+        streamed = max([g.numel for i, g in enumerate(self.groups) if i != self.resident] or [0])
+        self._acc_pool = _BufferPool(streamed, self.device, pin=False)
+        self._host_pool = _BufferPool(streamed, torch.device("cpu"), pin=self.cuda)
+        if self.cuda:
+            self._slots = [_Slot(streamed, self.dtype, self.device) for _ in range(self._slot_count)]
+
+    def add_group(self, params: list[nn.Parameter]) -> int:
+        """Append a streamed group (progressive stacking) with a fresh optimizer; returns its index."""
+        self.synchronize()
+        needs_wire = self.cuda or self.dtype != torch.float32
+        self.groups.append(self._make_group(list(params), self._factory, needs_wire=needs_wire))
+        if self.groups[-1].numel > self._acc_pool.numel:
+            self._make_pools()
+        return len(self.groups) - 1
+
+    # ---- step boundaries (hooks of the disk tier) ---------------------------------------------------
+    def begin(self, phase: str, order: Sequence[int]) -> None:
+        """The engine starts its "forward" or "backward" over the streamed groups `order`."""
+
+    def end_step(self, steps: int) -> None:
+        """The step is complete on the device: wait for every update (the disk tier commits it)."""
+        self.synchronize()
 
     def _make_group(self, params: list[nn.Parameter], factory: OptimizerFactory, *, needs_wire: bool) -> ParamGroup:
         numel = sum(p.numel() for p in params)
@@ -197,8 +222,16 @@ class ParameterStore:
                 self._acc_pool.give(acc)
         self._acc.clear()
 
+    def _all_reduce(self, g: int) -> None:
+        """Data parallel: sum group `g`'s gradient over the ranks (each rank pre-weighted its share)."""
+        if self.process_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(self._acc[g][: self.groups[g].numel], group=self.process_group)
+
     def update(self, g: int) -> None:
         """Send group `g`'s gradient to the host once and step its optimizer in the worker thread."""
+        self._all_reduce(g)
         host, copied = self._to_host(g)
         group = self.groups[g]
         group.version += 1
@@ -209,6 +242,7 @@ class ParameterStore:
 
     def collect(self, g: int) -> None:
         """Send group `g`'s gradient to the host and keep it for `step_all` (clipping, loss scaling)."""
+        self._all_reduce(g)
         self._collected[g] = self._to_host(g)
 
     def _to_host(self, g: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -301,5 +335,10 @@ class ParameterStore:
                 group.optimizer.load_state_dict(state)
 
     def close(self) -> None:
-        self.synchronize()
-        self._worker.shutdown(wait=True)
+        """Finish pending updates (re-raising a failed one) and stop the worker thread."""
+        try:
+            self.synchronize()
+        finally:
+            for group in self.groups:
+                group.pending = None
+            self._worker.shutdown(wait=True)

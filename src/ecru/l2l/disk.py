@@ -1,0 +1,264 @@
+"""The disk tier of the parameter server: fp32 masters and optimizer states of every block on disk.
+
+Layout of `store_dir`:
+- `g{group}-s{version}.w.pt`: the group's fp32 masters as one flat tensor;
+- `g{group}-s{version}.o.pt`: its optimizer state (one dict per parameter, as `optimizer.state` holds it);
+- `manifest.pt`: the last complete step and, per group, the version of its files.
+
+A streamed block lives in host memory only while it is used: the forward reads its weights (ahead of
+use, on an I/O thread), the backward reads weights + optimizer state, the optimizer worker steps it,
+writes the new version (temporary name, then `os.replace`) and drops it ("write behind"). The resident
+group (stem + head) stays in memory and is written at the end of every step. A step becomes durable
+when `manifest.pt` is replaced by one naming the new versions; files of an interrupted step are newer
+than the manifest and are deleted on resume, so a crash never leaves a block half updated: the store
+restarts from the last complete step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ecru.l2l.config import L2LInputError
+from ecru.l2l.store import OptimizerFactory, ParameterStore
+
+MANIFEST = "manifest.pt"
+FORMAT = "ecru-l2l-disk/1"
+_FILE = re.compile(r"g(\d+)-s(\d+)\.[wo]\.pt")
+
+
+def _write(path: Path, value, *, fsync: bool) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "wb") as f:
+        torch.save(value, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class DiskParameterStore(ParameterStore):
+    """`ParameterStore` whose streamed groups live on disk; see the module docstring."""
+
+    def __init__(
+        self,
+        groups: Sequence[list[nn.Parameter]],
+        *,
+        directory: str | os.PathLike,
+        optimizer: OptimizerFactory,
+        device: torch.device,
+        dtype: torch.dtype,
+        resident: int = 0,
+        slots: int = 2,
+        max_pending: int = 2,
+        read_ahead: int = 1,
+        fsync: bool = True,
+    ):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.read_ahead, self.fsync = read_ahead, fsync
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ecru-l2l-io")
+        self._reads: dict[int, tuple[bool, Future]] = {}
+        self._flat: dict[int, torch.Tensor] = {}  # groups in memory: their flat fp32 masters
+        self._phase, self._order = "forward", []
+        self.bytes_read = self.bytes_written = 0
+        super().__init__(groups, optimizer=optimizer, device=device, dtype=dtype, resident=resident,
+                         slots=slots, max_pending=max_pending)
+        manifest = self.directory / MANIFEST
+        if manifest.is_file():
+            self._resume(torch.load(manifest, weights_only=False))
+        else:
+            self.step, self.extra = 0, {}
+            self.versions = [0] * len(self.groups)
+            for g in range(len(self.groups)):
+                self._write_group(g, 0)
+            self._commit(0)
+            for g in range(len(self.groups)):
+                if g != resident:
+                    self._evict(g)
+
+    # ---- files ------------------------------------------------------------------------------------
+    def _path(self, g: int, version: int, kind: str) -> Path:
+        return self.directory / f"g{g:05d}-s{version:09d}.{kind}.pt"
+
+    def _write_group(self, g: int, version: int) -> None:
+        group = self.groups[g]
+        flat = self._flat.get(g)
+        if flat is None:
+            flat = torch.cat([p.detach().reshape(-1) for p in group.params]) if group.params else torch.empty(0)
+        state = [dict(group.optimizer.state.get(p, {})) for p in group.params] if group.optimizer else []
+        _write(self._path(g, version, "w"), flat, fsync=self.fsync)
+        _write(self._path(g, version, "o"), state, fsync=self.fsync)
+        self.bytes_written += flat.numel() * 4 + sum(
+            t.numel() * t.element_size() for st in state for t in st.values() if isinstance(t, torch.Tensor))
+
+    def _read_group(self, g: int, with_state: bool):
+        pending = self.groups[g].pending
+        if pending is not None:  # a read never overtakes the update (and write) of the same group
+            pending.result()
+        version = self.versions[g]
+        flat = torch.load(self._path(g, version, "w"), weights_only=True)
+        state = torch.load(self._path(g, version, "o"), weights_only=False) if with_state else None
+        self.bytes_read += flat.numel() * 4 + sum(
+            t.numel() * t.element_size() for st in (state or []) for t in st.values() if isinstance(t, torch.Tensor))
+        return flat, state
+
+    def _commit(self, steps: int) -> None:
+        """Make the current versions the durable state of step `steps`, then delete older files."""
+        self.step = steps
+        payload = {"format": FORMAT, "step": steps, "versions": list(self.versions),
+                   "numels": [g.numel for g in self.groups], "extra": self.extra}
+        _write(self.directory / MANIFEST, payload, fsync=self.fsync)
+        self._clean()
+
+    def _clean(self) -> None:
+        for path in self.directory.iterdir():
+            m = _FILE.fullmatch(path.name)
+            if m and (int(m[1]) >= len(self.versions) or int(m[2]) != self.versions[int(m[1])]):
+                path.unlink(missing_ok=True)
+            elif path.name.endswith(".partial"):
+                path.unlink(missing_ok=True)
+
+    def _resume(self, payload: dict) -> None:
+        if payload.get("format") != FORMAT:
+            raise L2LInputError(f"{self.directory} holds no {FORMAT} store; pick an empty store_dir")
+        numels = [g.numel for g in self.groups]
+        if payload["numels"] != numels:
+            raise L2LInputError(
+                f"the store in {self.directory} holds groups of sizes {payload['numels']} but this model has "
+                f"{numels}: resume with the model the store was made for (same depth and widths), or use "
+                "an empty store_dir"
+            )
+        self.step, self.versions, self.extra = payload["step"], list(payload["versions"]), payload["extra"]
+        self._clean()  # files of an interrupted step are newer than the manifest
+        for g in range(len(self.groups)):
+            if g == self.resident:
+                self._install(g, *self._read_group(g, True))
+                self._flat.pop(g, None)
+            else:
+                self._evict(g)
+
+    # ---- residency --------------------------------------------------------------------------------
+    def _install(self, g: int, flat: torch.Tensor, state: list[dict] | None) -> None:
+        group = self.groups[g]
+        if g == self.resident:
+            with torch.no_grad():
+                for p, v in zip(group.params, group.views(flat), strict=True):
+                    p.copy_(v)
+        else:
+            self._flat[g] = flat
+            for p, v in zip(group.params, group.views(flat), strict=True):
+                p.data = v
+        if state is not None and group.optimizer is not None:
+            for p, st in zip(group.params, state, strict=True):
+                if st:
+                    group.optimizer.state[p] = st
+        if self.cuda or self.dtype != torch.float32:
+            if group.wire is None or group.wire.numel() != group.numel:
+                group.wire = torch.empty(group.numel, dtype=self.dtype, pin_memory=self.cuda)
+            group.refresh_wire()
+
+    def _evict(self, g: int) -> None:
+        group = self.groups[g]
+        empty = torch.empty(0)
+        for p in group.params:
+            p.data = empty
+            if group.optimizer is not None:
+                group.optimizer.state.pop(p, None)
+        group.wire = None
+        self._flat.pop(g, None)
+
+    def _request(self, g: int, with_state: bool) -> None:
+        if g != self.resident and g not in self._flat and g not in self._reads and self.groups[g].numel:
+            self._reads[g] = (with_state, self._io.submit(self._read_group, g, with_state))
+
+    # ---- the ParameterStore interface ----------------------------------------------------------------
+    def add_group(self, params: list[nn.Parameter]) -> int:
+        g = super().add_group(params)
+        self.versions.append(self.step)
+        self._write_group(g, self.step)
+        self._commit(self.step)
+        self._evict(g)
+        return g
+
+    def begin(self, phase: str, order: Sequence[int]) -> None:
+        self._phase, self._order = phase, list(order)
+        for g in list(self._reads):  # reads of the other phase (e.g. weights without optimizer state)
+            self._reads.pop(g)[1].result()
+        for g in self._order[: self.read_ahead]:
+            self._request(g, phase == "backward")
+
+    def weights(self, g: int) -> list[torch.Tensor]:
+        self.wait(g)
+        if g != self.resident and g not in self._flat and self.groups[g].numel:
+            with_state = self._phase == "backward"
+            if g in self._reads and self._reads[g][0] != with_state:
+                self._reads.pop(g)[1].result()
+            self._request(g, with_state)
+            self._install(g, *self._reads.pop(g)[1].result())
+        if g in self._order:  # read the next blocks of this phase while this one computes
+            k = self._order.index(g)
+            for nxt in self._order[k + 1: k + 1 + self.read_ahead]:
+                self._request(nxt, self._phase == "backward")
+        return super().weights(g)
+
+    def prefetch(self, g: int) -> None:
+        if self.cuda and 0 <= g < len(self.groups) and (g == self.resident or g in self._flat):
+            super().prefetch(g)
+
+    def done_with(self, g: int) -> None:
+        super().done_with(g)
+        if self._phase == "forward" and g != self.resident:
+            self._evict(g)  # unchanged: nothing to write
+
+    def _apply(self, g: int, host: torch.Tensor, copied) -> None:
+        super()._apply(g, host, copied)
+        if g != self.resident:  # write behind, then free the block
+            self.versions[g] = self.step + 1
+            self._write_group(g, self.step + 1)
+            self._evict(g)
+
+    def end_step(self, steps: int) -> None:
+        self.synchronize()
+        if self.groups[self.resident].params:
+            self.versions[self.resident] = steps
+            self._write_group(self.resident, steps)
+        self._commit(steps)
+
+    def resident_groups(self) -> list[int]:
+        """Streamed groups in memory now (the tests check that it stays O(a few blocks))."""
+        return sorted(self._flat)
+
+    def materialize(self) -> None:
+        """Read every streamed group's masters into memory (for `state_dict`; O(model))."""
+        self.synchronize()
+        for g in range(len(self.groups)):
+            if g != self.resident and g not in self._flat and self.groups[g].numel:
+                self._install(g, *self._read_group(g, False))
+
+    def release(self) -> None:
+        """Drop what `materialize` read."""
+        for g in list(self._flat):
+            self._evict(g)
+
+    def optimizer_state(self) -> list[dict]:
+        raise L2LInputError("the disk tier keeps optimizer states in store_dir; it is its own checkpoint: "
+                            "build the engine again over the same store_dir to resume")
+
+    def refresh(self) -> None:
+        raise L2LInputError("the disk tier cannot load a state dict into a running engine; write the weights "
+                            "into the model before building the engine over an empty store_dir")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            for _, fut in self._reads.values():
+                fut.cancel()
+            self._io.shutdown(wait=True)
