@@ -32,6 +32,9 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
     ]
     config = PlanConfig(batch_size=setup["batch_size"], max_new_tokens=setup["max_new_tokens"])
     predict_s = result["predictor"]["predict_s"]
+    # one scalar calibration: the cost model's shape, scaled so that fcfs takes its measured wall time
+    fcfs_s = simulate(trace, policy="fcfs", config=config, cost=cost).time_s
+    cost = cost.scaled(result["policies"]["fcfs"]["wall_s"] / fcfs_s)
     out = {}
     for policy in ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle"):
         if policy not in result["policies"]:

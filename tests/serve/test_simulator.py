@@ -121,3 +121,11 @@ def test_fcr_zero_prediction_runs_nothing_and_fails_every_row():
     r = simulate(trace, policy="fcr", config=PlanConfig(batch_size=2, max_new_tokens=10))
     # [0,1] cap 0: 0 steps, row 0 fails (3 > 0), row 1 (length 0) completes; [2] cap 6: 5 steps; rerun [0]: 3
     assert (r.padded_slots, r.failures, r.useful_tokens) == (0 + 5 + 3, 1, 8)
+
+
+def test_scaled_cost_model_scales_time():
+    trace = [TraceRequest(3, 4, 4), TraceRequest(5, 9, 2)]
+    config = PlanConfig(batch_size=2, max_new_tokens=10)
+    base = simulate(trace, policy="fcfs", config=config).time_s
+    slow = simulate(trace, policy="fcfs", config=config, cost=SMOLLM2_CPU.scaled(2.5)).time_s
+    assert slow == pytest.approx(2.5 * base, rel=1e-12)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -60,6 +60,13 @@ class CostModel:
         return (
             self.prefill_time(batch, prompt_len) + decode * per_step + self.step_per_row_ctx * batch * ctx_sum
         )
+
+    def scaled(self, factor: float, *, source: str | None = None) -> CostModel:
+        """Every coefficient times `factor`: the same shape on a machine `factor` times slower."""
+        if factor <= 0:
+            raise ValueError(f"factor must be > 0, got {factor}")
+        values = [v * factor for v in astuple(self)[:5]]
+        return CostModel(*values, source=source or f"{self.source} x {factor:.3g}")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
