@@ -1,24 +1,96 @@
-"""Sequence scheduling: predict each response's length, batch by it (Zheng et al., NeurIPS 2023)."""
+"""Sequence scheduling: predict each response's length, batch by it (Zheng et al., NeurIPS 2023).
 
-from ecru.serve.continuous import ContinuousConfig, ContinuousResult, generate_continuous
-from ecru.serve.cost import SMOLLM2_CPU, CostModel, measure_cost_model
-from ecru.serve.engine import BatchResult, GenerationConfig, generate_static, left_pad
-from ecru.serve.labels import LengthLabel, label_prompts, read_labels
-from ecru.serve.policies import STATIC_POLICIES, Batch, PlanConfig, is_failure, plan_batches, rerun_batches
-from ecru.serve.predictors import (
-    ConstantPredictor,
-    LengthPredictor,
-    MiniLMPredictor,
-    OraclePredictor,
-    ProbePredictor,
-    length_metrics,
-    ridge_fit,
-    timed_predict,
-)
-from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
-from ecru.serve.runner import POLICIES, PolicyRun, run_policy
-from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
-from ecru.serve.simulator import SimResult, TraceRequest, read_trace, simulate
+Names are loaded on first use (PEP 562), so `ecru --help`, which imports `ecru.serve.cli`, does not import
+torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_LAZY: dict[str, str] = {
+    "Batch": "ecru.serve.policies",
+    "BatchResult": "ecru.serve.engine",
+    "ConstantPredictor": "ecru.serve.predictors",
+    "ContinuousConfig": "ecru.serve.continuous",
+    "ContinuousResult": "ecru.serve.continuous",
+    "CostModel": "ecru.serve.cost",
+    "FCFSQueue": "ecru.serve.queues",
+    "GenerationConfig": "ecru.serve.engine",
+    "LengthLabel": "ecru.serve.labels",
+    "LengthPredictor": "ecru.serve.predictors",
+    "MiniLMPredictor": "ecru.serve.predictors",
+    "OraclePredictor": "ecru.serve.predictors",
+    "POLICIES": "ecru.serve.runner",
+    "PlanConfig": "ecru.serve.policies",
+    "PolicyRun": "ecru.serve.runner",
+    "ProbePredictor": "ecru.serve.predictors",
+    "RequestQueue": "ecru.serve.queues",
+    "SJFQueue": "ecru.serve.queues",
+    "SMOLLM2_CPU": "ecru.serve.cost",
+    "STATIC_POLICIES": "ecru.serve.policies",
+    "SelfLoRAConfig": "ecru.serve.self_predict",
+    "SelfLoRAPredictor": "ecru.serve.self_predict",
+    "SimResult": "ecru.serve.simulator",
+    "TraceRequest": "ecru.serve.simulator",
+    "generate_continuous": "ecru.serve.continuous",
+    "generate_static": "ecru.serve.engine",
+    "is_failure": "ecru.serve.policies",
+    "label_prompts": "ecru.serve.labels",
+    "left_pad": "ecru.serve.engine",
+    "length_metrics": "ecru.serve.predictors",
+    "measure_cost_model": "ecru.serve.cost",
+    "plan_batches": "ecru.serve.policies",
+    "read_labels": "ecru.serve.labels",
+    "read_trace": "ecru.serve.simulator",
+    "rerun_batches": "ecru.serve.policies",
+    "ridge_fit": "ecru.serve.predictors",
+    "run_policy": "ecru.serve.runner",
+    "simulate": "ecru.serve.simulator",
+    "timed_predict": "ecru.serve.predictors",
+}
+
+if TYPE_CHECKING:  # static analysers see the real imports
+    from ecru.serve.continuous import ContinuousConfig, ContinuousResult, generate_continuous
+    from ecru.serve.cost import SMOLLM2_CPU, CostModel, measure_cost_model
+    from ecru.serve.engine import BatchResult, GenerationConfig, generate_static, left_pad
+    from ecru.serve.labels import LengthLabel, label_prompts, read_labels
+    from ecru.serve.policies import (
+        STATIC_POLICIES,
+        Batch,
+        PlanConfig,
+        is_failure,
+        plan_batches,
+        rerun_batches,
+    )
+    from ecru.serve.predictors import (
+        ConstantPredictor,
+        LengthPredictor,
+        MiniLMPredictor,
+        OraclePredictor,
+        ProbePredictor,
+        length_metrics,
+        ridge_fit,
+        timed_predict,
+    )
+    from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
+    from ecru.serve.runner import POLICIES, PolicyRun, run_policy
+    from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
+    from ecru.serve.simulator import SimResult, TraceRequest, read_trace, simulate
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ecru.serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "POLICIES",
