@@ -18,8 +18,9 @@ def _plot(results: dict, ctx: DemoContext) -> list[str]:
         ax.imshow(R, vmin=40, vmax=100, cmap="viridis")
         for (i, j), v in np.ndenumerate(R):
             ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8, color="w")
-        ticks = range(len(R))
-        ax.set(title=name, xlabel="task", ylabel="after task", xticks=ticks, yticks=ticks)
+        ticks, labels = range(len(R)), [str(t + 1) for t in range(len(R))]
+        ax.set(title=name, xlabel="task", ylabel="after task", xticks=ticks, yticks=ticks,
+               xticklabels=labels, yticklabels=labels)  # fmt: skip
     bar = axes[-1]
     width = 0.8 / len(results)
     for k, (name, res) in enumerate(results.items()):

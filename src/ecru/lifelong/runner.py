@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,7 @@ def run_stream(
     r0: EvalRow | None = None,
     checkpoint_dir: str | Path | None = None,
     stop_after: int | None = None,
-    log=print,
+    log: Callable[[str], None] = print,
 ) -> RunResult | None:
     """Train `method` on every task of `evaluator.stream` in order, evaluating after each.
 
