@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -24,6 +25,21 @@ import torch
 from torch import nn
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+_warned: set[str] = set()
+
+
+def _warn_if_slow(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
+    """Once per process: an Adam/AdamW host optimizer without `fused=True` (measured 5-7x slower on CPU,
+    bench/l2l_optimizer.py); the host update is usually the binding limit of L2L."""
+    if isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) and not optimizer.defaults.get("fused"):
+        name = type(optimizer).__name__
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"the L2L host optimizer {name} runs without fused=True; pass "
+                          f"functools.partial(torch.optim.{name}, ..., fused=True) for a several times faster "
+                          "host update (the binding limit of L2L on fast devices)", stacklevel=4)
 
 
 class ParamGroup:
@@ -140,6 +156,7 @@ class ParameterStore:
         numel = sum(p.numel() for p in params)
         wire = torch.empty(numel, dtype=self.dtype, pin_memory=self.cuda) if needs_wire and params else None
         group = ParamGroup(params, factory(params) if params else None, wire)
+        _warn_if_slow(group.optimizer, self.device)
         group.refresh_wire()
         return group
 
