@@ -6,7 +6,7 @@ The public names load lazily (PEP 562), so `ecru --help`, which imports `ecru.ct
 
 from __future__ import annotations
 
-import importlib
+from ecru.plugins import lazy_exports
 
 _EXPORTS = {
     "ecru.ctr.data": ("CTRData", "Encoder", "MalformedLineError", "ReaderConfig", "load_ctr_file", "read_ctr_file"),
@@ -15,15 +15,4 @@ _EXPORTS = {
     "ecru.ctr.synthetic": ("SyntheticConfig", "expected_oracle", "generate", "oracle_summary", "write_criteo_tsv"),
     "ecru.ctr.training": ("TrainConfig", "TrainResult", "evaluate", "train"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'ecru.ctr' has no attribute {name!r}")
-    return getattr(importlib.import_module(_WHERE[name]), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
