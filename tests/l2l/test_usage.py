@@ -17,3 +17,22 @@ def test_readme_snippet():
     losses = [engine.step(batch) for _ in range(5)]
     assert losses[-1] < losses[0]
     model.load_state_dict(engine.state_dict(), strict=True)
+
+
+def test_readme_snippet_disk_tier_and_layer_drop(tmp_path):
+    import functools
+
+    import torch
+    from torch import nn
+
+    from ecru.l2l import L2L, L2LConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)], nn.Linear(16, 1))
+    config = L2LConfig(micro_batch_size=4, store="disk", store_dir=str(tmp_path))  # blocks live on disk
+    engine = L2L.from_sequential(model, loss_fn=nn.MSELoss(), config=config,
+                                 optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, fused=True))
+    x, y = torch.randn(16, 16), torch.randn(16, 1)
+    losses = [engine.step((x, y), blocks=[0, 2, 4, 5, 6] if s % 2 else None) for s in range(10)]  # layer drop
+    engine.close()
+    assert losses[-1] < losses[0]
