@@ -74,7 +74,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    from ecru.serve.bench import PREDICTORS, BenchConfig, run_bench
+    from ecru.serve.bench import PREDICTORS, BenchConfig, format_bench, run_bench
     from ecru.serve.runner import POLICIES
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,20 +109,7 @@ def main() -> None:
     result["simulator"] = simulate_measured(result, cost_path=args.cost_model)
     result["setup"]["bench_wall_s"] = time.perf_counter() - start
     result["setup"]["host_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    base = result["policies"]["fcfs"]["samples_per_s"]
-    print(
-        f"\n{'policy':>8} {'samples/s':>9} {'x fcfs':>7} {'eff':>6} {'fail':>5} {'mean lat':>8} {'p99 lat':>8} {'same':>5}"
-    )
-    for name, m in result["policies"].items():
-        print(
-            f"{name:>8} {m['samples_per_s']:9.3f} {m['samples_per_s'] / base:7.2f} {m['effective_token_ratio']:6.3f} "
-            f"{m['failure_ratio']:5.2f} {m['mean_latency_s']:8.1f} {m['p99_latency_s']:8.1f} {str(m['outputs_match_fcfs']):>5}"
-        )
-    pr = result["predictor"]
-    print(
-        f"predictor {pr['name']}: MAE {pr['mae']:.1f} Acc-50 {pr['acc50']:.2f} Acc-100 {pr['acc100']:.2f} "
-        f"({pr['predict_s']:.1f} s)"
-    )
+    print("\n" + format_bench(result))
     print(f"\nsimulator ({result['simulator']['cost_model']}) on the same lengths:")
     for name, s in result["simulator"]["policies"].items():
         print(

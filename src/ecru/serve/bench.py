@@ -187,3 +187,20 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
             "prompt_lens": [len(i) for i in ids],
         },
     }
+
+
+def format_bench(result: dict) -> str:
+    """The benchmark's per-policy table (throughput relative to fcfs) and the predictor's accuracy."""
+    base = result["policies"]["fcfs"]["samples_per_s"]
+    lines = [f"{'policy':>8} {'samples/s':>9} {'x fcfs':>7} {'eff':>6} {'fail':>5} {'mean lat':>8} {'p99 lat':>8} {'same':>5}"]
+    for name, m in result["policies"].items():
+        lines.append(
+            f"{name:>8} {m['samples_per_s']:9.3f} {m['samples_per_s'] / base:7.2f} {m['effective_token_ratio']:6.3f} "
+            f"{m['failure_ratio']:5.2f} {m['mean_latency_s']:8.1f} {m['p99_latency_s']:8.1f} {str(m['outputs_match_fcfs']):>5}"
+        )
+    p = result["predictor"]
+    lines.append(
+        f"predictor {p['name']}: MAE {p['mae']:.1f}, Acc-50 {p['acc50']:.2f}, Acc-100 {p['acc100']:.2f}, "
+        f"{p['predict_s']:.1f} s"
+    )
+    return "\n".join(lines)

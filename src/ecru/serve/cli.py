@@ -71,7 +71,7 @@ def _label(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ecru.serve.bench import BenchConfig, run_bench
+    from ecru.serve.bench import BenchConfig, format_bench, run_bench
 
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     config = BenchConfig(
@@ -88,19 +88,7 @@ def _bench(args: argparse.Namespace) -> int:
         lora_epochs=args.lora_epochs,
     )
     result = run_bench(config)
-    base = result["policies"]["fcfs"]["samples_per_s"]
-    print(
-        f"{'policy':>8} {'samples/s':>10} {'x fcfs':>7} {'eff.ratio':>9} {'fail':>5} {'mean lat':>9} {'match':>6}"
-    )
-    for name, m in result["policies"].items():
-        print(
-            f"{name:>8} {m['samples_per_s']:10.3f} {m['samples_per_s'] / base:7.2f} {m['effective_token_ratio']:9.3f} "
-            f"{m['failure_ratio']:5.2f} {m['mean_latency_s']:9.1f} {str(m['outputs_match_fcfs']):>6}"
-        )
-    p = result["predictor"]
-    print(
-        f"predictor {p['name']}: MAE {p['mae']:.1f}, Acc-50 {p['acc50']:.2f}, Acc-100 {p['acc100']:.2f}, {p['predict_s']:.1f} s"
-    )
+    print(format_bench(result))
     _write_json(result, args.json)
     return 0
 
