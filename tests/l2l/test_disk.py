@@ -24,11 +24,11 @@ def _train(model, config, steps=3, *, blocks=None):
     return engine, losses
 
 
-@pytest.mark.parametrize("micro", [2, 5])
-def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, micro):
+@pytest.mark.parametrize(("micro", "stash"), [(2, "device"), (5, "device"), (2, "disk")])
+def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, micro, stash):
     ref = tiny_llama(num_layers=4)
     ram, ram_losses = _train(copy.deepcopy(ref), L2LConfig(micro_batch_size=micro))
-    disk, disk_losses = _train(copy.deepcopy(ref), L2LConfig(micro_batch_size=micro, store="disk",
+    disk, disk_losses = _train(copy.deepcopy(ref), L2LConfig(micro_batch_size=micro, store="disk", stash=stash,
                                                               store_dir=str(tmp_path), fsync=False))
     assert disk_losses == ram_losses
     expected, got = ram.state_dict(), disk.state_dict()
@@ -38,6 +38,7 @@ def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, micro):
     assert disk.store.bytes_written > 0 and disk.store.bytes_read > 0
     # one weights file and one optimizer-state file per group (4 blocks + stem/head), plus the manifest
     assert len(list(tmp_path.glob("g*.pt"))) == 2 * 5 and (tmp_path / "manifest.pt").is_file()
+    assert not list(tmp_path.glob("stash/*"))  # stashed activations are deleted once read back
     ram.close()
     disk.close()
 
@@ -114,6 +115,8 @@ def test_interrupted_step_then_resume_equals_uninterrupted(tmp_path):
 def test_disk_tier_refuses_what_needs_the_whole_model(tmp_path):
     with pytest.raises(L2LInputError, match="store_dir"):
         L2LConfig(store="disk")
+    with pytest.raises(L2LInputError, match="store_dir"):
+        L2LConfig(stash="disk")
     with pytest.raises(L2LInputError, match="clipping"):
         L2LConfig(store="disk", store_dir=str(tmp_path), max_grad_norm=1.0)
     engine = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW,

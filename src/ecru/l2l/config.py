@@ -16,7 +16,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-STASH_PLACES = ("device", "host")
+STASH_PLACES = ("device", "host", "disk")
 STORES = ("ram", "disk")
 
 
@@ -35,7 +35,8 @@ class L2LConfig:
     compute_dtype: str = "float32"
     """Wire and compute precision: float32, bfloat16 or float16 (float16 adds dynamic loss scaling)."""
     stash: str = "device"
-    """Where block inputs wait for the backward: "device" (fast) or "host" (device memory flat in depth)."""
+    """Where block inputs wait for the backward: "device" (fast), "host" (device memory flat in depth) or
+    "disk" (files under `store_dir`/stash: host memory flat in depth too)."""
     prefetch: int = 1
     """Blocks whose weights are copied to the device ahead of the executing one (CUDA only)."""
     max_grad_norm: float | None = None
@@ -80,6 +81,8 @@ class L2LConfig:
             raise L2LInputError(f"store must be one of {STORES}, got {self.store!r}")
         if self.store == "disk" and not self.store_dir:
             raise L2LInputError('store="disk" needs store_dir=, a folder for the block files')
+        if self.stash == "disk" and not self.store_dir:
+            raise L2LInputError('stash="disk" needs store_dir=, a folder for the stashed activations')
         if self.store == "disk" and self.deferred_update:
             raise L2LInputError(
                 'store="disk" updates each block as soon as its gradient is ready; max_grad_norm and float16 '

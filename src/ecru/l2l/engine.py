@@ -62,7 +62,7 @@ class L2L:
         else:
             self.store = ParameterStore(groups, **store_kw)
         self.store.process_group = self.process_group
-        self.stash = ActivationStash(self.config.stash, self.device)
+        self.stash = ActivationStash(self.config.stash, self.device, self.config.store_dir)
         self.scaler = LossScale(self.config.loss_scale, self.config.loss_scale_growth_interval) \
             if self.config.dtype == torch.float16 else None
         self._rng_devices = (self.device.index,) if self.device.type == "cuda" else ()

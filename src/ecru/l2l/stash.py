@@ -2,10 +2,16 @@
 
 "host" is the constant-device-memory variant: each input is copied to (pinned) host memory on a side
 stream as soon as it is produced and copied back when its block's backward needs it; the copy back
-waits on the event of the copy out, so it never reads an unfinished transfer.
+waits on the event of the copy out, so it never reads an unfinished transfer. "disk" keeps host memory
+flat in depth too: each input is written to its own file (synchronously) and read back, then deleted,
+in the backward.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -13,13 +19,24 @@ import torch
 class ActivationStash:
     """`put(block, j, x)` in the forward, `pop(block, j)` (once) in the backward."""
 
-    def __init__(self, place: str, device: torch.device):
+    def __init__(self, place: str, device: torch.device, directory: str | os.PathLike | None = None):
         self.place, self.device = place, device
+        self.directory = Path(directory) / "stash" if place == "disk" else None
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)  # leftovers of an interrupted step
+            self.directory.mkdir(parents=True)
         self.cuda = device.type == "cuda"
         self._items: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._stream = torch.cuda.Stream(device) if self.cuda and place == "host" else None
 
+    def _file(self, block: int, j: int) -> Path:
+        return self.directory / f"b{block:05d}-m{j:05d}.pt"
+
     def put(self, block: int, j: int, x: torch.Tensor) -> None:
+        if self.place == "disk":
+            torch.save(x.detach().cpu(), self._file(block, j))
+            self._items[(block, j)] = (None, None)
+            return
         if self.place == "device":
             self._items[(block, j)] = (x, None)
             return
@@ -37,12 +54,20 @@ class ActivationStash:
 
     def pop(self, block: int, j: int) -> torch.Tensor:
         x, done = self._items.pop((block, j))
+        if self.place == "disk":
+            path = self._file(block, j)
+            x = torch.load(path, weights_only=True).to(self.device)
+            path.unlink()
+            return x
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
         return x.to(self.device, non_blocking=True) if self.place == "host" else x
 
     def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x, _ in self._items.values())
+        return sum(x.numel() * x.element_size() for x, _ in self._items.values() if x is not None)
 
     def clear(self) -> None:
+        if self.place == "disk":
+            for block, j in self._items:
+                self._file(block, j).unlink(missing_ok=True)
         self._items.clear()
