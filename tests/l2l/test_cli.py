@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from ecru.cli import main
 
@@ -33,3 +34,18 @@ def test_train_writes_numbers_checkpoint_and_hf_export(tmp_path, capsys):
 def test_bad_arguments_fail_with_one_line(bad, capsys):
     assert main(["l2l", "train", "--model", "tiny-llama", *bad]) == 1
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_train_on_the_disk_tier_resumes_from_its_store_and_exports(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    store, out = tmp_path / "store", tmp_path / "run.json"
+    argv = ["l2l", "train", "--model", "tiny-llama", "--steps", "3", "--batch-size", "4", "--micro-batch-size", "2",
+            "--stash", "disk", "--store-dir", str(store), "--save", str(tmp_path / "ckpt"), "--json", str(out)]
+    assert main(argv) == 0
+    first = json.loads(out.read_text())
+    assert first["parameters"] > 0 and (store / "manifest.pt").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf")
+    assert all(p.numel() > 0 for p in exported.parameters())  # every block read back for the export
+    assert main(argv[:5] + ["1", *argv[6:]]) == 0  # one more step over the same store
+    assert torch.load(store / "manifest.pt", weights_only=False)["step"] == 4

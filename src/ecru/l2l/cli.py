@@ -25,7 +25,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--batch-size", type=int, default=8, help="samples per minibatch (one optimizer step)")
     train.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch")
     train.add_argument("--max-length", type=int, default=64, help="tokens per sample (truncation)")
-    train.add_argument("--stash", choices=("device", "host"), default="device", help="where block inputs wait")
+    train.add_argument("--stash", choices=("device", "host", "disk"), default="device",
+                       help="where block inputs wait (disk: under --store-dir)")
+    train.add_argument("--store-dir", default=None,
+                       help="disk tier: masters and optimizer states per block in this folder (resumed if present)")
     train.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     train.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default="fp32", help="compute precision")
     train.add_argument("--prefetch", type=int, default=1, help="blocks copied ahead (CUDA)")
@@ -68,6 +71,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "batch_size", "micro_batch_size", "max_length"):
         if getattr(args, name) < 1:
             raise EcruError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.store_dir and args.resume:
+        raise EcruError("--resume reads a RAM-tier checkpoint; with --store-dir the store resumes by itself")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -84,7 +89,8 @@ def run_train(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, seed=args.seed)
     model.train()
     config = L2LConfig(micro_batch_size=args.micro_batch_size, device=args.device, compute_dtype=DTYPE_NAMES[args.dtype],
-                       stash=args.stash, prefetch=args.prefetch, max_grad_norm=args.max_grad_norm)
+                       stash=args.stash, prefetch=args.prefetch, max_grad_norm=args.max_grad_norm,
+                       store="disk" if args.store_dir else "ram", store_dir=args.store_dir)
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay, fused=True)
     if args.resume:
         engine = L2L.resume(args.resume, model, optimizer=optimizer, config=config)
@@ -101,7 +107,8 @@ def run_train(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     result = _summary(args, engine, losses, tokens, wall)
     if args.save:
-        engine.save(args.save)
+        if not args.store_dir:  # the disk tier's store_dir is its own training checkpoint
+            engine.save(args.save)
         engine.save_pretrained(Path(args.save) / "hf")
         result["saved"] = str(args.save)
     engine.close()
@@ -117,7 +124,7 @@ def _summary(args: argparse.Namespace, engine, losses: list[float], tokens: int,
         "micro_batch_size": args.micro_batch_size, "device": str(engine.device), "dtype": args.dtype,
         "stash": args.stash, "losses": losses, "first_loss": losses[0], "final_loss": losses[-1],
         "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "peak_rss_mb": peak_rss_mb(),
-        "parameters": sum(p.numel() for p in engine.model.parameters()),
+        "parameters": sum(g.numel for g in engine.store.groups),
     }
     if engine.device.type == "cuda":
         result["peak_device_mb"] = torch.cuda.max_memory_allocated(engine.device) / 2**20

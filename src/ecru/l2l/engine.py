@@ -326,7 +326,13 @@ class L2L:
         if self.parts.kind != "hf":
             raise L2LInputError("save_pretrained exports Hugging Face models; use engine.state_dict() or save()")
         self.store.synchronize()
-        self.model.save_pretrained(path)
+        if hasattr(self.store, "materialize"):  # the disk tier: read every block back for the export
+            self.store.materialize()
+        try:
+            self.model.save_pretrained(path)
+        finally:
+            if hasattr(self.store, "release"):
+                self.store.release()
 
     def close(self) -> None:
         """Finish pending updates and stop the optimizer thread."""
