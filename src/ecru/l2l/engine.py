@@ -9,6 +9,15 @@ One `step`:
             once and let the host optimizer update the block while the device works on the one below.
   stem      last: the resident stem + head group (which holds a tied embedding once) is updated after
             both of its gradients have arrived.
+
+Beyond one machine's memory and beyond one process:
+  disk tier     `L2LConfig(store="disk")`: the parameter server keeps each block's masters and optimizer
+                state in files (ecru.l2l.disk), read ahead and written behind; a step commits atomically.
+  data parallel under torch.distributed, each rank runs this schedule on its shard; each block's
+                gradient is all-reduced (weighted by the rank's share of the loss normaliser) before
+                its host update, so the ranks stay identical and equal one process on the whole batch.
+  dynamic depth `step(batch, blocks=[...])` runs a subset / ordering of the blocks; `add_block` appends
+                one to a running engine (progressive stacking); every block keeps its optimizer state.
 """
 
 from __future__ import annotations
@@ -57,7 +66,12 @@ class L2L:
         if self.config.store == "disk":
             from ecru.l2l.disk import DiskParameterStore
 
-            self.store = DiskParameterStore(groups, directory=self.config.store_dir, fsync=self.config.fsync,
+            directory = self.config.store_dir
+            if self.process_group is not None:  # every rank keeps its own copy (the weights stay identical)
+                import torch.distributed as dist
+
+                directory = f"{directory}/rank{dist.get_rank(self.process_group)}"
+            self.store = DiskParameterStore(groups, directory=directory, fsync=self.config.fsync,
                                             read_ahead=max(1, self.config.prefetch), **store_kw)
         else:
             self.store = ParameterStore(groups, **store_kw)
