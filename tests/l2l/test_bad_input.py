@@ -56,7 +56,7 @@ def test_bad_batch_errors_before_any_update(engine, case):
         ({"micro_batch_size": 0}, "micro_batch_size must be an integer >= 1"),
         ({"micro_batch_size": 1.5}, "micro_batch_size must be an integer"),
         ({"compute_dtype": "int8"}, "compute_dtype 'int8' is unknown"),
-        ({"stash": "disk"}, "stash must be one of"),
+        ({"stash": "nvme"}, "stash must be one of"),
         ({"device": "gpu0"}, "not a device name"),
         ({"max_grad_norm": 0.0}, "max_grad_norm must be > 0"),
     ],
