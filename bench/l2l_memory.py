@@ -4,10 +4,11 @@
 
 The same-width random Llama (width 768, MLP 2048, 512-token vocabulary so that the blocks, not the
 embedding, dominate) trains at depths 4, 8, 16, 32, each depth and mode in a fresh subprocess that
-reports its own peak resident set size (glibc malloc with a fixed 1 MiB mmap threshold: see ENV) (`resource.getrusage(RUSAGE_SELF).ru_maxrss`). Plain training
+reports its own peak resident set size (`resource.getrusage(RUSAGE_SELF).ru_maxrss`). Plain training
 holds the model, its gradients and fused AdamW's two moments (16 B/param) plus activations; L2L builds
 the model block by block straight into the disk store (`add_block`: the whole model never exists in
-memory) and holds a few blocks at a time. `ratio_*` = peak RSS at the deepest / at the shallowest depth.
+memory) and holds a few blocks at a time (the store calls glibc's malloc_trim after each eviction: without
+it freed block buffers stayed in the heap and the first version of this run measured ratio_l2l 1.54). `ratio_*` = peak RSS at the deepest / at the shallowest depth.
 Target: ratio_l2l <= 1.25 while ratio_plain >= 3. One compute thread; L2L adds its optimizer worker and
 its I/O thread.
 """
@@ -30,11 +31,6 @@ import torch
 WIDTH = {"hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12, "num_key_value_heads": 12,
          "vocab_size": 512, "max_position_embeddings": 256, "tie_word_embeddings": True}
 DEPTHS = (4, 8, 16, 32)
-# glibc raises its mmap threshold (up to 32 MiB) after the first large free, after which block-sized
-# buffers come from the heap arenas and stay mapped after `free`: L2L's RSS then creeps up by ~16 MB per
-# block although it holds only a few. A fixed threshold and two arenas (both modes get the same) keep
-# freed blocks returned to the OS; measured without them: ratio_l2l 1.54 (see the report).
-ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
 
 
 def _config(depth: int):
@@ -91,14 +87,14 @@ def worker(mode: str, depth: int, *, batch: int, seq: int, micro: int, steps: in
 
 
 def run(depths, *, batch: int, seq: int, micro: int, steps: int) -> dict:
-    out: dict = {"malloc_env": {k: ENV[k] for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX")}, "width": WIDTH, "depths": list(depths), "batch": batch, "seq": seq, "micro_batch": micro,
+    out: dict = {"width": WIDTH, "depths": list(depths), "batch": batch, "seq": seq, "micro_batch": micro,
                  "steps": steps, "threads": os.environ.get("OMP_NUM_THREADS"), "plain": {}, "l2l": {}}
     for depth in depths:
         for mode in ("plain", "l2l"):
             with tempfile.TemporaryDirectory(prefix="ecru-l2l-mem-", dir=os.environ.get("ECRU_L2L_DISK")) as tmp:
                 cmd = [sys.executable, __file__, "--worker", mode, "--depth", str(depth), "--batch", str(batch),
                        "--seq", str(seq), "--micro", str(micro), "--steps", str(steps), "--store-dir", tmp]
-                res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=ENV).stdout)
+                res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True').stdout)
             out[mode][str(depth)] = res
             print(f"depth {depth:3d} {mode:5s}: {res['params'] / 1e6:7.1f}M params  peak RSS {res['rss_mb']:8.1f} MB"
                   f"  step {res['step_s'][-1]:.2f} s  loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}",

@@ -16,9 +16,11 @@ restarts from the last complete step.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,6 +33,23 @@ from ecru.l2l.store import OptimizerFactory, ParameterStore
 MANIFEST = "manifest.pt"
 FORMAT = "ecru-l2l-disk/1"
 _FILE = re.compile(r"g(\d+)-s(\d+)\.[wo]\.pt")
+
+
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's `malloc_trim(0)`, or a no-op elsewhere. Freed block buffers smaller than glibc's (dynamic,
+    up to 32 MiB) mmap threshold stay in the heap arenas; trimming after each eviction hands them back,
+    which keeps the host memory of the disk tier flat in depth (measured: ratio 1.54 -> ~1.1 at depth
+    32 vs 4 in bench/l2l_memory.py)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0) and None
+
+
+_trim = _malloc_trim()
 
 
 def _write(path: Path, value, *, fsync: bool) -> None:
@@ -172,7 +191,8 @@ class DiskParameterStore(ParameterStore):
             if group.optimizer is not None:
                 group.optimizer.state.pop(p, None)
         group.wire = None
-        self._flat.pop(g, None)
+        if self._flat.pop(g, None) is not None:
+            _trim()
 
     def _request(self, g: int, with_state: bool) -> None:
         if g != self.resident and g not in self._flat and g not in self._reads and self.groups[g].numel:
