@@ -94,7 +94,7 @@ def run(depths, *, batch: int, seq: int, micro: int, steps: int) -> dict:
             with tempfile.TemporaryDirectory(prefix="ecru-l2l-mem-", dir=os.environ.get("ECRU_L2L_DISK")) as tmp:
                 cmd = [sys.executable, __file__, "--worker", mode, "--depth", str(depth), "--batch", str(batch),
                        "--seq", str(seq), "--micro", str(micro), "--steps", str(steps), "--store-dir", tmp]
-                res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True').stdout)
+                res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             out[mode][str(depth)] = res
             print(f"depth {depth:3d} {mode:5s}: {res['params'] / 1e6:7.1f}M params  peak RSS {res['rss_mb']:8.1f} MB"
                   f"  step {res['step_s'][-1]:.2f} s  loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}",
