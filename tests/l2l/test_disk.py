@@ -125,3 +125,18 @@ def test_disk_tier_refuses_what_needs_the_whole_model(tmp_path):
         L2L.from_hf(tiny_llama(num_layers=3), optimizer=ADAMW,
                     config=L2LConfig(store="disk", store_dir=str(tmp_path / "s")))
     engine.close()
+
+
+@pytest.mark.gpu
+def test_disk_tier_on_cuda_equals_ram_tier_on_cuda(tmp_path):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = tiny_llama(num_layers=4)
+    ram, ram_losses = _train(copy.deepcopy(ref), L2LConfig(device="cuda", micro_batch_size=2, stash="host"))
+    disk, disk_losses = _train(copy.deepcopy(ref), L2LConfig(device="cuda", micro_batch_size=2, stash="disk",
+                                                              store="disk", store_dir=str(tmp_path)))
+    assert disk_losses == pytest.approx(ram_losses, rel=1e-6)
+    expected, got = ram.state_dict(), disk.state_dict()
+    for name in expected:
+        torch.testing.assert_close(got[name].cpu(), expected[name].cpu(), atol=1e-6, rtol=1e-5)
+    ram.close()
+    disk.close()
