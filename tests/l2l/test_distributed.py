@@ -36,16 +36,17 @@ def _rank(rank: int, init_file: str, out: str) -> None:
         losses = [engine.step(_shard(lm_batch(seed=s), rank)) for s in range(2)]
         result = {"hf": engine.state_dict(), "losses": losses}
         engine.close()
-        torch.manual_seed(rank)
-        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-        engine = L2L.from_sequential(model, loss_fn=nn.CrossEntropyLoss(), optimizer=SGD,
-                                     config=L2LConfig(micro_batch_size=2))
-        for s in range(2):
-            x, y = _seq_batch(s)
-            rows = slice(0, 4) if rank == 0 else slice(4, 7)  # 4 + 3 samples: uneven mean weights
-            engine.step((x[rows], y[rows]))
-        result["seq"] = engine.state_dict()
-        engine.close()
+        for key, tier in (("seq", {}), ("seq-disk", {"store": "disk", "store_dir": f"{out}.store", "fsync": False})):
+            torch.manual_seed(rank)
+            model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+            engine = L2L.from_sequential(model, loss_fn=nn.CrossEntropyLoss(), optimizer=SGD,
+                                         config=L2LConfig(micro_batch_size=2, **tier))
+            for s in range(2):
+                x, y = _seq_batch(s)
+                rows = slice(0, 4) if rank == 0 else slice(4, 7)  # 4 + 3 samples: uneven mean weights
+                engine.step((x[rows], y[rows]))
+            result[key] = engine.state_dict()
+            engine.close()
         torch.save(result, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -78,6 +79,8 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
         assert_params_close_dict(expected, res["hf"])
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), atol=1e-6, rtol=1e-6)
         assert_params_close(ref, res["seq"])
+        assert_params_close(ref, res["seq-disk"])  # the disk tier: one store per rank, same weights
+    assert sorted(p.name for p in tmp_path.glob("result.store/rank*")) == ["rank0", "rank1"]
 
 
 def assert_params_close_dict(expected: dict, got: dict) -> None:
