@@ -36,7 +36,9 @@ def _rank(rank: int, init_file: str, out: str) -> None:
         losses = [engine.step(_shard(lm_batch(seed=s), rank)) for s in range(2)]
         result = {"hf": engine.state_dict(), "losses": losses}
         engine.close()
-        for key, tier in (("seq", {}), ("seq-disk", {"store": "disk", "store_dir": f"{out}.store", "fsync": False})):
+        tiers = (("seq", {}), ("seq-disk", {"store": "disk", "store_dir": f"{out}.store", "fsync": False}),
+                 ("seq-zero1", {"shard_optimizer": True}))
+        for key, tier in tiers:
             torch.manual_seed(rank)
             model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
             engine = L2L.from_sequential(model, loss_fn=nn.CrossEntropyLoss(), optimizer=SGD,
@@ -46,6 +48,8 @@ def _rank(rank: int, init_file: str, out: str) -> None:
                 rows = slice(0, 4) if rank == 0 else slice(4, 7)  # 4 + 3 samples: uneven mean weights
                 engine.step((x[rows], y[rows]))
             result[key] = engine.state_dict()
+            if key == "seq-zero1":  # momentum buffers only where this rank owns the block (round robin)
+                result["owned"] = [bool(g.optimizer.state) for g in engine.store.groups if g.optimizer is not None]
             engine.close()
         torch.save(result, f"{out}.{rank}")
     finally:
@@ -80,6 +84,9 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
         torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(losses), atol=1e-6, rtol=1e-6)
         assert_params_close(ref, res["seq"])
         assert_params_close(ref, res["seq-disk"])  # the disk tier: one store per rank, same weights
+        assert_params_close(ref, res["seq-zero1"])  # ZeRO-1: sharded optimizer states, same weights
+    # the Sequential's blocks with parameters: Linear (owner rank 0), Linear (rank 1); Tanh has none
+    assert [res["owned"] for res in results] == [[True, False], [False, True]]
     assert sorted(p.name for p in tmp_path.glob("result.store/rank*")) == ["rank0", "rank1"]
 
 

@@ -57,6 +57,10 @@ class L2LConfig:
     """When torch.distributed runs several ranks: start from rank 0's weights and all-reduce each block's
     gradient before its host update (every rank trains on its shard; the result equals one process on
     the concatenated batch). False leaves the ranks independent."""
+    shard_optimizer: bool = False
+    """Data parallel, ZeRO-1 style: each block's optimizer state lives on one rank (round robin), which
+    receives the reduced gradient, updates the block and broadcasts its weights at the end of the step
+    (optimizer memory / world_size; the broadcasts are not overlapped). RAM tier only."""
     loss_scale: float = 2.0**16
     """Initial dynamic loss scale (float16 only)."""
     loss_scale_growth_interval: int = 2000
@@ -88,6 +92,8 @@ class L2LConfig:
                 'store="disk" updates each block as soon as its gradient is ready; max_grad_norm and float16 '
                 "loss scaling need every gradient first (the whole model in RAM): use bfloat16 and no clipping"
             )
+        if self.shard_optimizer and (self.store == "disk" or self.deferred_update):
+            raise L2LInputError("shard_optimizer works on the RAM tier without clipping or float16 loss scaling")
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as exc:

@@ -76,6 +76,10 @@ class L2L:
         else:
             self.store = ParameterStore(groups, **store_kw)
         self.store.process_group = self.process_group
+        if self.process_group is not None and self.config.shard_optimizer:
+            import torch.distributed as dist
+
+            self.store.shard = (dist.get_rank(self.process_group), dist.get_world_size(self.process_group))
         self.stash = ActivationStash(self.config.stash, self.device, self.config.store_dir)
         self.scaler = LossScale(self.config.loss_scale, self.config.loss_scale_growth_interval) \
             if self.config.dtype == torch.float16 else None

@@ -111,6 +111,7 @@ class ParameterStore:
         self.cuda = device.type == "cuda"
         self._factory, self._slot_count = optimizer, slots
         self.process_group = None  # set for data parallel: block gradients are all-reduced before updates
+        self.shard: tuple[int, int] | None = None  # (rank, world size) when optimizer states are sharded
         needs_wire = self.cuda or dtype != torch.float32
         self.groups = [self._make_group(list(ps), optimizer, needs_wire=needs_wire) for ps in groups]
         self._make_pools()
@@ -149,8 +150,25 @@ class ParameterStore:
         """The engine starts its "forward" or "backward" over the streamed groups `order`."""
 
     def end_step(self, steps: int) -> None:
-        """The step is complete on the device: wait for every update (the disk tier commits it)."""
+        """The step is complete on the device: wait for every update (the disk tier commits it). With
+        sharded optimizer states, each group's owner then broadcasts its updated weights."""
         self.synchronize()
+        if self.shard is not None:
+            import torch.distributed as dist
+
+            for g, group in enumerate(self.groups):
+                if group.params:
+                    for p in group.params:
+                        dist.broadcast(p.data, src=self.owner(g), group=self.process_group)
+                    if self.owner(g) != self.shard[0]:
+                        group.version += 1
+                        group.refresh_wire()
+
+    def owner(self, g: int) -> int:
+        """The rank that holds group `g`'s optimizer state: round robin over the groups with parameters."""
+        if self.shard is None:
+            return 0
+        return sum(1 for group in self.groups[:g] if group.params) % self.shard[1]
 
     def _make_group(self, params: list[nn.Parameter], factory: OptimizerFactory, *, needs_wire: bool) -> ParamGroup:
         numel = sum(p.numel() for p in params)
@@ -240,15 +258,25 @@ class ParameterStore:
         self._acc.clear()
 
     def _all_reduce(self, g: int) -> None:
-        """Data parallel: sum group `g`'s gradient over the ranks (each rank pre-weighted its share)."""
+        """Data parallel: sum group `g`'s gradient over the ranks (each rank pre-weighted its share); to
+        the group's owner only when optimizer states are sharded."""
         if self.process_group is not None:
             import torch.distributed as dist
 
-            dist.all_reduce(self._acc[g][: self.groups[g].numel], group=self.process_group)
+            grad = self._acc[g][: self.groups[g].numel]
+            if self.shard is None:
+                dist.all_reduce(grad, group=self.process_group)
+            else:
+                dist.reduce(grad, dst=self.owner(g), group=self.process_group)
 
     def update(self, g: int) -> None:
         """Send group `g`'s gradient to the host once and step its optimizer in the worker thread."""
         self._all_reduce(g)
+        if self.shard is not None and self.owner(g) != self.shard[0]:
+            acc = self._acc.pop(g)  # another rank updates this group and broadcasts it at the step's end
+            if g != self.resident:
+                self._acc_pool.give(acc)
+            return
         host, copied = self._to_host(g)
         group = self.groups[g]
         group.version += 1
