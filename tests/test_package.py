@@ -17,6 +17,16 @@ def test_import_has_no_side_effects():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_cli_parser_imports_no_heavy_library():
+    # `ecru --help` builds every pillar's subcommands: they must not import torch at module level
+    code = (
+        "import sys; from ecru.cli import build_parser; build_parser(); "
+        "heavy = [m for m in ('torch', 'transformers', 'peft', 'numpy') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_no_code_reads_the_shared_folder():
     pattern = re.compile(r"\.\./shared|shared/data|shared/spec")
     offenders = [
