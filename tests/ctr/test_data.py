@@ -122,3 +122,20 @@ def test_splits():
     assert (
         sizes == [300, 300, 300, 100] and [len(b[2]) for b in data.batches(300, drop_last=True)] == [300] * 3
     )
+
+
+def test_vocabulary_is_restricted_to_the_training_split():
+    from ecru.ctr.data import CTRData, restrict_vocabulary_to_train
+
+    def data(ids):
+        cats = torch.tensor(ids, dtype=torch.int32)[:, None]
+        return CTRData(torch.zeros(len(ids), 1), cats, torch.zeros(len(ids)), (6,))
+
+    # id 1: twice in train; id 2: once in train, once in test; id 3: only in test; id 5: once in train
+    train, test = data([1, 1, 2, 5, 0]), data([2, 3, 1, 4])
+    tr, te = restrict_vocabulary_to_train(train, test, min_count=2)
+    assert tr.cats[:, 0].tolist() == [1, 1, 0, 0, 0]
+    assert te.cats[:, 0].tolist() == [0, 0, 1, 0]
+    tr1, te1 = restrict_vocabulary_to_train(train, test, min_count=1)
+    assert tr1.cats[:, 0].tolist() == [1, 1, 2, 5, 0] and te1.cats[:, 0].tolist() == [2, 0, 1, 0]
+    assert train.cats[:, 0].tolist() == [1, 1, 2, 5, 0]  # inputs untouched

@@ -57,7 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def load_data(spec: str, args: argparse.Namespace):
     """(train, test, info) for --data synthetic | criteo:PATH | avazu:PATH."""
-    from ecru.ctr.data import ReaderConfig, load_ctr_file
+    from ecru.ctr.data import ReaderConfig, load_ctr_file, restrict_vocabulary_to_train
     from ecru.ctr.synthetic import SyntheticConfig, generate, oracle_summary, realised_oracle
     from ecru.errors import EcruError
 
@@ -80,6 +80,8 @@ def load_data(spec: str, args: argparse.Namespace):
     )
     if spec == "synthetic":
         info["oracle_auc"], info["oracle_logloss"] = realised_oracle(split[1])
+    elif not args.hash_buckets:  # the vocabulary must be the training split's alone
+        split = restrict_vocabulary_to_train(*split, min_count=args.min_count)
     return split[0], split[1], info
 
 

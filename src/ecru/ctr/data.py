@@ -256,6 +256,27 @@ def _chunk(labels, dense, cats, n_dense, encoder, path, fmt) -> CTRData:
     )
 
 
+def restrict_vocabulary_to_train(
+    train: CTRData, test: CTRData, *, min_count: int
+) -> tuple[CTRData, CTRData]:
+    """Map ids seen fewer than `min_count` times in `train` to the out-of-vocabulary id 0, in both splits.
+
+    The reader fits its vocabulary on the whole file, before any split; without this step, test rows
+    would decide which training ids get their own embedding row, and test-only ids would get rows that
+    are never trained. Cardinalities are unchanged (the freed rows are simply never looked up).
+    """
+    train_cats, test_cats = train.cats.clone(), test.cats.clone()
+    for f, card in enumerate(train.cardinalities):
+        rare = torch.bincount(train.cats[:, f].long(), minlength=card) < min_count
+        rare[0] = True
+        for cats in (train_cats, test_cats):
+            cats[:, f] = torch.where(rare[cats[:, f].long()], 0, cats[:, f])
+    return (
+        CTRData(train.dense, train_cats, train.labels, train.cardinalities, dict(train.info)),
+        CTRData(test.dense, test_cats, test.labels, test.cardinalities, dict(test.info)),
+    )
+
+
 def load_ctr_file(path: str | Path, fmt: str, *, cfg: ReaderConfig = ReaderConfig()) -> tuple[CTRData, int]:
     """The whole file in memory (in file order) and the number of malformed lines skipped."""
     skipped: Counter = Counter()
