@@ -77,7 +77,7 @@ FULL = Setting(
 
 
 def run_one(
-    setting: Setting, data, recipe_name: str, mode: str, batch: int, oracle: tuple[float, float]
+    setting: Setting, data, recipe_name: str, mode: str, batch: int, oracle: tuple[float, float], *, seed: int = 0
 ) -> dict:
     train_data, test_data = data
     recipe = scaled_recipe(recipe_name, batch, base_batch=setting.batches[0])
@@ -88,6 +88,7 @@ def run_one(
         mode=mode,
         mlp=setting.mlp,
         base_batch=setting.batches[0],
+        seed=seed,
         progress=True,
     )
     res = train(cfg, train_data, test_data, recipe=recipe)
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         if key in done:  # e.g. every rule is the plain 1K recipe at s = 1: identical run, not repeated
             runs.append({**done[key], "recipe": name, "same_run_as": done[key]["recipe"]})
             continue
-        runs.append(run_one(setting, (train_data, test_data), name, mode, batch, oracle))
+        runs.append(run_one(setting, (train_data, test_data), name, mode, batch, oracle, seed=args.seed))
         done[key] = runs[-1]
     timing = time_modes(setting, (train_data, test_data)) if complete else None
     summary = targets(runs, timing, setting.batches[0], setting.batches[1])

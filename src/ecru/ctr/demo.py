@@ -81,7 +81,7 @@ def section(ctx: DemoContext) -> Section:
             f"ecru's recipe (embedding LR x s, dense LR x s^0.75, L2 x sqrt(s), short warm-up, row-sparse updates) "
             f"reaches {ecru:.4f} ({ref - ecru:+.4f} behind 1K). With this few steps ({rows[3]['steps']}) no LR rule closes "
             f"the gap: the FM's factors start at std 0.01 and grow over many steps; bench/ctr_scaling.py --quick "
-            f"(30 steps at 32K on 1M rows) is where ecru's rule comes within 0.002 AUC of 1K."
+            f"(30 steps at 32K on 1M rows) measures the recipes where they separate (bench/results/ctr_quick.json)."
         ),
         plots=[plot],
         rows=rows,
