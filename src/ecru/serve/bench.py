@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def build_predictor(model, tokenizer, config: BenchConfig, true_lengths: dict[st
         return OraclePredictor(true_lengths)
     prompts, labels = train_labels(model, tokenizer, config)
     if config.predictor == "constant":
-        return ConstantPredictor(sorted(labels)[len(labels) // 2])
+        return ConstantPredictor(statistics.median_low(labels))
     if config.predictor == "minilm":
         return MiniLMPredictor(cap=config.max_new_tokens).fit(prompts, labels)
     if config.predictor == "probe":
@@ -111,7 +112,7 @@ def _self_lora(model, tokenizer, config: BenchConfig, prompts, labels):
     path = cache_dir() / "serve" / f"self-lora-{config.model}-{key}"
     if (path / "adapter_config.json").is_file():
         predictor = SelfLoRAPredictor(model, tokenizer, config=lora, adapter_path=path)
-        predictor.default = float(sorted(labels)[len(labels) // 2])
+        predictor.default = float(statistics.median_low(labels))
         return predictor
     predictor = SelfLoRAPredictor(model, tokenizer, config=lora).fit(prompts, labels)
     predictor.save(path)

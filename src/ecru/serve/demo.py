@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 from ecru.demo.plots import new_figure, save
@@ -49,6 +50,7 @@ def simulated(ctx: DemoContext) -> dict[str, dict]:
     from ecru.serve.prompts import encode_chat
 
     labels = read_labels(LABELS)
+    random.Random(0).shuffle(labels)  # the file is ordered by prompt length: split at random
     half = len(labels) // 2
     train, test = labels[:half], labels[half:]
     predictor = MiniLMPredictor(cap=256).fit([r.prompt for r in train], [r.label for r in train])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,7 +116,7 @@ class SelfLoRAPredictor:
         from tqdm.auto import tqdm
 
         examples = self._examples(prompts, labels)
-        self.default = float(torch.tensor([float(y) for y in labels]).median())
+        self.default = float(statistics.median_low([float(y) for y in labels]))
         params = [p for p in self.model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(self.config.seed)
