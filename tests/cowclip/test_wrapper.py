@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ecru.cowclip import CowClip, cowclip
 from ecru.ctr.models import CTRConfig, DeepFM
@@ -105,10 +106,27 @@ def test_ratio_distribution_and_errors():
     clipper = CowClip(model.embedding_tables(), r=1.0)
     clipper.clip_(backward(model, batches[0]))
     q = clipper.stats().ratio_quantiles
-    assert q["p50"] <= q["p90"] <= q["p99"] and q["max"] > 0
+    assert 0 < q["p50"] <= q["p90"] <= q["p99"] <= q["max"]
     with pytest.raises(ValueError, match="sparse gradients"):
         CowClip(model.embedding_tables(), mode="sparse").clip_(backward(model, batches[0]))
     with pytest.raises(ValueError, match="mode"):
         CowClip(model.embedding_tables(), mode="lazy")
     with pytest.raises(ValueError, match="tables"):
         CowClip([])
+
+
+def test_ratio_quantiles_match_the_exact_quantiles():
+    # rows with ||w|| = 1 and count 1 have threshold 1, so ||g|| / threshold = ||g||: known ratios
+    ratios = 10 ** torch.empty(5000, dtype=torch.float64).uniform_(-4, 1, generator=torch.Generator().manual_seed(0))
+    grad = torch.zeros(5000, 4, dtype=torch.float64)
+    grad[:, 0] = ratios
+    weight = torch.zeros(5000, 4, dtype=torch.float64)
+    weight[:, 1] = 1.0
+    clipper = CowClip([nn.Parameter(weight.clone())], r=1.0)
+    clipper._scale(grad, weight, torch.ones(5000, dtype=torch.long))
+    stats = clipper.stats()
+    assert stats.clipped_fraction == pytest.approx(float((ratios > 1).double().mean()))
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        exact = float(torch.quantile(ratios, q))
+        assert exact / 10**0.05 <= stats.ratio_quantiles[name] <= exact * 10**0.05, (name, exact)
+    assert stats.ratio_quantiles["max"] == pytest.approx(float(ratios.max()))

@@ -140,7 +140,9 @@ class CowClip:
         quantiles = {"max": self._max}
         if self._rows:
             cum = self._hist.cumsum(0).double() / self._rows
-            edges = torch.cat([_BINS[:1], _BINS])
+            # bin i holds log10 ratios in (_BINS[i-1], _BINS[i]]: report its middle (the two open-ended
+            # outer bins report their boundary), within half a bin (a factor 10**0.05) of the exact value
+            mid = (torch.cat([_BINS[:1], _BINS]) + torch.cat([_BINS, _BINS[-1:]])) / 2
             for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-                quantiles[name] = float(10 ** edges[int(torch.searchsorted(cum, q))])
+                quantiles[name] = float(10 ** mid[int(torch.searchsorted(cum, q))])
         return ClipStats(self._rows, self._clipped, quantiles)
