@@ -26,11 +26,13 @@ def test_each_method_runs_a_tiny_stream(name, tiny_model, tiny_evaluator):
     assert all(0 <= a <= 100 for row in res.R + res.R_ci for a in row)
     assert COST_KEYS <= set(res.cost) and all(math.isfinite(v) for v in res.cost.values())
     assert not math.isnan(res.metrics["transfer_retention"])
+    texts = [e.text for e in stream.tasks[0].train[:8]]
+    moved = (method.encoder().encode(texts) - tiny_model().encode(texts)).abs().max()
     if name == "zeroshot":
-        assert res.cost["trainable_params"] == 0 and res.R == [res.R0] * T
+        assert res.cost["trainable_params"] == 0 and res.R == [res.R0] * T and moved == 0
     else:
         assert res.cost["trainable_params"] > 0 and res.cost["optimizer_bytes"] >= 8 * res.cost["trainable_params"]
-        assert res.R != [res.R0] * T or res.cost["steps"] > 0
+        assert moved > 1e-4  # training changed what the model computes
 
 
 def test_adapter_methods_train_only_adapters(tiny_model, tiny_evaluator):
