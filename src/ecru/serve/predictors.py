@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from ecru.models.minilm import mean_pool
+
 
 class LengthPredictor(Protocol):
     """Predicts the response length (tokens) of each raw user prompt."""
@@ -142,6 +144,5 @@ class ProbePredictor(_RidgeOnFeatures):
             hidden = self.model(
                 input_ids=x, attention_mask=mask, position_ids=positions(mask), output_hidden_states=True
             ).hidden_states[-1]
-            m = mask.unsqueeze(-1).float()
-            out.append((hidden * m).sum(1) / m.sum(1))
+            out.append(mean_pool(hidden, mask))
         return torch.cat(out)
