@@ -3,7 +3,10 @@
 The stem and head replay what `LlamaModel.forward` / `GPT2Model.forward` do around the decoder layers
 (transformers 5.x): positions 0..T-1 for every micro-batch, `create_causal_mask` from the micro-batch's
 attention mask (so padding and the sdpa `None`-means-causal shortcut behave as in the model), rotary
-cos/sin computed once per micro-batch. The head calls the model's own `loss_function` with
+cos/sin computed once per micro-batch. Token (and GPT-2 position) embeddings are looked up with sparse
+gradients: the stem's backward runs once per micro-batch, and a dense [vocab, hidden] gradient per
+micro-batch (zeroed, scattered, then added to the accumulator) cost more than the rest of the stem; the
+sparse one is added into the accumulator row by row, with the same sums. The head calls the model's own `loss_function` with
 `num_items_in_batch` = the number of targets in the whole minibatch, so micro-batch losses sum to the
 model's mean over every label token of the minibatch.
 """
@@ -14,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ecru.l2l.config import L2LInputError
@@ -21,6 +25,12 @@ from ecru.l2l.parts import MicroBatch, ModelParts, chunks
 
 SUPPORTED = ("llama", "gpt2")
 IGNORE_INDEX = -100
+
+
+def embed(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """`module(ids)` with a sparse weight gradient (only the rows of `ids`), whatever `module.sparse` says."""
+    return F.embedding(ids, module.weight, module.padding_idx, module.max_norm, module.norm_type,
+                       module.scale_grad_by_freq, sparse=True)
 
 
 class LlamaStem(nn.Module):
@@ -35,7 +45,7 @@ class LlamaStem(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         input_ids, attention_mask = inputs
-        hidden = self.embed_tokens(input_ids)
+        hidden = embed(self.embed_tokens, input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         mask = create_causal_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
@@ -60,12 +70,12 @@ class GPT2Stem(nn.Module):
 
         input_ids, attention_mask = inputs
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        embeds = self.wte(input_ids)
+        embeds = embed(self.wte, input_ids)
         mask = create_causal_mask(
             config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
             past_key_values=None, position_ids=positions,
         )
-        hidden = self.drop(embeds + self.wpe(positions))
+        hidden = self.drop(embeds + embed(self.wpe, positions))
         return hidden, {"attention_mask": mask, "position_ids": positions}
 
 
