@@ -22,11 +22,10 @@ from pathlib import Path
 
 import torch
 
-from ecru.cowclip import scaled_recipe
+from ecru.cowclip import RECIPES, scaled_recipe
 from ecru.ctr import SyntheticConfig, TrainConfig, generate, train
 from ecru.ctr.synthetic import realised_oracle
 
-RECIPES = ("adam", "adam-sqrt", "linear", "cowclip", "ecru")
 BOTH_MODES = ("cowclip", "ecru")  # the other baselines run in the faithful mode only
 
 

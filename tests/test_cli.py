@@ -61,3 +61,17 @@ def test_a_pillar_that_is_absent_is_reported_not_built(monkeypatch, capsys):
     monkeypatch.setitem(cli.PILLARS, "l2l", ("ecru.no_such_pillar.cli", "help"))
     assert cli.main(["l2l"]) == 2
     assert "not built yet" in capsys.readouterr().err
+
+
+def test_cli_choices_match_the_library():
+    # the pillar CLIs copy these names to stay free of torch at import time: the copies must not drift
+    from ecru.cowclip.recipes import RECIPES
+    from ecru.ctr import cli as ctr_cli
+    from ecru.ctr.models import MODELS
+    from ecru.serve.bench import PREDICTORS
+
+    assert ctr_cli.MODELS == MODELS and ctr_cli.RECIPES == RECIPES
+    bench = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
+    bench = bench._subparsers._group_actions[0].choices["bench"]
+    predictor = next(a for a in bench._actions if a.dest == "predictor")
+    assert tuple(predictor.choices) == PREDICTORS

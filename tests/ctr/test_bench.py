@@ -34,18 +34,14 @@ def bench(monkeypatch):
     return module
 
 
-def test_quick_schema_on_a_tiny_setting(bench, tmp_path, monkeypatch):
-    tiny = bench.Setting(
-        rows=6000,
-        test_fraction=0.25,
-        scale=1e-3,
-        zipf=1.1,
-        mlp=(8,),
-        epochs=1,
-        batches=(128, 512),
-        timing_steps=3,
+def _tiny_setting(bench, *, rows: int):
+    return bench.Setting(
+        rows=rows, test_fraction=0.25, scale=1e-3, zipf=1.1, mlp=(8,), epochs=1, batches=(128, 512), timing_steps=3
     )
-    monkeypatch.setattr(bench, "QUICK", tiny)
+
+
+def test_quick_schema_on_a_tiny_setting(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "QUICK", _tiny_setting(bench, rows=6000))
     out = tmp_path / "r.json"
     assert bench.main(["--quick", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -67,17 +63,7 @@ def test_quick_schema_on_a_tiny_setting(bench, tmp_path, monkeypatch):
 
 
 def test_partial_plan(bench, tmp_path, monkeypatch):
-    tiny = bench.Setting(
-        rows=4000,
-        test_fraction=0.25,
-        scale=1e-3,
-        zipf=1.1,
-        mlp=(8,),
-        epochs=1,
-        batches=(128, 512),
-        timing_steps=3,
-    )
-    monkeypatch.setattr(bench, "QUICK", tiny)
+    monkeypatch.setattr(bench, "QUICK", _tiny_setting(bench, rows=4000))
     out = tmp_path / "p.json"
     assert bench.main(["--recipes", "cowclip,ecru", "--no-sparse", "--epochs", "2", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
