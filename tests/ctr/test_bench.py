@@ -76,3 +76,16 @@ def test_partial_plan(bench, tmp_path, monkeypatch):
         ("ecru", "full", 512, 2),
     ]
     assert result["timing_1k"] is None and "ecru_full_512_gap_to_1k" in result["targets"]
+
+
+def test_sparse_only_plan(bench, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "FULL", _tiny_setting(bench, rows=4000))
+    out = tmp_path / "s.json"
+    argv = ["--full", "--sparse-only", "--recipes", "linear,ecru", "--json", str(out)]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    got = [(r["recipe"], r["mode"], r["batch_size"]) for r in result["runs"]]
+    assert got == [("adam", "sparse", 128), ("linear", "sparse", 512), ("ecru", "sparse", 512)]
+    assert result["timing_1k"] is None and "ecru_sparse_512_gap_to_1k" in result["targets"]
+    with pytest.raises(SystemExit):  # the two mode filters exclude each other
+        bench.main(["--no-sparse", "--sparse-only", "--json", str(out)])
