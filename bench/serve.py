@@ -1,9 +1,10 @@
 """Sequence-scheduling benchmark: every policy for real on held-out prompts, plus the simulator's view.
 
-    OMP_NUM_THREADS=1 python bench/serve.py --model smollm2 --n 64 --max-new-tokens 128 \
+    OMP_NUM_THREADS=1 python bench/serve.py --model smollm2 --n 64 --max-new-tokens 128 --repeats 3 \
         --predictor probe --labels bench/results/serve_labels_smollm2.jsonl --json bench/results/serve_bench.json
 
-Prints the policy table, replays the measured lengths through the simulator (same lengths, cost model of
+Every policy runs `--repeats` times in a rotated order (machine load drifts between runs); the table shows
+per-policy medians and the median of the per-repetition ratios to fcfs. Prints the policy table, replays the measured lengths through the simulator (same lengths, cost model of
 this machine if given) to compare effective token ratios and throughput ratios, writes JSON and a PNG.
 """
 
@@ -52,7 +53,7 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
     for policy, sim in out.items():
         real = result["policies"][policy]
         sim["speedup"] = sim["samples_per_s"] / base_sim
-        sim["measured_speedup"] = real["samples_per_s"] / base_real
+        sim["measured_speedup"] = real.get("speedup_vs_fcfs", real["samples_per_s"] / base_real)
         sim["measured_effective_token_ratio"] = real["effective_token_ratio"]
     return {"cost_model": cost.source, "policies": out}
 
@@ -60,10 +61,15 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
 def plot(result: dict, path: Path) -> None:
     from ecru.demo.plots import new_figure, save
 
-    names = list(result["policies"])
-    base = result["policies"]["fcfs"]["samples_per_s"]
+    pol = result["policies"]
+    names = list(pol)
     fig, (ax1, ax2) = new_figure(width=10, height=3.5, ncols=2)
-    ax1.bar(names, [result["policies"][n]["samples_per_s"] / base for n in names], color="tab:blue")
+    mid = [pol[n]["speedup_vs_fcfs"] for n in names]
+    spread = [  # the range of the paired per-repetition ratios around their median
+        [m - min(pol[n]["speedup_vs_fcfs_runs"]) for n, m in zip(names, mid, strict=True)],
+        [max(pol[n]["speedup_vs_fcfs_runs"]) - m for n, m in zip(names, mid, strict=True)],
+    ]
+    ax1.bar(names, mid, yerr=spread, capsize=3, color="tab:blue")
     ax1.axhline(1.0, color="gray", lw=0.8)
     ax1.set(ylabel="samples/s relative to fcfs", title="throughput (prediction time included)")
     ax2.bar(names, [result["policies"][n]["mean_latency_s"] for n in names], color="tab:orange")
@@ -88,6 +94,7 @@ def main() -> None:
     p.add_argument("--labels", default=None)
     p.add_argument("--train-n", type=int, default=256)
     p.add_argument("--lora-epochs", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="repetitions per policy, in rotated order")
     p.add_argument("--cost-model", default=None, help="cost model JSON for the simulator comparison")
     p.add_argument("--json", default="bench/results/serve_bench.json")
     args = p.parse_args()
@@ -103,6 +110,7 @@ def main() -> None:
         labels=args.labels,
         train_n=args.train_n,
         lora_epochs=args.lora_epochs,
+        repeats=args.repeats,
     )
     start = time.perf_counter()
     result = run_bench(config)

@@ -37,6 +37,8 @@ def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
             str(labels),
             "--train-n",
             "6",
+            "--repeats",
+            "2",
             "--json",
             str(out),
         ]
@@ -62,6 +64,10 @@ def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
     }
     for m in result["policies"].values():
         assert keys <= set(m) and m["outputs_match_fcfs"]
+        assert len(m["samples_per_s_runs"]) == len(m["speedup_vs_fcfs_runs"]) == 2
+    assert result["policies"]["fcfs"]["speedup_vs_fcfs_runs"] == [1.0, 1.0]
+    orders = result["setup"]["orders"]
+    assert orders[0][0] == "fcfs" and orders[1] == orders[0][1:] + orders[0][:1]
     assert {"name", "mae", "acc50", "acc100", "predict_s"} <= set(result["predictor"])
 
 

@@ -1,9 +1,16 @@
 """`ecru serve bench`: every policy for real on one group of held-out prompts, with a learned predictor.
 
-Order of work: FCFS runs first and records the true (greedy, capped) lengths; the predictor (trained on
-train-split labels, cached) then predicts the held-out prompts, timed; each other policy runs with those
-predictions, its wall time including the prediction time (oracle and cb need none). Every policy's
-outputs are compared with FCFS's, which equal unscheduled greedy generation.
+Order of work: FCFS runs first and records the true (greedy, capped) lengths and the reference outputs;
+the predictor (trained on train-split labels, cached) then predicts the held-out prompts, timed once;
+each other policy runs with those predictions, its wall time including the prediction time (oracle and
+cb need none). Every run's outputs are compared with that first FCFS run's, which equal unscheduled
+greedy generation.
+
+Repetitions (`repeats` R): the machine's load drifts between runs, so one run per policy in a fixed
+order turns drift into policy differences. Repetition k runs the policies rotated to start at policy k
+(repetition 0 starts with the FCFS reference run), so every policy takes every position in turn. Per
+policy the JSON reports the median of each metric over the repetitions, and `speedup_vs_fcfs`, the
+median over repetitions of samples/s divided by the same repetition's FCFS samples/s (paired ratios).
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ class BenchConfig:
     """cb-sjf aging, priority tokens per decode step waited."""
     lora_epochs: int = 2
     """Epochs of self-lora tuning (the paper: 3; each SmolLM2 step costs seconds on a CPU)."""
+    repeats: int = 1
+    """Repetitions of every policy, in a rotated order (medians and paired ratios to fcfs reported)."""
 
     def __post_init__(self):
         bad = [p for p in self.policies if p not in POLICIES]
@@ -56,8 +65,8 @@ class BenchConfig:
             raise EcruError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
         if self.predictor not in PREDICTORS:
             raise EcruError(f"unknown predictor {self.predictor!r}; choose from {', '.join(PREDICTORS)}")
-        if min(self.n, self.max_new_tokens, self.batch_size, self.train_n) < 1:
-            raise EcruError("--n, --max-new-tokens, --batch-size and --train-n must be >= 1")
+        if min(self.n, self.max_new_tokens, self.batch_size, self.train_n, self.repeats) < 1:
+            raise EcruError("--n, --max-new-tokens, --batch-size, --train-n and --repeats must be >= 1")
 
 
 def labels_path(config: BenchConfig) -> Path:
@@ -119,8 +128,25 @@ def _self_lora(model, tokenizer, config: BenchConfig, prompts, labels):
     return predictor
 
 
+def rotated_orders(policies: tuple[str, ...], repeats: int) -> list[list[str]]:
+    """Repetition k runs `policies` rotated to start at policy k mod len(policies)."""
+    return [list(policies[k % len(policies) :] + policies[: k % len(policies)]) for k in range(repeats)]
+
+
+def summarize_runs(runs: list[dict[str, float]], fcfs: list[dict[str, float]]) -> dict:
+    """One policy's repetitions: the median of each metric, and the median paired ratio to fcfs."""
+    ratios = [r["samples_per_s"] / f["samples_per_s"] for r, f in zip(runs, fcfs, strict=True)]
+    return {
+        **{key: statistics.median(r[key] for r in runs) for key in runs[0]},
+        "speedup_vs_fcfs": statistics.median(ratios),
+        "speedup_vs_fcfs_runs": ratios,
+        "samples_per_s_runs": [r["samples_per_s"] for r in runs],
+        "wall_s_runs": [r["wall_s"] for r in runs],
+    }
+
+
 def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
-    """Run every policy; return the benchmark JSON (policies, predictor, setup)."""
+    """Run every policy `config.repeats` times; return the benchmark JSON (policies, predictor, setup)."""
     import contextlib
 
     import torch
@@ -137,39 +163,43 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     ids = encode_chat(tokenizer, texts)
     gen = GenerationConfig.for_tokenizer(tokenizer)
     plan = PlanConfig(batch_size=config.batch_size, max_new_tokens=config.max_new_tokens)
-    run = lambda policy, predicted, predict_s: run_policy(  # noqa: E731
-        model,
-        ids,
-        policy=policy,
-        predicted=predicted,
-        gen=gen,
-        plan=plan,
-        aging=config.aging,
-        predict_s=predict_s,
-        progress=progress,
-    )
+
+    def run(policy, predicted, predict_s):
+        return run_policy(
+            model,
+            ids,
+            policy=policy,
+            predicted=predicted,
+            gen=gen,
+            plan=plan,
+            aging=config.aging,
+            predict_s=predict_s,
+            progress=progress,
+        )
+
     with torch.no_grad():
-        fcfs = run("fcfs", None, 0.0)
-    true = [float(len(t)) for t in fcfs.tokens]
+        reference = run("fcfs", None, 0.0)
+    true = [float(len(t)) for t in reference.tokens]
     predictor = build_predictor(model, tokenizer, config, dict(zip(texts, true, strict=True)))
     predicted, predict_s = timed_predict(predictor, texts)
-    runs = {"fcfs": fcfs}
+    # (predictions, seconds charged) per policy; fcfs and cb use neither
+    inputs = {p: (predicted, predict_s) for p in NEEDS_PREDICTION} | {"oracle": (true, 0.0)}
+    names = ("fcfs", *(p for p in config.policies if p != "fcfs"))
+    orders = rotated_orders(names, config.repeats)
+    samples: dict[str, list[dict]] = {p: [] for p in names}
+    same = dict.fromkeys(names, True)
     quiet = getattr(predictor, "adapter_disabled", contextlib.nullcontext)
     with quiet(), torch.no_grad():
-        for policy in config.policies:
-            if policy == "fcfs":
-                continue
-            if policy == "oracle":
-                runs[policy] = run(policy, true, 0.0)
-            elif policy in NEEDS_PREDICTION:
-                runs[policy] = run(policy, predicted, predict_s)
-            else:
-                runs[policy] = run(policy, None, 0.0)
-            if progress:
-                print(f"{policy:>8}: {runs[policy].wall_s:.1f} s")
+        for k, order in enumerate(orders):
+            for policy in order:
+                r = reference if (k, policy) == (0, "fcfs") else run(policy, *inputs.get(policy, (None, 0.0)))
+                samples[policy].append(r.metrics())
+                same[policy] &= r.tokens == reference.tokens
+                if progress:
+                    print(f"[{k + 1}/{config.repeats}] {policy:>8}: {r.wall_s:.1f} s")
     policies = {
-        name: {**r.metrics(), "outputs_match_fcfs": r.tokens == fcfs.tokens}
-        for name, r in runs.items()
+        name: {**summarize_runs(samples[name], samples["fcfs"]), "outputs_match_fcfs": same[name]}
+        for name in names
         if name in config.policies
     }
     return {
@@ -182,6 +212,8 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
             "max_new_tokens": config.max_new_tokens,
             "batch_size": config.batch_size,
             "threads": torch.get_num_threads(),
+            "repeats": config.repeats,
+            "orders": orders,
             "train_labels": str(labels_path(config)),
             "true_lengths": true,
             "predicted_lengths": predicted,
@@ -193,10 +225,16 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
 def format_bench(result: dict) -> str:
     """The benchmark's per-policy table (throughput relative to fcfs) and the predictor's accuracy."""
     base = result["policies"]["fcfs"]["samples_per_s"]
-    lines = [f"{'policy':>8} {'samples/s':>9} {'x fcfs':>7} {'eff':>6} {'fail':>5} {'mean lat':>8} {'p99 lat':>8} {'same':>5}"]
+    repeats = result.get("setup", {}).get("repeats", 1)
+    lines = []
+    if repeats > 1:
+        lines.append(f"medians of {repeats} repetitions in rotated order; x fcfs: median of paired ratios")
+    lines += [
+        f"{'policy':>8} {'samples/s':>9} {'x fcfs':>7} {'eff':>6} {'fail':>5} {'mean lat':>8} {'p99 lat':>8} {'same':>5}"
+    ]
     for name, m in result["policies"].items():
         lines.append(
-            f"{name:>8} {m['samples_per_s']:9.3f} {m['samples_per_s'] / base:7.2f} {m['effective_token_ratio']:6.3f} "
+            f"{name:>8} {m['samples_per_s']:9.3f} {m.get('speedup_vs_fcfs', m['samples_per_s'] / base):7.2f} {m['effective_token_ratio']:6.3f} "
             f"{m['failure_ratio']:5.2f} {m['mean_latency_s']:8.1f} {m['p99_latency_s']:8.1f} {str(m['outputs_match_fcfs']):>5}"
         )
     p = result["predictor"]

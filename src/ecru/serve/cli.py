@@ -86,6 +86,7 @@ def _bench(args: argparse.Namespace) -> int:
         train_n=args.train_n,
         aging=args.aging,
         lora_epochs=args.lora_epochs,
+        repeats=args.repeats,
     )
     result = run_bench(config)
     print(format_bench(result))
@@ -164,6 +165,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--train-n", type=int, default=192)
     bench.add_argument("--aging", type=float, default=0.5)
     bench.add_argument("--lora-epochs", type=int, default=2, help="self-lora tuning epochs")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every policy R times, repetition k starting at policy k; report medians and paired ratios",
+    )
     bench.add_argument("--json", default=None)
     bench.set_defaults(func=_bench)
 
