@@ -116,11 +116,36 @@ def test_measure_cost_model_on_tiny_model(model):
     assert cost.source == "tiny" and cost.step_time(4, 32) > 0 and cost.prefill_time(4, 16) > 0
 
 
-def test_fcr_zero_prediction_runs_nothing_and_fails_every_row():
+def test_fcr_zero_prediction_runs_nothing_and_fails_every_nonempty_row():
     trace = [TraceRequest(4, 3, 0), TraceRequest(4, 0, 0), TraceRequest(4, 5, 6)]
     r = simulate(trace, policy="fcr", config=PlanConfig(batch_size=2, max_new_tokens=10))
     # [0,1] cap 0: 0 steps, row 0 fails (3 > 0), row 1 (length 0) completes; [2] cap 6: 5 steps; rerun [0]: 3
     assert (r.padded_slots, r.failures, r.useful_tokens) == (0 + 5 + 3, 1, 8)
+
+
+def test_zero_cap_batch_costs_no_time_like_the_runner():
+    # step 1 s, prefill 2 s, nothing per row or token: a batch of S >= 1 steps takes 2 + (S - 1) s
+    cost = CostModel(1.0, 0.0, 0.0, 2.0, 0.0)
+    trace = [TraceRequest(4, 3, 0), TraceRequest(4, 2, 0), TraceRequest(4, 5, 6)]
+    r = simulate(trace, policy="fcr", config=PlanConfig(batch_size=2, max_new_tokens=10), cost=cost)
+    # [0,1] cap 0: skipped (0 s), both fail; [2] cap 6: 5 steps, 6 s; rerun [0,1] at 10: 3 steps, 4 s
+    assert (r.padded_slots, r.batch_steps, r.failures, r.batches, r.rerun_batches) == (11, 8, 2, 3, 1)
+    assert r.time_s == pytest.approx(0 + 6 + 4, rel=1e-12)
+    assert r.mean_latency_s == pytest.approx((10 + 10 + 6) / 3, rel=1e-12)
+    assert cost.batch_time(2, 4, 0) == 0.0 and cost.batch_time(2, 4, 1) == 2.0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "sorted", "fcr", "fcr+vbs", "oracle"])
+def test_simulator_accounting_equals_the_real_runner(model, prompts, reference, gen, policy):
+    from ecru.serve import run_policy
+
+    true = [len(r) for r in reference]
+    predicted = true if policy == "oracle" else [(0, 1, t, t + 4)[i % 4] for i, t in enumerate(true)]
+    config = PlanConfig(batch_size=4, max_new_tokens=24, token_budget=100)
+    run = run_policy(model, prompts, policy=policy, predicted=predicted, gen=gen, plan=config)
+    trace = [TraceRequest(len(p), t, q) for p, t, q in zip(prompts, true, predicted, strict=True)]
+    sim = simulate(trace, policy=policy, config=config)
+    assert (sim.padded_slots, sim.failures, sim.useful_tokens) == (run.slots, run.failures, run.useful)
 
 
 def test_scaled_cost_model_scales_time():

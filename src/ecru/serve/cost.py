@@ -2,8 +2,8 @@
 
 Decode step: t = step_base + step_per_row * B + step_per_row_ctx * B * context.
 Prefill:     t = prefill_base + prefill_per_token * B * padded_prompt_len.
-A static batch of B rows, prompts padded to P, running S steps costs one prefill (which yields the first
-token) and S - 1 decode steps at contexts P + 1 .. P + S - 1.
+A static batch of B rows, prompts padded to P, running S >= 1 steps costs one prefill (which yields the
+first token) and S - 1 decode steps at contexts P + 1 .. P + S - 1; a batch of 0 steps costs nothing.
 """
 
 from __future__ import annotations
@@ -53,8 +53,14 @@ class CostModel:
         return self.prefill_base + self.prefill_per_token * batch * prompt_len
 
     def batch_time(self, batch: int, prompt_len: int, steps: int) -> float:
-        """Prefill plus steps - 1 decode steps at contexts prompt_len + 1 .. prompt_len + steps - 1."""
-        decode = max(steps - 1, 0)
+        """Prefill plus steps - 1 decode steps at contexts prompt_len + 1 .. prompt_len + steps - 1.
+
+        A batch of 0 steps (an FCR batch capped at 0) computes nothing, not even its prefill, as in the
+        real runner, which skips it.
+        """
+        if steps <= 0:
+            return 0.0
+        decode = steps - 1
         ctx_sum = decode * prompt_len + decode * (decode + 1) // 2
         per_step = self.step_base + self.step_per_row * batch
         return (
