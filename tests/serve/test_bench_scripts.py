@@ -1,0 +1,52 @@
+"""bench/serve_predictors.py's cap study helpers: the mixture median, out-of-fold CV, prefix features."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "serve_predictors.py"
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("serve_predictors", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mixture_median_by_hand(study):
+    noncap = np.array([10.0, 20.0, 30.0, 40.0, 50.0])
+    # p >= 0.5: the cap; p = 0: the plain median; p = 0.2: the 0.625 quantile of the non-cap lengths
+    out = study.mixture_median(np.array([0.5, 0.9, 0.0, 0.2]), noncap, 256)
+    assert out.tolist() == pytest.approx([256, 256, 30.0, 35.0])
+
+
+def test_cross_validation_separates_an_informative_feature(study):
+    rng = np.random.default_rng(0)
+    lengths = np.where(rng.random(80) < 0.3, 64.0, rng.integers(5, 40, 80).astype(float))
+    informative = (lengths >= 64) + 0.3 * rng.standard_normal(80)
+    p, pred, const = study.cross_validate(informative[:, None], lengths, cap=64, seed=0)
+    from sklearn.metrics import roc_auc_score
+
+    assert roc_auc_score(lengths >= 64, p) > 0.95
+    assert np.abs(pred - lengths).mean() < np.abs(const - lengths).mean()
+    known = np.where(np.arange(80) < 5, 3.0, 0.0)  # five answers seen to end inside the prefix
+    _, pred, _ = study.cross_validate(informative[:, None], lengths, cap=64, seed=0, known=known)
+    assert pred[:5].tolist() == [3.0] * 5
+
+
+def test_cap_features_on_the_tiny_model(study):
+    from ecru.serve.models import load_model
+
+    model, tok = load_model("tiny")
+    f = study.cap_features(model, tok, ["hi", "tell me a story", "what time is it"], batch_size=2)
+    k = max(study.PREFIX_TOKENS)
+    assert f["h_last"].shape == (3, model.config.hidden_size) and f[f"h{k}"].shape == (
+        3,
+        model.config.hidden_size,
+    )
+    assert f["entropy"].shape == (3,) and np.all(f["entropy"] >= 0)
+    assert np.all((f[f"len{k}"] == 0) | (f[f"ended{k}"] == 1))
