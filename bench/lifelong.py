@@ -3,6 +3,8 @@
     python bench/lifelong.py --quick --json bench/results/lifelong_quick.json     # ~10 min on 2 CPU cores
     python bench/lifelong.py --full --json bench/results/lifelong_full.json       # 10 domains x 3 (seed, order)
                                                                                  # pairs: CPU-hours
+    python bench/lifelong.py --split val --methods ecru --ecru percentile=2 --ecru lr=3e-3 --json sweep.json
+                                   # tuning: CLINC's validation split; each --ecru adds a variant of the preset
 Writes {"config", "methods": {name: {R, R0, metrics, metrics_std, heldout, cost, runs}}} (R and metrics
 averaged over the runs, std over runs) and two PNGs next to the JSON: R heatmaps per method, and Transfer /
 Last versus cost. The zero-shot row R0 and the teacher's reference embeddings are computed once per run
@@ -12,6 +14,8 @@ and shared by the methods (the frozen model's outputs are never recomputed).
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
 import json
 import os
 import statistics
@@ -24,7 +28,7 @@ import torch
 
 from ecru.demo.plots import new_figure, save
 from ecru.lifelong.experiment import Experiment
-from ecru.lifelong.methods import METHODS, TrainConfig
+from ecru.lifelong.methods import METHODS, ROUTED, RoutedConfig, TrainConfig
 from ecru.lifelong.stream import StreamConfig
 
 QUICK = dict(tasks=3, train_per_intent=4, test_per_intent=4, heldout_per_class=3, reference_size=400)
@@ -38,15 +42,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", help="3 domains, 4 examples per intent, one seed")
     size.add_argument("--full", action="store_true", help="10 domains, all examples, 3 (seed, order) pairs")
     p.add_argument("--tasks", type=int, default=None, help="override the number of domains")
-    p.add_argument("--train-per-intent", type=int, default=None, help="override training utterances per intent")
+    p.add_argument(
+        "--train-per-intent", type=int, default=None, help="override training utterances per intent"
+    )
     p.add_argument("--test-per-intent", type=int, default=None, help="override test utterances per intent")
-    p.add_argument("--heldout-per-class", type=int, default=None, help="override Banking77 utterances per class")
+    p.add_argument(
+        "--heldout-per-class", type=int, default=None, help="override Banking77 utterances per class"
+    )
     p.add_argument("--runs", default=None, help="comma-separated seed:order pairs, e.g. 0:0,1:1,2:2")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods to run")
+    p.add_argument(
+        "--split",
+        choices=["test", "val"],
+        default="test",
+        help="evaluation split: test to report, val (CLINC val, Banking77 train as probe) to tune",
+    )
+    p.add_argument(
+        "--ecru",
+        action="append",
+        default=[],
+        metavar="K=V[;K=V]",
+        help="also run a variant of the ecru preset (RoutedConfig fields), e.g. 'percentile=2;r=4'",
+    )
     p.add_argument("--epochs", type=int, default=2, help="epochs per task")
     p.add_argument("--batch-size", type=int, default=None, help="utterances per step (quick: 16, else 32)")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="per-task checkpoints (resumable)")
-    p.add_argument("--plot-only", action="store_true", help="redraw the PNGs and table from an existing --json")
+    p.add_argument(
+        "--plot-only", action="store_true", help="redraw the PNGs and table from an existing --json"
+    )
     p.add_argument("--json", type=Path, required=True, help="output JSON; the PNGs are written beside it")
     return p.parse_args(argv)
 
@@ -57,6 +80,15 @@ def stream_kwargs(args) -> dict:
         if getattr(args, k) is not None:
             kw[k] = getattr(args, k)
     return kw
+
+
+def ecru_variants(specs: list[str]) -> dict[str, RoutedConfig]:
+    """`--ecru` specs -> {label: config}: each replaces fields of the ecru preset (values parsed as literals)."""
+    out = {}
+    for spec in specs:
+        fields = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in spec.split(";"))}
+        out[f"ecru[{spec}]"] = dataclasses.replace(ROUTED["ecru"], **fields)
+    return out
 
 
 def run_pairs(args) -> list[tuple[int, int]]:
@@ -116,7 +148,11 @@ def plot_cost(methods: dict, path: Path) -> str:
 
 
 def print_table(methods: dict) -> None:
-    print(f"\n{'method':<14}" + "".join(f"{k[:10]:>11}" for k in HEADLINE) + f"{'params':>11}{'s/task':>8}{'rss MB':>8}")
+    print(
+        f"\n{'method':<14}"
+        + "".join(f"{k[:10]:>11}" for k in HEADLINE)
+        + f"{'params':>11}{'s/task':>8}{'rss MB':>8}"
+    )
     for name, m in methods.items():
         vals = "".join(f"{m['metrics'][k]:>7.1f}±{m['metrics_std'][k]:<3.1f}" for k in HEADLINE)
         c = m["cost"]
@@ -135,15 +171,21 @@ def main(argv=None) -> int:
     unknown = set(names) - set(METHODS)
     if unknown:
         sys.exit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
-    kw, start = stream_kwargs(args), time.perf_counter()
+    kw, start = {**stream_kwargs(args), "split": args.split}, time.perf_counter()
     batch = args.batch_size or (16 if args.quick else 32)
-    per_method: dict[str, list[dict]] = {n: [] for n in names}
+    runs = {n: (n, None) for n in names} | {
+        label: ("ecru", cfg) for label, cfg in ecru_variants(args.ecru).items()
+    }
+    per_method: dict[str, list[dict]] = {label: [] for label in runs}
     for seed, order in run_pairs(args):
-        exp = Experiment(StreamConfig(**kw, order=order, seed=seed), log=lambda s: print(s, file=sys.stderr, flush=True))
+        exp = Experiment(
+            StreamConfig(**kw, order=order, seed=seed), log=lambda s: print(s, file=sys.stderr, flush=True)
+        )
         train = TrainConfig(epochs=args.epochs, batch_size=batch, seed=seed)
-        for name in names:
-            ckpt = None if args.checkpoint_dir is None else args.checkpoint_dir / f"{name}-s{seed}-o{order}"
-            per_method[name].append({"seed": seed, "order": order, **exp.run(name, train, checkpoint_dir=ckpt).to_json()})
+        for label, (name, cfg) in runs.items():
+            ckpt = None if args.checkpoint_dir is None else args.checkpoint_dir / f"{label}-s{seed}-o{order}"
+            res = exp.run(name, train, checkpoint_dir=ckpt, config=cfg).to_json()
+            per_method[label].append({"seed": seed, "order": order, **res})
             write_json(args, kw, batch, start, {n: r for n, r in per_method.items() if r}, partial=True)
     methods = write_json(args, kw, batch, start, per_method, partial=False)
     plots = plot_all(methods, args.json)

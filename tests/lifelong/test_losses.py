@@ -13,7 +13,9 @@ def test_task_loss_matches_cross_entropy():
     torch.manual_seed(0)
     emb, names, labels = _emb(6, 8), _emb(5, 8), torch.tensor([0, 1, 2, 3, 4, 0])
     ref = F.cross_entropy(30 * emb @ names.T, labels, label_smoothing=0.2)
-    torch.testing.assert_close(task_loss(emb, names, labels, scale=30, label_smoothing=0.2), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        task_loss(emb, names, labels, scale=30, label_smoothing=0.2), ref, rtol=1e-12, atol=1e-12
+    )
     all_true = torch.ones(6, 5, dtype=torch.bool)
     got = task_loss(emb, names, labels, scale=30, label_smoothing=0.2, candidates=all_true)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)

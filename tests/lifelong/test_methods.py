@@ -31,14 +31,17 @@ def test_each_method_runs_a_tiny_stream(name, tiny_model, tiny_evaluator):
     if name == "zeroshot":
         assert res.cost["trainable_params"] == 0 and res.R == [res.R0] * T and moved == 0
     else:
-        assert res.cost["trainable_params"] > 0 and res.cost["optimizer_bytes"] >= 8 * res.cost["trainable_params"]
+        assert (
+            res.cost["trainable_params"] > 0
+            and res.cost["optimizer_bytes"] >= 8 * res.cost["trainable_params"]
+        )
         assert moved > 1e-4  # training changed what the model computes
 
 
 def test_adapter_methods_train_only_adapters(tiny_model, tiny_evaluator):
     stream = tiny_evaluator.stream
     full = sum(p.numel() for p in tiny_model().parameters())
-    for name in ("seqlora", "lora-per-task", "ecru"):
+    for name in ("seqlora", "lora-per-task", "ecru-shared", "ecru"):
         model = tiny_model()
         before = {k: v.clone() for k, v in model.encoder.state_dict().items()}
         method = make_method(name, model, train=TRAIN, teacher=_teacher(stream, tiny_model()))
@@ -54,14 +57,16 @@ def test_teacher_outputs_are_computed_once(tiny_model, tiny_evaluator, tmp_path)
     stream, teacher_model = tiny_evaluator.stream, tiny_model()
     cache = _teacher(stream, teacher_model, folder=tmp_path)
     for name in sorted(DISTILLING):
-        run_stream(make_method(name, tiny_model(), train=TRAIN, teacher=cache), tiny_evaluator, log=lambda s: None)
+        run_stream(
+            make_method(name, tiny_model(), train=TRAIN, teacher=cache), tiny_evaluator, log=lambda s: None
+        )
     assert cache.computed == 1
     again = _teacher(stream, teacher_model, folder=tmp_path)  # a new process: read from disk, not re-encoded
     torch.testing.assert_close(again.embeddings(), cache.embeddings(), rtol=0, atol=0)
     assert again.computed == 0
 
 
-@pytest.mark.parametrize("name", ["seqft", "replay", "lora-per-task", "zscl", "ecru"])
+@pytest.mark.parametrize("name", ["seqft", "replay", "lora-per-task", "zscl", "ecru-shared", "ecru"])
 def test_resume_from_task_checkpoint_equals_uninterrupted_run(name, tiny_model, tiny_evaluator, tmp_path):
     stream = tiny_evaluator.stream
 
@@ -71,7 +76,9 @@ def test_resume_from_task_checkpoint_equals_uninterrupted_run(name, tiny_model, 
 
     whole, whole_model = method()
     ref = run_stream(whole, tiny_evaluator, checkpoint_dir=tmp_path / "a", log=lambda s: None)
-    stopped = run_stream(method()[0], tiny_evaluator, checkpoint_dir=tmp_path / "b", stop_after=1, log=lambda s: None)
+    stopped = run_stream(
+        method()[0], tiny_evaluator, checkpoint_dir=tmp_path / "b", stop_after=1, log=lambda s: None
+    )
     assert stopped is None
     resumed, resumed_model = method()
     got = run_stream(resumed, tiny_evaluator, checkpoint_dir=tmp_path / "b", log=lambda s: None)
@@ -84,7 +91,10 @@ def test_resume_from_task_checkpoint_equals_uninterrupted_run(name, tiny_model, 
 def test_wise_ft_interpolates_the_fine_tuned_weights_with_the_initial_ones(tiny_model, tiny_evaluator):
     task = tiny_evaluator.stream.tasks[0]
     init = {k: v.clone() for k, v in tiny_model().encoder.state_dict().items()}
-    ft, wise = make_method("seqft", tiny_model(), train=TRAIN), make_method("wise-ft", tiny_model(), train=TRAIN)
+    ft, wise = (
+        make_method("seqft", tiny_model(), train=TRAIN),
+        make_method("wise-ft", tiny_model(), train=TRAIN),
+    )
     ft.learn(task, index=0)
     wise.learn(task, index=0)
     tuned, got = ft.encoder().encoder.state_dict(), wise.encoder().encoder.state_dict()

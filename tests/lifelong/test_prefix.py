@@ -2,7 +2,12 @@ import torch
 
 from ecru.lifelong.prefix import FrozenPrefix, PrefixCachedEncoder
 
-TEXTS = ["what is my balance", "please freeze my account right now, it was stolen yesterday", "hi", "book a table"]
+TEXTS = [
+    "what is my balance",
+    "please freeze my account right now, it was stolen yesterday",
+    "hi",
+    "book a table",
+]
 
 
 def test_cached_prefix_reproduces_the_full_forward(tiny_model):

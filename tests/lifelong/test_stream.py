@@ -11,7 +11,9 @@ def test_orders_are_permutations_of_the_ten_domains():
 
 
 def test_stream_is_deterministic_and_sized():
-    cfg = StreamConfig(tasks=3, order=1, train_per_intent=4, test_per_intent=2, heldout_per_class=1, reference_size=150)
+    cfg = StreamConfig(
+        tasks=3, order=1, train_per_intent=4, test_per_intent=2, heldout_per_class=1, reference_size=150
+    )
     a, b = build_clinc_stream(cfg), build_clinc_stream(cfg)
     assert a == b
     assert [t.name for t in a.tasks] == list(ORDERS[1][:3])
@@ -29,7 +31,9 @@ def test_bad_config_raises(bad):
 
 
 def test_pretrained_minilm_is_a_zero_shot_classifier():
-    stream = build_clinc_stream(StreamConfig(tasks=2, test_per_intent=4, heldout_per_class=2, reference_size=1))
+    stream = build_clinc_stream(
+        StreamConfig(tasks=2, test_per_intent=4, heldout_per_class=2, reference_size=1)
+    )
     row = Evaluator(stream).evaluate(load_minilm(), seen=0)
     assert row.ci == row.ti  # nothing seen: each task is scored among its own intents only
     assert all(acc > 50 for acc in row.ti)  # chance is 6.7% (15-way); the spec measured 76% on average

@@ -11,12 +11,19 @@ from ecru.plugins import lazy_exports
 
 _EXPORTS = {
     "ecru.lifelong.evaluate": ("EvalRow", "Evaluator"),
-    "ecru.lifelong.methods": ("METHODS", "AdapterConfig", "FinetuneConfig", "Method", "TaskCost", "TrainConfig",
-                              "make_method"),
+    "ecru.lifelong.methods": (
+        "METHODS",
+        "AdapterConfig",
+        "FinetuneConfig",
+        "Method",
+        "RoutedConfig",
+        "TaskCost",
+        "TrainConfig",
+        "make_method",
+    ),
     "ecru.lifelong.metrics": ("cl_metrics",),
     "ecru.lifelong.reference": ("TeacherCache",),
     "ecru.lifelong.runner": ("RunResult", "run_stream"),
     "ecru.lifelong.stream": ("ORDERS", "Stream", "StreamConfig", "Task", "build_clinc_stream"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
-

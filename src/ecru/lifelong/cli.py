@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 METHOD_NAMES = ("zeroshot", "seqft", "lwf", "replay", "wise-ft", "zscl", "independent", "joint",
-                "seqlora", "lora-per-task", "ecru")  # fmt: skip
+                "seqlora", "lora-per-task", "ecru-shared", "ecru")  # fmt: skip
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--reference-size", type=int, default=2000, help="reference sentences for distillation")
     run.add_argument("--epochs", type=int, default=2, help="epochs per task")
     run.add_argument("--batch-size", type=int, default=32, help="utterances per step")
-    run.add_argument("--checkpoint-dir", type=Path, default=None, help="per-task checkpoints; resumes if present")
+    run.add_argument(
+        "--checkpoint-dir", type=Path, default=None, help="per-task checkpoints; resumes if present"
+    )
     run.add_argument("--json", type=Path, default=None, help="write R, R0, metrics, heldout and cost here")
     run.set_defaults(func=_run)
 

@@ -37,7 +37,9 @@ def section(ctx: DemoContext) -> Section:
     from ecru.lifelong.methods import TrainConfig
     from ecru.lifelong.stream import StreamConfig
 
-    stream = StreamConfig(tasks=3, train_per_intent=4, test_per_intent=3, heldout_per_class=2, reference_size=200)
+    stream = StreamConfig(
+        tasks=3, train_per_intent=4, test_per_intent=3, heldout_per_class=2, reference_size=200
+    )
     exp = Experiment(stream, log=ctx.log)
     train = TrainConfig(epochs=2, batch_size=16, progress=False)
     results = {name: exp.run(name, train) for name in METHODS}

@@ -1,13 +1,14 @@
 """Evaluation of an encoder on the whole stream: task-incremental, class-incremental and held-out.
 
 Every evaluation encodes each test utterance and each intent name exactly once (one batched pass, sorted
-by length so batches carry little padding), then scores subsets of the cached embeddings.
+by length so batches carry little padding), then scores subsets of the cached embeddings. An encoder with
+`encode_labels` (`LabelAwareEncoder`) embeds the intent names with that instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -19,6 +20,16 @@ class Encoder(Protocol):
     """Anything that maps texts to L2-normalised embeddings without autograd (e.g. `ecru.models.MiniLM`)."""
 
     def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class LabelAwareEncoder(Protocol):
+    """An encoder that embeds class names (intent names) differently from queries, e.g. always with the
+    frozen pretrained model while queries go through adapters (`ecru`)."""
+
+    def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+
+    def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -63,9 +74,12 @@ class Evaluator:
 
     def evaluate(self, encoder: Encoder, *, seen: int) -> EvalRow:
         """Accuracies after training the first `seen` tasks (0 = before training)."""
-        emb = encode_sorted(encoder, self.texts + self.names)
-        n_test, off = len(self.texts), self.offsets
-        names, test = emb[n_test:], emb[:n_test]
+        off = self.offsets
+        if isinstance(encoder, LabelAwareEncoder):
+            test, names = encode_sorted(encoder, self.texts), encoder.encode_labels(self.names)
+        else:
+            emb = encode_sorted(encoder, self.texts + self.names)
+            test, names = emb[: len(self.texts)], emb[len(self.texts) :]
         ti, ci = [], []
         for j in range(len(self.stream.tasks)):
             utt = test[self.spans[j] : self.spans[j + 1]]

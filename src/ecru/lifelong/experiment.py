@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ecru.lifelong.evaluate import EvalRow, Evaluator
 from ecru.lifelong.methods import DISTILLING, TrainConfig, make_method
+from ecru.lifelong.methods.registry import Config
 from ecru.lifelong.reference import TeacherCache
 from ecru.lifelong.runner import RunResult, run_stream
 from ecru.lifelong.stream import StreamConfig, build_clinc_stream
@@ -18,7 +19,9 @@ MODEL_ID = "all-MiniLM-L6-v2"
 class Experiment:
     """A stream with what every method on it shares: the evaluator, the teacher cache and R0."""
 
-    def __init__(self, stream: StreamConfig, *, cache: Path | None = None, log: Callable[[str], None] = print):
+    def __init__(
+        self, stream: StreamConfig, *, cache: Path | None = None, log: Callable[[str], None] = print
+    ):
         self.stream_cfg, self.log = stream, log
         self.evaluator = Evaluator(build_clinc_stream(stream))
         self.teacher = TeacherCache(self.evaluator.stream.reference, load_minilm(), model_id=MODEL_ID,
@@ -32,9 +35,11 @@ class Experiment:
             self._r0 = self.evaluator.evaluate(self.teacher.teacher, seen=0)
         return self._r0
 
-    def run(self, method: str, train: TrainConfig, *, checkpoint_dir: Path | None = None) -> RunResult:
+    def run(self, method: str, train: TrainConfig, *, checkpoint_dir: Path | None = None,
+            config: Config | None = None) -> RunResult:  # fmt: skip
+        """Run `method` (with `config` instead of its preset, if given) on the stream."""
         teacher = self.teacher if method in DISTILLING else None
         if teacher is not None:
             teacher.embeddings()  # encode the reference set before the clock of the first task starts
-        m = make_method(method, load_minilm(), train=train, teacher=teacher)
+        m = make_method(method, load_minilm(), train=train, teacher=teacher, config=config)
         return run_stream(m, self.evaluator, r0=self.r0(), checkpoint_dir=checkpoint_dir, log=self.log)

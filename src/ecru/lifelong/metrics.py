@@ -20,7 +20,9 @@ Matrix = torch.Tensor | Sequence[Sequence[float]]
 def _as_matrix(R: Matrix) -> torch.Tensor:
     R = torch.as_tensor(R, dtype=torch.float64)
     if R.ndim != 2 or R.shape[0] != R.shape[1] or R.shape[0] == 0:
-        raise EcruError(f"R must be a square T x T accuracy matrix (row = after task, column = task); got shape {tuple(R.shape)}")
+        raise EcruError(
+            f"R must be a square T x T accuracy matrix (row = after task, column = task); got shape {tuple(R.shape)}"
+        )
     if not torch.isfinite(R).all():
         raise EcruError("R holds NaN or infinite accuracies; evaluate every task after every training task")
     return R
@@ -29,7 +31,9 @@ def _as_matrix(R: Matrix) -> torch.Tensor:
 def _as_row(R0: Matrix, T: int) -> torch.Tensor:
     R0 = torch.as_tensor(R0, dtype=torch.float64)
     if R0.shape != (T,) or not torch.isfinite(R0).all():
-        raise EcruError(f"R0 must be the pretrained model's {T} finite accuracies, one per task; got shape {tuple(R0.shape)}")
+        raise EcruError(
+            f"R0 must be the pretrained model's {T} finite accuracies, one per task; got shape {tuple(R0.shape)}"
+        )
     return R0
 
 

@@ -51,7 +51,9 @@ class FrozenPrefix:
         bert.eval()
         for text in todo:
             batch = self.model.tokenize([text])
-            embedded = bert.embeddings(input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids"))
+            embedded = bert.embeddings(
+                input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids")
+            )
             self._cache[text] = run_layers(bert, embedded, batch["attention_mask"], range(self.k))[0]
         bert.train(was_training)
         self.encoded += len(todo)

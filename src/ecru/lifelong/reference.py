@@ -24,7 +24,9 @@ def _key(texts: tuple[str, ...], model_id: str) -> str:
 class TeacherCache:
     """Teacher embeddings [N, D] of `texts`, encoded at most once (in memory, and on disk if `folder`)."""
 
-    def __init__(self, texts: tuple[str, ...], teacher: Encoder, *, model_id: str, folder: Path | None = None):
+    def __init__(
+        self, texts: tuple[str, ...], teacher: Encoder, *, model_id: str, folder: Path | None = None
+    ):
         self.texts, self.teacher = tuple(texts), teacher
         self.path = None if folder is None else Path(folder) / f"teacher-{_key(self.texts, model_id)}.pt"
         self.computed = 0

@@ -129,12 +129,18 @@ def run_stream(
                 f"mean over tasks {sum(r.ti) / len(r.ti):.1f}, held-out {r.heldout:.1f}")  # fmt: skip
             if ckpt is not None:
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"method": method.state_dict(), "progress": progress, "r0": r0}, ckpt.with_suffix(".tmp"))
-                ckpt.with_suffix(".tmp").replace(ckpt)  # atomic: a kill mid-save keeps the previous checkpoint
+                torch.save(
+                    {"method": method.state_dict(), "progress": progress, "r0": r0}, ckpt.with_suffix(".tmp")
+                )
+                ckpt.with_suffix(".tmp").replace(
+                    ckpt
+                )  # atomic: a kill mid-save keeps the previous checkpoint
     return _result(method.name, tasks, r0, progress, rss.peak_mb)
 
 
-def _train_and_evaluate(method: Method, evaluator: Evaluator, i: int, rows: list[EvalRow]) -> dict[str, float]:
+def _train_and_evaluate(
+    method: Method, evaluator: Evaluator, i: int, rows: list[EvalRow]
+) -> dict[str, float]:
     start = time.perf_counter()
     cost: TaskCost = method.learn(evaluator.stream.tasks[i], index=i)
     wall = time.perf_counter() - start
@@ -146,7 +152,15 @@ def _train_and_evaluate(method: Method, evaluator: Evaluator, i: int, rows: list
 def _result(name: str, tasks, r0: EvalRow, progress: _Progress, peak_mb: float) -> RunResult:
     R = [r.ti for r in progress.rows]
     R_ci = [r.ci for r in progress.rows]
-    res = RunResult(name, [t.name for t in tasks], R, r0.ti, R_ci, r0.ci, [r0.heldout] + [r.heldout for r in progress.rows])
+    res = RunResult(
+        name,
+        [t.name for t in tasks],
+        R,
+        r0.ti,
+        R_ci,
+        r0.ci,
+        [r0.heldout] + [r.heldout for r in progress.rows],
+    )
     res.metrics = cl_metrics(R, r0.ti)
     res.metrics["diag"] = sum(R[j][j] for j in range(len(R))) / len(R)
     res.metrics["heldout_drop"] = res.heldout[-1] - res.heldout[0]

@@ -19,8 +19,18 @@ _BASE = ["banking", "credit_cards", "kitchen_and_dining", "home", "auto_and_comm
 ORDERS: tuple[tuple[str, ...], ...] = (
     tuple(_BASE),
     tuple(reversed(_BASE)),
-    ("travel", "banking", "small_talk", "home", "utility", "credit_cards", "meta", "kitchen_and_dining",
-     "work", "auto_and_commute"),  # fmt: skip
+    (
+        "travel",
+        "banking",
+        "small_talk",
+        "home",
+        "utility",
+        "credit_cards",
+        "meta",
+        "kitchen_and_dining",
+        "work",
+        "auto_and_commute",
+    ),  # fmt: skip
 )
 
 
@@ -42,6 +52,9 @@ class StreamConfig:
     """Unlabelled reference sentences for distillation: CLINC out-of-scope utterances, then Wikipedia."""
     seed: int = 0
     """Seed of the subsampling (the methods have their own training seed)."""
+    split: str = "test"
+    """'test' to report; 'val' to tune: CLINC's validation utterances (20 per intent) and Banking77's
+    training set as the held-out probe, so no test utterance is seen while choosing hyper-parameters."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.tasks <= len(_BASE):
@@ -53,6 +66,8 @@ class StreamConfig:
                 raise EcruError(f"{name} must be in 1..100; got {getattr(self, name)}")
         if not 0 <= self.heldout_per_class <= 40:
             raise EcruError(f"heldout_per_class must be in 0..40; got {self.heldout_per_class}")
+        if self.split not in ("test", "val"):
+            raise EcruError(f"split must be 'test' or 'val'; got {self.split!r}")
         if self.reference_size < 1:
             raise EcruError(f"reference_size must be >= 1; got {self.reference_size}")
 
@@ -100,8 +115,12 @@ def build_clinc_stream(cfg: StreamConfig) -> Stream:
     for name in ORDERS[cfg.order][: cfg.tasks]:
         intents = tuple(clinc.domains[name])
         train = _per_label(clinc["train"], intents, cfg.train_per_intent, rng)
-        test = _per_label(clinc["test"], intents, cfg.test_per_intent, rng)
+        test = _per_label(clinc[cfg.split], intents, cfg.test_per_intent, rng)
         tasks.append(Task(name, intents, train, test))
     banking = load_banking77()
-    heldout = _per_label(banking["test"], banking.labels, cfg.heldout_per_class, rng)
-    return Stream(tuple(tasks), heldout, tuple(banking.labels), reference_sentences(cfg.reference_size, seed=cfg.seed))
+    heldout = _per_label(
+        banking["test" if cfg.split == "test" else "train"], banking.labels, cfg.heldout_per_class, rng
+    )
+    return Stream(
+        tuple(tasks), heldout, tuple(banking.labels), reference_sentences(cfg.reference_size, seed=cfg.seed)
+    )

@@ -3,18 +3,31 @@
 from ecru.lifelong.methods.adapters import AdapterConfig, Adapters
 from ecru.lifelong.methods.base import Method, TaskCost, TrainConfig
 from ecru.lifelong.methods.finetune import Finetune, FinetuneConfig
-from ecru.lifelong.methods.registry import ADAPTERS, DISTILLING, FINETUNE, METHODS, ZeroShot, make_method
+from ecru.lifelong.methods.registry import (
+    ADAPTERS,
+    DISTILLING,
+    FINETUNE,
+    METHODS,
+    ROUTED,
+    ZeroShot,
+    make_method,
+)
+from ecru.lifelong.methods.routed import RoutedAdapters, RoutedConfig, RoutedEncoder
 
 __all__ = [
     "ADAPTERS",
     "DISTILLING",
     "FINETUNE",
     "METHODS",
+    "ROUTED",
     "AdapterConfig",
     "Adapters",
     "Finetune",
     "FinetuneConfig",
     "Method",
+    "RoutedAdapters",
+    "RoutedConfig",
+    "RoutedEncoder",
     "TaskCost",
     "TrainConfig",
     "ZeroShot",

@@ -1,6 +1,6 @@
-"""LoRA adapters (HF peft) on a frozen encoder: `seqlora`, `lora-per-task` (+ merging) and `ecru`.
+"""LoRA adapters (HF peft) on a frozen encoder: `seqlora`, `lora-per-task` (+ merging) and `ecru-shared`.
 
-`ecru` = one LoRA adapter on every linear layer of the top layers only, so the frozen bottom layers' outputs
+`ecru-shared` (`ecru`'s previous design, kept as a baseline; `ecru` is now `methods.routed`) = one LoRA adapter on every linear layer of the top layers only, so the frozen bottom layers' outputs
 are computed once per text and cached (training and evaluation run only the top layers), distilled towards
 the frozen initial model on reference sentences whose teacher embeddings are cached once, with a weight
 ensemble of the adapter tensors alone (a running mean of snapshots, starting from the pre-task adapter).
@@ -27,6 +27,7 @@ from ecru.lifelong.methods.base import (
     num_steps,
     reference_loss,
     seed_task,
+    snapshot_steps,
     trainable,
 )  # fmt: skip
 from ecru.lifelong.prefix import FrozenPrefix, PrefixCachedEncoder
@@ -68,7 +69,9 @@ class AdapterConfig:
 
     def __post_init__(self) -> None:
         if self.r < 1 or self.alpha <= 0 or self.lr <= 0:
-            raise EcruError(f"need r >= 1, alpha > 0, lr > 0; got r={self.r}, alpha={self.alpha}, lr={self.lr}")
+            raise EcruError(
+                f"need r >= 1, alpha > 0, lr > 0; got r={self.r}, alpha={self.alpha}, lr={self.lr}"
+            )
         if self.layers is not None and (not self.layers or any(not 0 <= i < 6 for i in self.layers)):
             raise EcruError(f"layers must name MiniLM layers 0..5 (or be None for all); got {self.layers}")
         if self.distill < 0 or self.we_snapshots < 0 or self.ref_batch < 1 or self.temperature <= 0:
@@ -79,9 +82,15 @@ class AdapterConfig:
             raise EcruError(f"merge_weight must be > 0 or None; got {self.merge_weight}")
 
     def lora(self) -> LoraConfig:
-        layers = list(self.layers) if self.layers is not None else None
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, target_modules=list(self.targets),
-                          layers_to_transform=layers, lora_dropout=0.0)  # fmt: skip
+        return lora_config(r=self.r, alpha=self.alpha, targets=self.targets, layers=self.layers)
+
+
+def lora_config(
+    *, r: int, alpha: float, targets: tuple[str, ...], layers: tuple[int, ...] | None
+) -> LoraConfig:
+    """peft's LoRA config: rank `r` on the `targets` linear layers of encoder `layers` (None = all), no dropout."""
+    return LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                      layers_to_transform=list(layers) if layers is not None else None, lora_dropout=0.0)  # fmt: skip
 
 
 class Adapters:
@@ -95,7 +104,9 @@ class Adapters:
         self.adapters: list[str] = [self._adapter_name(0)]
         # the adapter's random init must not depend on what ran before in this process
         with warnings.catch_warnings(), torch.random.fork_rng():
-            warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecation notice, raised inside peft
+            warnings.simplefilter(
+                "ignore", FutureWarning
+            )  # transformers' deprecation notice, raised inside peft
             torch.manual_seed(train.seed)
             model.encoder = get_peft_model(model.encoder, cfg.lora(), adapter_name=self.adapters[0])
         self.prefix = FrozenPrefix(model, min(cfg.layers)) if cfg.cache_prefix else None
@@ -131,19 +142,20 @@ class Adapters:
 
         def loss_fn(batch: list, step: int) -> torch.Tensor:
             emb, names, labels, _ = intent_batch(self.student, batch)
-            loss = task_loss(emb, names, labels, scale=self.train.scale, label_smoothing=self.train.label_smoothing)
+            loss = task_loss(
+                emb, names, labels, scale=self.train.scale, label_smoothing=self.train.label_smoothing
+            )
             if cfg.distill > 0:
                 loss = loss + cfg.distill * reference_loss(self.student, self.teacher, rng, batch=cfg.ref_batch,
                                                            scale=self.train.scale, temperature=cfg.temperature)  # fmt: skip
             return loss
 
         snapshots = [1]
-
         total = num_steps(len(items), self.train)
-        every = max(1, total // max(1, cfg.we_snapshots))
+        snapshot_at = snapshot_steps(total, cfg.we_snapshots)
 
         def after_step(step: int) -> None:
-            if avg is not None and step % every == 0:
+            if avg is not None and step in snapshot_at:
                 snapshots[0] += 1
                 with torch.no_grad():
                     for a, p in zip(avg, params, strict=True):
@@ -168,7 +180,9 @@ class Adapters:
         if MERGED in self.peft.peft_config:
             self.peft.delete_adapter(MERGED)
         w = self.cfg.merge_weight if self.cfg.merge_weight is not None else 1.0 / len(self.adapters)
-        self.peft.add_weighted_adapter(self.adapters, [w] * len(self.adapters), MERGED, combination_type="cat")
+        self.peft.add_weighted_adapter(
+            self.adapters, [w] * len(self.adapters), MERGED, combination_type="cat"
+        )
         self._activate(MERGED)
 
     def state_dict(self) -> dict[str, Any]:
@@ -188,4 +202,3 @@ class Adapters:
             self._merge()
         else:
             self._activate(self.adapters[-1])
-

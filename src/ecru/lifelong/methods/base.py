@@ -95,8 +95,19 @@ def num_steps(n: int, cfg: TrainConfig) -> int:
     return cfg.epochs * -(-n // cfg.batch_size)
 
 
+def snapshot_steps(total: int, snapshots: int) -> frozenset[int]:
+    """Steps (1-based, of `total`) after which a weight-ensemble snapshot is taken: every
+    `total // snapshots` steps (at least every step), so up to `snapshots` evenly spaced ones; none if 0."""
+    if snapshots <= 0:
+        return frozenset()
+    every = max(1, total // snapshots)
+    return frozenset(range(every, total + 1, every))
+
+
 def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    return sum(
+        v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if torch.is_tensor(v)
+    )
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -29,6 +29,7 @@ from ecru.lifelong.methods.base import (
     num_steps,
     reference_loss,
     seed_task,
+    snapshot_steps,
 )
 from ecru.lifelong.reference import TeacherCache
 from ecru.lifelong.stream import Task
@@ -107,19 +108,23 @@ class Finetune:
                              label_smoothing=self.train.label_smoothing, candidates=cand)  # fmt: skip
             if prev is not None:
                 t = torch.stack([prev[e.text] for e, _ in batch])
-                loss = loss + cfg.lwf * distill_loss(emb, t, t, scale=self.train.scale, temperature=cfg.temperature)
+                loss = loss + cfg.lwf * distill_loss(
+                    emb, t, t, scale=self.train.scale, temperature=cfg.temperature
+                )
             if cfg.distill > 0:
                 loss = loss + cfg.distill * reference_loss(self.model, self.teacher, rng, batch=cfg.ref_batch,
                                                              scale=self.train.scale, temperature=cfg.temperature)  # fmt: skip
             if start is not None:
-                loss = loss + cfg.l2 * sum(((p - s) ** 2).sum() for p, s in zip(self.model.parameters(), start, strict=True))
+                loss = loss + cfg.l2 * sum(
+                    ((p - s) ** 2).sum() for p, s in zip(self.model.parameters(), start, strict=True)
+                )
             return loss
 
         total = num_steps(len(items), self.train)
-        every = max(1, total // max(1, cfg.we_snapshots))
+        snapshot_at = snapshot_steps(total, cfg.we_snapshots)
 
         def after_step(step: int) -> None:
-            if avg is not None and step % every == 0:
+            if avg is not None and step in snapshot_at:
                 avg.update_parameters(self.model.encoder)
 
         steps = batches(items, batch_size=self.train.batch_size, epochs=self.train.epochs, rng=rng)
@@ -161,4 +166,6 @@ class Finetune:
         self.model.encoder.load_state_dict(state["encoder"])
         self.seen = list(state["seen"])
         by_name = {t.name: t for t in self.seen}
-        self.memory = [(Example(text, label, domain), by_name[n]) for text, label, domain, n in state["memory"]]
+        self.memory = [
+            (Example(text, label, domain), by_name[n]) for text, label, domain, n in state["memory"]
+        ]

@@ -1,0 +1,207 @@
+"""`ecru`: one small LoRA adapter per task on the top layers, and a router that picks one per text.
+
+- Each task trains a fresh adapter on its own utterances only (no distillation, no replay) and the adapter is
+  never touched again, so later tasks cannot overwrite it.
+- The frozen bottom layers' outputs are cached per text (`FrozenPrefix`): training and evaluation run only
+  the adapted top layers.
+- At inference a text goes through the adapter of the learned task it most resembles, or through the frozen
+  model when it resembles none (`ecru.lifelong.router`): unseen domains and held-out datasets are scored by
+  exactly the pretrained model, and each learned task by its own adapter.
+- Intent names are the classifier's weights and stay frozen (`frozen_labels`): the adapters learn to map
+  utterances onto the pretrained model's name embeddings, so a name never depends on where it is routed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from peft import get_peft_model
+
+from ecru.datasets import humanize_intent
+from ecru.errors import EcruError
+from ecru.lifelong.losses import distill_loss, task_loss
+from ecru.lifelong.methods.adapters import lora_config
+from ecru.lifelong.methods.base import (
+    TaskCost,
+    TrainConfig,
+    batches,
+    fit,
+    intent_batch,
+    num_steps,
+    seed_task,
+    trainable,
+)
+from ecru.lifelong.prefix import FrozenPrefix, PrefixCachedEncoder
+from ecru.lifelong.router import FROZEN, Router
+from ecru.lifelong.stream import Task
+from ecru.models import MiniLM
+
+
+@dataclass(frozen=True)
+class RoutedConfig:
+    """Per-task LoRA adapters on the top layers and the router between them."""
+
+    r: int = 8
+    """LoRA rank of each task's adapter."""
+    alpha: float = 16.0
+    """LoRA alpha (the update is scaled by alpha / r)."""
+    targets: tuple[str, ...] = ("query", "key", "value", "dense")
+    """Names of the BERT linear layers that get an adapter."""
+    layers: tuple[int, ...] = (2, 3, 4, 5)
+    """Encoder layers (0..5) that get adapters; the layers below them are frozen and cached."""
+    lr: float = 1e-3
+    """AdamW learning rate of each adapter."""
+    knn: int = 5
+    """A text's score for a task: mean cosine similarity to its `knn` nearest training utterances."""
+    percentile: float = 5.0
+    """A task's threshold: this percentile of its training utterances' leave-one-out scores."""
+    frozen_labels: bool = True
+    """Intent names always go through the frozen model; False = names are routed and trained like utterances."""
+    anchor: float = 0.0
+    """Weight of distillation towards the frozen model on the batch's own utterances (ZSCL's two-way loss at
+    T=2, their frozen embeddings reused from the router's fit: no extra forward pass); keeps the adapter from
+    collapsing utterances onto the task's few names, which hurts texts of other label sets routed to it."""
+
+    def __post_init__(self) -> None:
+        if self.r < 1 or self.alpha <= 0 or self.lr <= 0 or self.knn < 1:
+            raise EcruError(
+                f"need r >= 1, alpha > 0, lr > 0, knn >= 1; got {self.r}, {self.alpha}, {self.lr}, {self.knn}"
+            )
+        if not self.layers or any(not 0 <= i < 6 for i in self.layers):
+            raise EcruError(f"layers must name MiniLM layers 0..5; got {self.layers}")
+        if self.anchor < 0:
+            raise EcruError(f"anchor must be >= 0; got {self.anchor}")
+        if not 0 <= self.percentile <= 100:
+            raise EcruError(f"percentile must be in [0, 100]; got {self.percentile}")
+
+
+class RoutedEncoder:
+    """Texts through the adapter of the task the router picks (or the frozen model); names per `frozen_labels`."""
+
+    def __init__(self, method: RoutedAdapters):
+        self.m = method
+
+    @torch.no_grad()
+    def frozen(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
+        """The pretrained model's embeddings (adapters off), from the cached prefix."""
+        with self.m.peft.disable_adapter():
+            return self.m.student.encode(texts, batch_size=batch_size)
+
+    def routes(self, texts: list[str]) -> torch.Tensor:
+        """Each text's task index, or `FROZEN`."""
+        return self.m.router(self.frozen(texts))
+
+    @torch.no_grad()
+    def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
+        out = self.frozen(texts, batch_size=batch_size)
+        routes = self.m.router(out)
+        for task in routes.unique().tolist():
+            if task == FROZEN:
+                continue
+            idx = (routes == task).nonzero().flatten()
+            self.m.peft.base_model.set_adapter(self.m.adapters[task])
+            out[idx] = self.m.student.encode([texts[i] for i in idx.tolist()], batch_size=batch_size)
+        return out
+
+    def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
+        """Class names (intent names): frozen, or routed like any text when `frozen_labels` is off."""
+        return self.frozen(texts, batch_size=batch_size) if self.m.cfg.frozen_labels else self.encode(texts)
+
+
+class RoutedAdapters:
+    """A LoRA adapter per learned task, a router, and the frozen encoder under them (never stored)."""
+
+    def __init__(self, name: str, model: MiniLM, train: TrainConfig, cfg: RoutedConfig):
+        self.name, self.model, self.train, self.cfg = name, model, train, cfg
+        self.adapters: list[str] = []
+        self.router = Router(k=cfg.knn, percentile=cfg.percentile)
+        # peft wraps the model around a first adapter: task 0's, unused until task 0 is learned
+        self._add_adapter(0)
+        self.prefix = FrozenPrefix(model, min(cfg.layers))
+        self.student = PrefixCachedEncoder(model, self.prefix)
+
+    @property
+    def peft(self):
+        return self.model.encoder
+
+    def _add_adapter(self, index: int) -> None:
+        # an adapter's random init depends on (seed, task) only, not on what ran before in this process
+        with warnings.catch_warnings(), torch.random.fork_rng():
+            warnings.simplefilter(
+                "ignore", FutureWarning
+            )  # transformers' deprecation notice, raised inside peft
+            torch.manual_seed(self.train.seed * 10_007 + index)
+            if index == 0:
+                self.model.encoder = get_peft_model(self.model.encoder, self._lora(), adapter_name="task0")
+            else:
+                self.peft.add_adapter(f"task{index}", self._lora())
+        self.adapters.append(f"task{index}")
+
+    def _lora(self):
+        c = self.cfg
+        return lora_config(r=c.r, alpha=c.alpha, targets=c.targets, layers=c.layers)
+
+    def _activate(self, adapter: str) -> None:
+        self.peft.base_model.set_adapter(adapter)
+        for n, p in self.peft.named_parameters():
+            p.requires_grad_(f".{adapter}." in n and "lora_" in n)
+
+    def encoder(self) -> RoutedEncoder:
+        return RoutedEncoder(self)
+
+    def learn(self, task: Task, *, index: int) -> TaskCost:
+        if index != len(self.router.keys):
+            raise EcruError(
+                f"{self.name} learns tasks in order: expected task {len(self.router.keys)}, got {index}"
+            )
+        rng, enc = seed_task(self.train.seed, index), self.encoder()
+        if index >= len(self.adapters):
+            self._add_adapter(index)
+        texts = [e.text for e in task.train]
+        frozen = enc.frozen(texts)
+        self.router.add_task(frozen)
+        teacher = dict(zip(texts, frozen, strict=True))
+        names = enc.frozen([humanize_intent(i) for i in task.intents]) if self.cfg.frozen_labels else None
+        self._activate(self.adapters[index])
+        items = [(e, task) for e in task.train]
+        self.model.train()
+
+        def loss_fn(batch: list, step: int) -> torch.Tensor:
+            if names is None:  # names trained through the adapter too
+                emb, label_emb, labels, _ = intent_batch(self.student, batch)
+            else:
+                emb, label_emb = self.student([e.text for e, _ in batch]), names
+                labels = torch.tensor([task.intents.index(e.label) for e, _ in batch], dtype=torch.long)
+            loss = task_loss(
+                emb, label_emb, labels, scale=self.train.scale, label_smoothing=self.train.label_smoothing
+            )
+            if self.cfg.anchor > 0:
+                t = torch.stack([teacher[e.text] for e, _ in batch])
+                loss = loss + self.cfg.anchor * distill_loss(
+                    emb[: len(batch)], t, t, scale=self.train.scale, temperature=2.0
+                )
+            return loss
+
+        steps = batches(items, batch_size=self.train.batch_size, epochs=self.train.epochs, rng=rng)
+        cost = fit(trainable(self.peft), steps, loss_fn, lr=self.cfg.lr, total=num_steps(len(items), self.train),
+                   desc=f"{self.name} task {index + 1} ({task.name})", progress=self.train.progress)  # fmt: skip
+        self.model.eval()
+        self.prefix.drop(texts)  # this task's utterances will not come back
+        return cost
+
+    def state_dict(self) -> dict[str, Any]:
+        learned = self.adapters[: len(self.router.keys)]
+        weights = {k: v for k, v in self.peft.state_dict().items() if any(f".{a}." in k for a in learned)}
+        return {"adapters": learned, "weights": weights, "router": self.router.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for index in range(len(self.adapters), len(state["adapters"])):
+            self._add_adapter(index)
+        missing = set(state["weights"]) - set(self.peft.state_dict())
+        if missing:
+            raise EcruError(f"checkpoint holds adapter weights this method lacks: {sorted(missing)[:3]}")
+        self.peft.load_state_dict(state["weights"], strict=False)
+        self.router.load_state_dict(state["router"])

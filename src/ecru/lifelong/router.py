@@ -1,0 +1,70 @@
+"""Which learned task a text resembles, if any: the routing of `ecru`'s per-task adapters.
+
+The idea of MoE-Adapters' Distribution Discriminative Auto-Selector (Yu et al., CVPR 2024), made
+non-parametric: a task is represented by the frozen model's normalised embeddings of its own training
+utterances. A text's score for a task is its mean cosine similarity to its `k` nearest training
+utterances of that task; it goes to the best-scoring task if that score reaches the task's threshold, and
+to the frozen model otherwise (unseen domains, held-out datasets). Each threshold is a low percentile of
+the task's own training utterances' leave-one-out scores, so fitting needs that task's training data only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FROZEN = -1
+"""The route of a text that resembles no learned task: the frozen pretrained model."""
+
+
+def knn_scores(
+    queries: torch.Tensor, keys: torch.Tensor, *, k: int, exclude_self: bool = False
+) -> torch.Tensor:
+    """Mean cosine similarity [Q] of each query [Q, D] to its `k` nearest keys [N, D] (all L2-normalised).
+
+    `exclude_self` (queries == keys) leaves each key out of its own neighbours (leave-one-out scores).
+    """
+    sim = queries @ keys.T
+    if exclude_self:
+        sim = sim.fill_diagonal_(float("-inf"))
+    k = min(k, keys.shape[0] - int(exclude_self))
+    return sim.topk(k, dim=-1).values.mean(-1)
+
+
+def route(scores: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+    """Routes [Q] from task scores [Q, T] and per-task thresholds [T]: the best task, or `FROZEN` if its
+    score is below that task's threshold."""
+    best, task = scores.max(-1)
+    return torch.where(best >= thresholds[task], task, torch.full_like(task, FROZEN))
+
+
+class Router:
+    """Per-task frozen embeddings of training utterances and a threshold per task."""
+
+    def __init__(self, *, k: int, percentile: float):
+        self.k, self.percentile = k, percentile
+        self.keys: list[torch.Tensor] = []
+        self.thresholds: list[float] = []
+
+    def add_task(self, train_emb: torch.Tensor) -> None:
+        """Register the next task from the frozen embeddings [N, D] of its training utterances."""
+        loo = knn_scores(train_emb, train_emb, k=self.k, exclude_self=True)
+        self.keys.append(train_emb.detach().clone())
+        self.thresholds.append(torch.quantile(loo, self.percentile / 100).item())
+
+    def scores(self, emb: torch.Tensor) -> torch.Tensor:
+        """[Q, T] scores of frozen embeddings `emb` [Q, D] for each learned task."""
+        return torch.stack([knn_scores(emb, keys, k=self.k) for keys in self.keys], dim=-1)
+
+    def __call__(self, emb: torch.Tensor) -> torch.Tensor:
+        """Route [Q] (a task index or `FROZEN`) of each frozen embedding in `emb` [Q, D]."""
+        if not self.keys:
+            return torch.full((emb.shape[0],), FROZEN, dtype=torch.long)
+        return route(self.scores(emb), torch.tensor(self.thresholds, dtype=emb.dtype))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"keys": list(self.keys), "thresholds": list(self.thresholds)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.keys, self.thresholds = list(state["keys"]), list(state["thresholds"])

@@ -1,0 +1,113 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ecru.datasets import load_clinc, load_wiki_sentences
+from ecru.errors import EcruError
+from ecru.lifelong import RoutedConfig, StreamConfig, TrainConfig, build_clinc_stream, make_method
+from ecru.lifelong.methods.base import snapshot_steps
+from ecru.lifelong.router import FROZEN, Router, knn_scores, route
+from ecru.models import load_minilm
+
+TRAIN = TrainConfig(epochs=1, batch_size=8, progress=False)
+
+
+def _unit(*rows):
+    return F.normalize(torch.tensor(rows, dtype=torch.float64), dim=-1)
+
+
+def test_knn_scores_by_hand():
+    keys = _unit([1, 0], [0, 1], [1, 1])
+    q = _unit([1, 0])
+    s2 = 2**-0.5
+    torch.testing.assert_close(knn_scores(q, keys, k=1), torch.tensor([1.0], dtype=torch.float64))
+    torch.testing.assert_close(knn_scores(q, keys, k=2), torch.tensor([(1 + s2) / 2], dtype=torch.float64))
+    # leave-one-out: each key's neighbours are the other keys only
+    loo = knn_scores(keys, keys, k=1, exclude_self=True)
+    torch.testing.assert_close(loo, torch.tensor([s2, s2, s2], dtype=torch.float64))
+
+
+def test_route_takes_the_best_task_or_the_frozen_model():
+    scores = torch.tensor([[0.9, 0.5], [0.2, 0.7], [0.6, 0.65]])
+    thresholds = torch.tensor([0.8, 0.7])
+    assert route(scores, thresholds).tolist() == [0, 1, FROZEN]  # row 3: best task 1 is below its threshold
+
+
+def test_router_threshold_is_a_percentile_of_leave_one_out_scores():
+    torch.manual_seed(0)
+    center = F.normalize(torch.randn(8, dtype=torch.float64), dim=-1)
+    emb = F.normalize(center + 0.3 * torch.randn(50, 8, dtype=torch.float64), dim=-1)  # one task's cluster
+    router = Router(k=3, percentile=10)
+    assert router(emb).eq(FROZEN).all()  # nothing learned yet
+    router.add_task(emb)
+    loo = knn_scores(emb, emb, k=3, exclude_self=True)
+    assert router.thresholds[0] == pytest.approx(torch.quantile(loo, 0.1).item(), abs=1e-12)
+    assert router(emb).eq(0).float().mean() >= 0.9  # a training text scores at least its leave-one-out score
+    assert router(-emb).eq(FROZEN).all()
+
+
+def test_snapshot_schedule():
+    assert snapshot_steps(16, 5) == {3, 6, 9, 12, 15}
+    assert snapshot_steps(4, 10) == {1, 2, 3, 4}
+    assert snapshot_steps(100, 10) == set(range(10, 101, 10))
+    assert snapshot_steps(10, 0) == frozenset()
+
+
+@pytest.fixture(scope="module")
+def routed():
+    """The real MiniLM with `ecru` trained on two tiny CLINC domains (banking, credit_cards)."""
+    stream = build_clinc_stream(StreamConfig(tasks=2, train_per_intent=6, test_per_intent=1, heldout_per_class=1,
+                                             reference_size=1))  # fmt: skip
+    method = make_method("ecru", load_minilm(), train=TRAIN)
+    for i, task in enumerate(stream.tasks):
+        method.learn(task, index=i)
+    return method, stream
+
+
+def test_a_task_s_own_training_text_goes_to_its_adapter(routed):
+    method, stream = routed
+    enc, frozen = method.encoder(), load_minilm()
+    for j, task in enumerate(stream.tasks):
+        texts = [e.text for e in task.train]
+        # >= 90%: the threshold is the 10th percentile of leave-one-out scores, and a text's own score is higher
+        assert enc.routes(texts).eq(j).float().mean() >= 0.9
+        assert (enc.encode(texts) - frozen.encode(texts)).abs().max() > 1e-3  # the adapter changed them
+
+
+def test_a_held_out_distribution_text_goes_to_the_frozen_model(routed):
+    method, _ = routed
+    enc, frozen = method.encoder(), load_minilm()
+    texts = load_wiki_sentences()[:20] + [e.text for e in load_clinc()["test"] if e.domain == "travel"][:20]
+    assert enc.routes(texts).eq(FROZEN).all()
+    torch.testing.assert_close(enc.encode(texts), frozen.encode(texts), rtol=1e-5, atol=1e-6)
+
+
+def test_intent_names_are_encoded_by_the_frozen_model(routed):
+    method, stream = routed
+    names = ["freeze account", "credit limit", "book a flight"]
+    got = method.encoder().encode_labels(names)
+    torch.testing.assert_close(got, load_minilm().encode(names), rtol=1e-5, atol=1e-6)
+
+
+def test_config_override_must_match_the_preset_type(tiny_model):
+    from ecru.lifelong import FinetuneConfig
+
+    with pytest.raises(EcruError, match="RoutedConfig"):
+        make_method("ecru", tiny_model(), train=TRAIN, config=FinetuneConfig())
+    with pytest.raises(EcruError, match="percentile"):
+        RoutedConfig(percentile=101)
+
+
+def test_validation_split_never_uses_test_utterances():
+    cfg = StreamConfig(
+        tasks=2, train_per_intent=2, test_per_intent=3, heldout_per_class=1, reference_size=1, split="val"
+    )
+    stream = build_clinc_stream(cfg)
+    clinc = load_clinc()
+    val, test = {e.text for e in clinc["val"]}, {e.text for e in clinc["test"]}
+    assert all(e.text in val and e.text not in test for t in stream.tasks for e in t.test)
+    from ecru.datasets import load_banking77
+
+    assert {e.text for e in stream.heldout} <= {e.text for e in load_banking77()["train"]}
+    with pytest.raises(EcruError, match="split"):
+        StreamConfig(split="dev")
