@@ -85,3 +85,102 @@ def test_float32_on_cpu_binds_the_masters_without_copies():
     for p, e in zip(params, expected, strict=True):
         torch.testing.assert_close(p.detach(), e, atol=0, rtol=0)
     store.close()
+
+
+def test_float32_on_cpu_gradients_accumulate_in_the_masters_grad_without_a_copy():
+    """The first micro-batch's gradient is taken over (same memory) and the others are added in place, as
+    in plain training; after the step no gradient is left on the masters."""
+    model = _deep_mlp(depth=2)
+    first_grad: dict[int, int] = {}
+
+    def record(p):
+        def hook(grad):
+            first_grad.setdefault(id(p), grad.data_ptr())
+
+        return hook
+
+    for p in model.parameters():
+        p.register_hook(record(p))
+    seen: dict[int, int] = {}
+
+    class Recorder(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.update({id(p): p.grad.data_ptr() for grp in self.param_groups for p in grp["params"]})
+            return super().step(closure)
+
+    engine = L2L.from_sequential(model, loss_fn=nn.MSELoss(), optimizer=functools.partial(Recorder, lr=0.1),
+                                 config=L2LConfig(micro_batch_size=2))
+    engine.step((torch.randn(6, 8), torch.randn(6, 2)))
+    assert seen and seen == {k: first_grad[k] for k in seen}
+    assert all(p.grad is None for p in model.parameters())
+    engine.close()
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.unused = nn.Linear(8, 8), nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def test_a_parameter_the_step_does_not_use_is_left_alone_as_in_plain_training():
+    """Plain training gives an unused parameter no gradient, so AdamW skips it (no weight decay either)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(_WithUnused(), _WithUnused(), nn.Linear(8, 2))
+    seq = copy.deepcopy(ref)
+    adamw = functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.5)
+    engine = L2L.from_sequential(seq, loss_fn=nn.MSELoss(), optimizer=adamw, config=L2LConfig(micro_batch_size=2))
+    opt = adamw(ref.parameters())
+    x, y = torch.randn(5, 8), torch.randn(5, 2)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+        engine.step((x, y))
+    assert_params_close(ref, engine.state_dict())
+    assert torch.equal(seq[0].unused, torch.ones(3))
+    engine.close()
+
+
+class _FailsInRecompute(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.fail, self.recomputed = nn.Linear(8, 8), False, 0
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            self.recomputed += 1
+            if self.fail and self.recomputed == 2:  # after the first micro-batch's gradient has arrived
+                raise RuntimeError("boom")
+        return torch.tanh(self.lin(x))
+
+
+def test_a_step_that_fails_mid_backward_leaves_no_gradient_behind():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), _FailsInRecompute(), nn.Linear(8, 2))
+    seq = copy.deepcopy(ref)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)  # stateless: the failed step updated the last block
+    engine = L2L.from_sequential(seq, loss_fn=nn.MSELoss(), optimizer=sgd, config=L2LConfig(micro_batch_size=2))
+    x, y = torch.randn(5, 8), torch.randn(5, 2)
+    seq[1].fail = True
+    try:
+        engine.step((x, y))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the step should have failed")
+    engine.store.synchronize()  # the last block's update was already submitted when block 1 failed
+    assert seq[1].recomputed == 2
+    assert all(p.grad is None for p in seq.parameters())
+    seq[1].fail = False
+    ref.load_state_dict(engine.state_dict())
+    opt = sgd(ref.parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+        engine.step((x, y))
+    assert_params_close(ref, engine.state_dict())
+    engine.close()

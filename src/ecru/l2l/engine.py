@@ -235,9 +235,7 @@ class L2L:
             hidden[j] = None
             with torch.enable_grad():
                 loss = self._call(self.parts.head, self._bindings["head"], weights, (x, mb.targets, mb.weight))
-                out = torch.autograd.grad(loss * scale, [x, *weights.values()], materialize_grads=True)
-            grads.append(out[0])
-            self.store.add_grads(RESIDENT, out[1:], indices=indices)
+                grads.append(self._grad(RESIDENT, loss * scale, None, x, weights, indices))
             total += loss.detach().float()
         return grads, float(total)
 
@@ -256,11 +254,9 @@ class L2L:
                 continue
             with replay(self._rng[(g, j)]), torch.enable_grad():
                 y = self._call(block, binding, weights, (x, contexts[j]), fresh_buffers=True)
-                out = torch.autograd.grad(y, inputs, grad_out, materialize_grads=True)
+                grad_in = self._grad(g, y, grad_out, x if needs_input else None, weights)
             if needs_input:
-                grads[j], out = out[0], out[1:]
-            if weights:
-                self.store.add_grads(g, out)
+                grads[j] = grad_in
         self.store.done_with(g)
         if weights:
             self._submit(g)
@@ -270,14 +266,35 @@ class L2L:
         binding = self._bindings["stem"]
         if binding:
             weights, indices = self._leaves(binding, self.store.weights(RESIDENT))
+            if self.store.grads_in_params:  # embeddings give sparse gradients: add them to a dense one
+                for w in weights.values():
+                    if w.grad is None:
+                        w.grad = torch.zeros_like(w)
             for j, mb in enumerate(micro):
                 with replay(self._rng[(RESIDENT, j)]), torch.enable_grad():
                     h, _ = self._call(self.parts.stem, binding, weights, (mb.inputs,), fresh_buffers=True)
-                    out = torch.autograd.grad(h, list(weights.values()), grads[j], materialize_grads=True)
-                self.store.add_grads(RESIDENT, out, indices=indices)
+                    self._grad(RESIDENT, h, grads[j], None, weights, indices)
         self.store.done_with(RESIDENT)
         if self.store.groups[RESIDENT].params:
             self._submit(RESIDENT)
+
+    def _grad(self, g: int, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor | None,
+              weights: dict[int, torch.Tensor], indices: list[int] | None = None) -> torch.Tensor | None:
+        """Backpropagate `output` (seeded with `grad_output`) to group `g`'s `weights` (its parameters
+        `indices`, default all), whose gradients the store accumulates over the micro-batches, and to the
+        leaf `x` (None: not needed); returns x's gradient. When the masters are bound directly, autograd
+        accumulates into their `.grad` as in plain training: the first micro-batch's gradient is taken over
+        without a copy and the others are added in place (no flat buffer, no zeroing)."""
+        leaves = ([x] if x is not None else []) + list(weights.values())
+        if self.store.grads_in_params:
+            if weights:
+                self.store.note_grads(g)
+            torch.autograd.backward(output, grad_output, inputs=leaves)
+            return None if x is None else x.grad if x.grad is not None else torch.zeros_like(x)
+        out = torch.autograd.grad(output, leaves, grad_output, materialize_grads=True)
+        if weights:
+            self.store.add_grads(g, out[len(leaves) - len(weights):], indices=indices)
+        return out[0] if x is not None else None
 
     def _below(self, i: int) -> list[int]:
         """The blocks whose backward follows block `i`'s in the current step (for prefetching)."""

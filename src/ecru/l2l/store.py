@@ -7,10 +7,12 @@ Per group (a streamed block, or the resident stem + head) the store keeps
 - on CUDA, reusable flat device slots that a block's wire copy is streamed into (weights never travel
   back: the device copy is discarded and replaced after the next update).
 Gradients are accumulated over micro-batches in one flat fp32 device buffer per block and cross to the
-host in one copy; the optimizer step then runs in a worker thread, overlapping the backward of the
-blocks below. Every consumer waits for what it reads: the backward never reuses a buffer the host is
-still reading, a block's weights are never loaded before its update has finished, and the worker reads
-a gradient only after the event of its device-to-host copy.
+host in one copy (when the masters are bound directly, on a CPU device in float32, they accumulate in
+the masters' own `.grad` instead, as in plain training: no buffer, no copy); the optimizer step then
+runs in a worker thread, overlapping the backward of the blocks below. Every consumer waits for what
+it reads: the backward never reuses a buffer the host is still reading, a block's weights are never
+loaded before its update has finished, and the worker reads a gradient only after the event of its
+device-to-host copy.
 """
 
 from __future__ import annotations
@@ -183,6 +185,13 @@ class ParameterStore:
         """True when the device weights are the fp32 masters themselves (CPU device, float32 compute)."""
         return not self.cuda and self.dtype == torch.float32
 
+    @property
+    def grads_in_params(self) -> bool:
+        """True when gradients accumulate in the masters' own `.grad` (bound masters, one process): the
+        engine lets autograd accumulate there (see `note_grads`) and no flat buffer is used. Data parallel
+        keeps the flat buffer: one all-reduce per block."""
+        return self.binds_masters and self.process_group is None
+
     # ---- weights: host -> device -------------------------------------------------------------------
     def weights(self, g: int) -> list[torch.Tensor]:
         """Group `g`'s weights on the device in the compute dtype, usable on the current stream (the
@@ -232,9 +241,22 @@ class ParameterStore:
         return slot
 
     # ---- gradients: device accumulation, one transfer, host update -----------------------------------
+    def note_grads(self, g: int) -> None:
+        """With `grads_in_params`: group `g`'s masters are receiving gradients in their `.grad` (autograd
+        accumulates them); `update` steps on them, `discard_grads` drops them."""
+        self._acc[g] = None
+
     def add_grads(self, g: int, grads: Sequence[torch.Tensor], *, indices: Sequence[int] | None = None) -> None:
         """Accumulate one micro-batch's gradients of group `g` (or of its parameters `indices`) in fp32 on
         the device. The resident group is zeroed on first touch: stem and head each fill only a part."""
+        if self.grads_in_params:  # into the masters' .grad (the engine lets autograd accumulate there)
+            self.note_grads(g)
+            params = self.groups[g].params
+            for p, grad in zip(params if indices is None else [params[i] for i in indices], grads, strict=True):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.add_(grad)
+            return
         first = g not in self._acc
         if first:
             if g == self.resident:
@@ -253,7 +275,10 @@ class ParameterStore:
     def discard_grads(self) -> None:
         """Drop gradients of an interrupted step (an error mid-step must not leak into the next one)."""
         for g, acc in self._acc.items():
-            if g != self.resident:
+            if acc is None:  # gradients in the masters' .grad
+                for p in self.groups[g].params:
+                    p.grad = None
+            elif g != self.resident:
                 self._acc_pool.give(acc)
         self._acc.clear()
 
@@ -290,10 +315,10 @@ class ParameterStore:
         self._all_reduce(g)
         self._collected[g] = self._to_host(g)
 
-    def _to_host(self, g: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def _to_host(self, g: int) -> tuple[torch.Tensor | None, torch.cuda.Event | None]:
         acc = self._acc.pop(g)
         if not self.cuda:
-            return acc, None  # the host is the device: the accumulator is the host gradient
+            return acc, None  # the host is the device: the accumulator (None: the .grad) is the host gradient
         host = self._resident_host if g == self.resident else self._host_pool.take()[0]
         done = torch.cuda.Event()
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
@@ -308,16 +333,17 @@ class ParameterStore:
         if copied is not None:
             copied.synchronize()  # never read a non-blocking device-to-host copy before it has landed
         group = self.groups[g]
-        for p, grad in zip(group.params, group.views(host), strict=True):
-            p.grad = grad
+        if host is not None:  # else the gradients are in the masters' .grad already
+            for p, grad in zip(group.params, group.views(host), strict=True):
+                p.grad = grad
         group.optimizer.step()
         for p in group.params:
             p.grad = None
         group.refresh_wire()
         self._give_back(g, host)
 
-    def _give_back(self, g: int, host: torch.Tensor) -> None:
-        if g != self.resident:  # on CPU the host gradient is the device accumulator itself
+    def _give_back(self, g: int, host: torch.Tensor | None) -> None:
+        if host is not None and g != self.resident:  # on CPU the host gradient is the device accumulator itself
             (self._host_pool if self.cuda else self._acc_pool).give(host)
 
     def step_all(self, *, inv_scale: float = 1.0, max_norm: float | None = None) -> tuple[bool, float | None]:
@@ -328,10 +354,12 @@ class ParameterStore:
             host, copied = self._collected[g]
             if copied is not None:
                 copied.synchronize()
-            for p, grad in zip(self.groups[g].params, self.groups[g].views(host), strict=True):
-                p.grad = grad.mul_(inv_scale) if inv_scale != 1.0 else grad
+            params = self.groups[g].params
+            for p, grad in zip(params, self.groups[g].views(host) if host is not None else [p.grad for p in params],
+                               strict=True):
+                p.grad = grad.mul_(inv_scale) if inv_scale != 1.0 and grad is not None else grad
         params = [p for g in order for p in self.groups[g].params]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]  # None: a parameter the step did not use
         finite = all(bool(torch.isfinite(gr).all()) for gr in grads)
         norm = None
         if finite and max_norm is not None:
