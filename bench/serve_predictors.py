@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -127,7 +126,11 @@ def _classifier(dim: int):
 
     reduce = [PCA(n_components=16, random_state=0)] if dim > 20 else []
     return make_pipeline(
-        StandardScaler(), *reduce, LogisticRegressionCV(Cs=8, cv=4, scoring="neg_log_loss", max_iter=5000)
+        StandardScaler(),
+        *reduce,
+        LogisticRegressionCV(
+            Cs=8, cv=4, scoring="neg_log_loss", max_iter=5000, l1_ratios=(0,), use_legacy_attributes=False
+        ),
     )
 
 
@@ -262,6 +265,22 @@ def cap_study(args) -> None:
     }
     for c, x in out["constant_cap_sweep"].items():
         print(f"{'constant ' + str(c):>34}: sim x fcfs " + " ".join(f"{k} {v:.2f}" for k, v in x.items()))
+    if Path(args.bench).is_file():  # the same sweep on a bench run's held-out lengths (its own cap)
+        setup = json.loads(Path(args.bench).read_text())["setup"]
+        held = StudySimulator(
+            setup["prompt_lens"], setup["true_lengths"], cap=setup["max_new_tokens"], cost=cost
+        )
+        sweep = {c: held.speedups([c] * setup["n"], 0.0) for c in (16, 32, 48, 64, 87, 100)}
+        out["held_out_constant_cap_sweep"] = {
+            "bench": args.bench,
+            "cap": setup["max_new_tokens"],
+            "x_fcfs": sweep,
+        }
+        for c, x in sweep.items():
+            print(
+                f"{'held-out, constant ' + str(c):>34}: sim x fcfs "
+                + " ".join(f"{k} {v:.2f}" for k, v in x.items())
+            )
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.json}")
 
@@ -286,7 +305,6 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.cap_study:
-        warnings.filterwarnings("ignore", category=FutureWarning)  # sklearn's LogisticRegressionCV notices
         return cap_study(args)
     bench = json.loads(Path(args.bench).read_text())
     setup = bench["setup"]
