@@ -6,8 +6,11 @@ host RSS (a fresh subprocess per configuration and mode; peak device memory too 
 Models: a random Llama of SmolLM2-135M's shape (30 blocks, width 576, 49K vocabulary, tied embedding)
 and a deep narrow random Llama (width 256, 32 or 48 blocks, SmolLM2's vocabulary). Each L2L step runs
 the blocks 4x (forward, recompute, 2x backward) against 3x in plain training, the head 3x in both, so
-the expected ratio is 1.2-1.3, less the optimizer time L2L hides behind the backward. Both sides use fused AdamW (the fastest CPU optimizer) in fp32; the
-compute runs on one thread, and L2L adds its optimizer worker thread (on 2 cores it overlaps the backward).
+the expected ratio is 1.2-1.3, less the optimizer time L2L hides behind the backward. Measured per phase
+(bench/l2l_profile.py, thread CPU time): the recompute costs 20-25% of a plain step, the smaller
+micro-batch matmuls (192-256 tokens instead of 384-512) about 5% more; the rest of L2L's bookkeeping ~1%.
+Both sides use fused AdamW (the fastest CPU optimizer) in fp32; the compute runs on one thread, and L2L
+adds its optimizer worker thread (on 2 cores it overlaps the backward).
 """
 
 from __future__ import annotations
