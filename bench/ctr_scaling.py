@@ -80,7 +80,14 @@ FULL = Setting(
 
 
 def run_one(
-    setting: Setting, data, recipe_name: str, mode: str, batch: int, oracle: tuple[float, float], *, seed: int = 0
+    setting: Setting,
+    data,
+    recipe_name: str,
+    mode: str,
+    batch: int,
+    oracle: tuple[float, float],
+    *,
+    seed: int = 0,
 ) -> dict:
     train_data, test_data = data
     recipe = scaled_recipe(recipe_name, batch, base_batch=setting.batches[0])
@@ -175,12 +182,8 @@ def time_modes(setting: Setting, data, reps: int = 3) -> dict:
 
 
 def targets(runs: list[dict], timing: dict | None, base: int, big: int) -> dict:
-    if timing is None:  # a partial plan (--recipes / --no-sparse): only the gaps to the 1K reference
-        ref = next(r["auc"] for r in runs if r["batch_size"] == base and r["recipe"] == "adam")
-        return {
-            "reference_1k_auc": ref,
-            **{f"{r['recipe']}_{r['mode']}_{r['batch_size']}_gap_to_1k": ref - r["auc"] for r in runs},
-        }
+    if timing is None:  # a partial plan (--recipes / --no-sparse / --sparse-only)
+        return partial_targets(runs, base)
 
     def find(recipe, mode, batch):
         return next(r for r in runs if (r["recipe"], r["mode"], r["batch_size"]) == (recipe, mode, batch))
@@ -204,6 +207,62 @@ def targets(runs: list[dict], timing: dict | None, base: int, big: int) -> dict:
             r["clipped_rows"] for r in runs if r["batch_size"] == big and r["clip_active"]
         ),
     }
+
+
+def partial_targets(runs: list[dict], base: int) -> dict:
+    """Gaps to the 1K reference after the last epoch and at each run's best epoch (several epochs can
+    overfit: the best epoch shows what early stopping would keep), and whether the clip fired."""
+    ref_run = next(r for r in runs if r["batch_size"] == base and r["recipe"] == "adam")
+    ref, ref_best = ref_run["auc"], max(h["auc"] for h in ref_run["history"])
+    out = {"reference_1k_auc": ref, "reference_1k_best_epoch_auc": ref_best}
+    for r in runs:
+        name = f"{r['recipe']}_{r['mode']}_{r['batch_size']}"
+        out[f"{name}_gap_to_1k"] = ref - r["auc"]
+        out[f"{name}_best_epoch_gap_to_1k_best"] = ref_best - max(h["auc"] for h in r["history"])
+    large_clip = [r for r in runs if r["batch_size"] > base and r["clip_active"]]
+    if large_clip:
+        clipped, seen = sum(r["clipped_rows"] for r in large_clip), sum(r["seen_rows"] for r in large_clip)
+        out["clip_fired_at_large_batch"] = clipped > 0
+        out["clipped_fraction_at_large_batch"] = clipped / max(seen, 1)
+    for r in runs:
+        if r["recipe"] == "cowclip" and r["batch_size"] >= 32 * base:
+            out[f"cowclip_{r['mode']}_{r['batch_size']}_within_0.001"] = ref - r["auc"] <= 0.001
+    return out
+
+
+def print_table(runs: list[dict], summary: dict) -> None:
+    print(
+        f"\n{'recipe':>9} {'mode':>6} {'batch':>6} {'steps':>6} {'AUC':>8} {'gap1K':>8} {'gapOr':>8} "
+        f"{'samples/s':>10} {'clipped':>8}  AUC per epoch"
+    )
+    ref = summary["reference_1k_auc"]
+    for r in runs:
+        epochs = " ".join(f"{h['auc']:.5f}" for h in r["history"])
+        print(
+            f"{r['recipe']:>9} {r['mode']:>6} {r['batch_size']:>6} {r['steps']:>6} {r['auc']:>8.5f} "
+            f"{ref - r['auc']:>8.5f} {r['oracle_auc'] - r['auc']:>8.5f} {r['samples_per_s']:>10,.0f} "
+            f"{r['clipped_fraction']:>8.3%}  {epochs}"
+        )
+    print(json.dumps(summary, indent=2))
+
+
+def summarize(path: Path, plot_path: Path | None, note: str | None) -> int:
+    """Recompute the targets, table and plot of a finished run's JSON from its recorded runs (no training);
+    `note` (the diagnosis, in words) is stored beside them."""
+    out = json.loads(path.read_text())
+    base, *large = out["setting"]["batches"]
+    out["targets"] = targets(out["runs"], out["timing_1k"], base, large[0])
+    if note:
+        out["note"] = note
+    path.write_text(json.dumps(out, indent=2))
+    full = out["command"].split().count("--full") > 0
+    plot(
+        out["runs"],
+        plot_path or path.with_suffix(".png"),
+        f"DeepFM, {'full' if full else 'quick'}: gap to the oracle",
+    )
+    print_table(out["runs"], out["targets"])
+    return 0
 
 
 def plot(runs: list[dict], path: Path, title: str) -> None:
@@ -255,7 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     modes.add_argument(
         "--sparse-only", action="store_true", help="row-sparse mode only (the 1K reference too), no timing"
     )
+    p.add_argument(
+        "--summarize",
+        metavar="JSON",
+        help="recompute the targets, table and plot of a finished run's JSON (no training); see --note",
+    )
+    p.add_argument("--note", help="with --summarize: the diagnosis, in words, stored as the JSON's 'note'")
     args = p.parse_args(argv)
+    if args.summarize:
+        return summarize(Path(args.summarize), Path(args.plot) if args.plot else None, args.note)
     torch.set_num_threads(args.threads)
     setting = FULL if args.full else QUICK
     if args.epochs:
@@ -318,16 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.plot or Path(args.json).with_suffix(".png")),
         f"DeepFM, {'full' if args.full else 'quick'}: gap to the oracle",
     )
-    print(
-        f"\n{'recipe':>9} {'mode':>6} {'batch':>6} {'steps':>6} {'AUC':>8} {'gap1K':>8} {'gapOr':>8} {'samples/s':>10} {'clipped':>8}"
-    )
-    ref = summary["reference_1k_auc"]
-    for r in runs:
-        print(
-            f"{r['recipe']:>9} {r['mode']:>6} {r['batch_size']:>6} {r['steps']:>6} {r['auc']:>8.5f} {ref - r['auc']:>8.5f} "
-            f"{r['oracle_auc'] - r['auc']:>8.5f} {r['samples_per_s']:>10,.0f} {r['clipped_fraction']:>8.3%}"
-        )
-    print(json.dumps(summary, indent=2))
+    print_table(runs, summary)
     return 0
 
 

@@ -87,5 +87,16 @@ def test_sparse_only_plan(bench, tmp_path, monkeypatch):
     got = [(r["recipe"], r["mode"], r["batch_size"]) for r in result["runs"]]
     assert got == [("adam", "sparse", 128), ("linear", "sparse", 512), ("ecru", "sparse", 512)]
     assert result["timing_1k"] is None and "ecru_sparse_512_gap_to_1k" in result["targets"]
+    ref = result["runs"][0]
+    best_gap = max(h["auc"] for h in ref["history"]) - max(h["auc"] for h in result["runs"][2]["history"])
+    assert result["targets"]["ecru_sparse_512_best_epoch_gap_to_1k_best"] == pytest.approx(best_gap)
+    # --summarize re-derives the targets from the recorded runs and stores the note; it trains nothing
+    result["targets"] = {}
+    out.write_text(json.dumps(result))
+    monkeypatch.setattr(bench, "train", None)
+    assert bench.main(["--summarize", str(out), "--note", "why"]) == 0
+    again = json.loads(out.read_text())
+    assert again["note"] == "why" and again["runs"] == result["runs"]
+    assert again["targets"]["ecru_sparse_512_gap_to_1k"] == pytest.approx(ref["auc"] - result["runs"][2]["auc"])
     with pytest.raises(SystemExit):  # the two mode filters exclude each other
         bench.main(["--no-sparse", "--sparse-only", "--json", str(out)])
