@@ -13,6 +13,9 @@ The cases share one process: after smollm2-shape the heap keeps enough freed mem
 runs without page faults in both modes (measured: plain 1.94 -> 1.57 CPU s/step, L2L 2.47 -> 2.09), so
 its ratio is the compute ratio (~1.33); alone in a fresh process both pay ~0.25 s/step of system time
 for faults (the head's 50 MB logits), which dilutes the ratio to ~1.22-1.28.
+A third mode, `l2l_keep`, is L2L with `keep_graph_blocks` = ceil(blocks / 3): the last third of the
+blocks keep their forward graph per micro-batch instead of being recomputed (memory for speed), timed
+in the same alternating rounds (`ratio_keep`) with its own peak RSS (`keep_rss_below_plain`).
 Both sides use fused AdamW (the fastest CPU optimizer) in fp32; the compute runs on one thread, and L2L
 adds its optimizer worker thread (on 2 cores it overlaps the backward).
 """
@@ -70,9 +73,17 @@ def build(case: Case) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=case.vocab, hidden_size=case.hidden, num_hidden_layers=case.layers,
-        num_attention_heads=case.heads, num_key_value_heads=case.kv_heads, intermediate_size=case.intermediate,
-        max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        vocab_size=case.vocab,
+        hidden_size=case.hidden,
+        num_hidden_layers=case.layers,
+        num_attention_heads=case.heads,
+        num_key_value_heads=case.kv_heads,
+        intermediate_size=case.intermediate,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -93,7 +104,11 @@ class Plain:
 
     def __init__(self, model: torch.nn.Module, device: str):
         self.model, self.device = model.to(device), device
-        self.opt = ADAMW(self.model.parameters()) if device == "cpu" else torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.opt = (
+            ADAMW(self.model.parameters())
+            if device == "cpu"
+            else torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        )
 
     def step(self, batch: dict) -> float:
         self.opt.zero_grad(set_to_none=True)
@@ -103,12 +118,25 @@ class Plain:
         return loss.item()
 
 
+MODES = ("plain", "l2l", "l2l_keep")
+
+
+def keep_blocks(case: Case) -> int:
+    """Blocks whose graph `l2l_keep` keeps: the last third."""
+    return -(-case.layers // 3)
+
+
 def make_runner(mode: str, model: torch.nn.Module, case: Case, device: str):
     if mode == "plain":
         return Plain(model, device)
     from ecru.l2l import L2L, L2LConfig
 
-    return L2L.from_hf(model, optimizer=ADAMW, config=L2LConfig(micro_batch_size=case.micro, device=device))
+    keep = keep_blocks(case) if mode == "l2l_keep" else 0
+    return L2L.from_hf(
+        model,
+        optimizer=ADAMW,
+        config=L2LConfig(micro_batch_size=case.micro, device=device, keep_graph_blocks=keep),
+    )
 
 
 def sync(device: str) -> None:
@@ -117,14 +145,13 @@ def sync(device: str) -> None:
 
 
 def time_alternating(case: Case, *, reps: int, device: str) -> dict[str, list[float]]:
-    """Step times of plain and L2L, alternating so that load changes hit both alike; first step is warm-up."""
+    """Step times of every mode, in rotating order so that load changes hit all alike; first step is warm-up."""
     base = build(case)
-    runners = {"plain": make_runner("plain", copy.deepcopy(base), case, device),
-               "l2l": make_runner("l2l", copy.deepcopy(base), case, device)}
+    runners = {mode: make_runner(mode, copy.deepcopy(base), case, device) for mode in MODES}
     del base
-    times: dict[str, list[float]] = {"plain": [], "l2l": [], "plain_cpu": [], "l2l_cpu": []}
+    times: dict[str, list[float]] = {key: [] for mode in MODES for key in (mode, f"{mode}_cpu")}
     for rep in range(reps + 1):
-        for mode in (("plain", "l2l") if rep % 2 == 0 else ("l2l", "plain")):
+        for mode in MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]:
             batch = make_batch(case, rep)
             sync(device)
             start, cpu = time.perf_counter(), time.process_time()  # process time: all threads' CPU seconds
@@ -133,8 +160,13 @@ def time_alternating(case: Case, *, reps: int, device: str) -> dict[str, list[fl
             if rep > 0:
                 times[mode].append(time.perf_counter() - start)
                 times[f"{mode}_cpu"].append(time.process_time() - cpu)
-        print(f"  {case.name} rep {rep}: plain {times['plain'][-1:]} l2l {times['l2l'][-1:]}", file=sys.stderr, flush=True)
-    runners["l2l"].close()  # stop its optimizer thread; the next case starts from a clean process heap
+        print(
+            f"  {case.name} rep {rep}: " + " ".join(f"{m} {times[m][-1:]}" for m in MODES),
+            file=sys.stderr,
+            flush=True,
+        )
+    for mode in MODES[1:]:
+        runners[mode].close()  # stop its optimizer thread; the next case starts from a clean process heap
     del runners
     gc.collect()
     return times
@@ -169,25 +201,41 @@ def child(case: Case, mode: str, device: str) -> dict:
 
 
 def peak_in_subprocess(name: str, mode: str, *, quick: bool, device: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", name, "--mode", mode, "--device", device] + (["--quick"] if quick else [])
+    cmd = [sys.executable, __file__, "--child", name, "--mode", mode, "--device", device] + (
+        ["--quick"] if quick else []
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run_case(case: Case, *, reps: int, quick: bool, device: str) -> dict:
     # memory first: the children then start from this process before it holds any model
-    peaks = {mode: peak_in_subprocess(case.name, mode, quick=quick, device=device) for mode in ("plain", "l2l")}
+    peaks = {mode: peak_in_subprocess(case.name, mode, quick=quick, device=device) for mode in MODES}
     times = time_alternating(case, reps=reps, device=device)
-    result = {"case": asdict(case), "tokens_per_step": case.batch * case.seq,
-              "micro_batches": -(-case.batch // case.micro)}
-    for mode in ("plain", "l2l"):
-        result[mode] = {"step_s": statistics.median(times[mode]), "step_s_all": times[mode],
-                        "cpu_s": statistics.median(times[f"{mode}_cpu"]), **peaks[mode]}
-    result["ratio"] = result["l2l"]["step_s"] / result["plain"]["step_s"]
-    # each round times both modes back to back: the median of per-round ratios cancels slow load drifts
-    result["paired_ratio"] = statistics.median(a / b for a, b in zip(times["l2l"], times["plain"], strict=True))
-    result["cpu_ratio"] = result["l2l"]["cpu_s"] / result["plain"]["cpu_s"]  # less sensitive to other load
-    result["rss_ratio"] = result["l2l"]["peak_rss_mb"] / result["plain"]["peak_rss_mb"]
+    result = {
+        "case": asdict(case),
+        "tokens_per_step": case.batch * case.seq,
+        "micro_batches": -(-case.batch // case.micro),
+    }
+    for mode in MODES:
+        result[mode] = {
+            "step_s": statistics.median(times[mode]),
+            "step_s_all": times[mode],
+            "cpu_s": statistics.median(times[f"{mode}_cpu"]),
+            **peaks[mode],
+        }
+    result["l2l_keep"]["keep_graph_blocks"] = keep_blocks(case)
+    for mode, suffix in (("l2l", ""), ("l2l_keep", "_keep")):
+        result[f"ratio{suffix}"] = result[mode]["step_s"] / result["plain"]["step_s"]
+        # each round times the modes back to back: the median of per-round ratios cancels slow load drifts
+        result[f"paired_ratio{suffix}"] = statistics.median(
+            a / b for a, b in zip(times[mode], times["plain"], strict=True)
+        )
+        result[f"cpu_ratio{suffix}"] = (
+            result[mode]["cpu_s"] / result["plain"]["cpu_s"]
+        )  # less sensitive to load
+        result[f"rss_ratio{suffix}"] = result[mode]["peak_rss_mb"] / result["plain"]["peak_rss_mb"]
+    result["keep_rss_below_plain"] = result["l2l_keep"]["peak_rss_mb"] < result["plain"]["peak_rss_mb"]
     if device.startswith("cuda"):
         result["device_memory_ratio"] = result["l2l"]["peak_device_mb"] / result["plain"]["peak_device_mb"]
     result["params"] = sum(p.numel() for p in build(case).parameters())
@@ -200,23 +248,31 @@ def plot(results: dict, path: Path) -> None:
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
     names = list(results)
-    for k, mode in enumerate(("plain", "l2l")):
-        xs = [i + 0.38 * k for i in range(len(names))]
-        ax1.bar(xs, [results[n][mode]["step_s"] for n in names], width=0.38, label=mode)
-        ax2.bar(xs, [results[n][mode]["peak_rss_mb"] for n in names], width=0.38, label=mode)
+    for k, mode in enumerate(MODES):
+        xs = [i + 0.27 * k for i in range(len(names))]
+        ax1.bar(xs, [results[n][mode]["step_s"] for n in names], width=0.27, label=mode)
+        ax2.bar(xs, [results[n][mode]["peak_rss_mb"] for n in names], width=0.27, label=mode)
     for ax, label in ((ax1, "median step time (s)"), (ax2, "peak host RSS (MiB)")):
-        ax.set_xticks([i + 0.19 for i in range(len(names))], names)
+        ax.set_xticks([i + 0.27 for i in range(len(names))], names)
         ax.set_ylabel(label)
         ax.legend()
-    ax1.set_title("L2L / plain: " + ", ".join(f"{n} {results[n]['ratio']:.2f}x" for n in names), fontsize=9)
+    fig.suptitle(
+        "L2L / plain (keep): "
+        + ", ".join(f"{n} {results[n]['ratio']:.2f}x ({results[n]['ratio_keep']:.2f}x)" for n in names),
+        fontsize=9,
+    )
     fig.savefig(path, dpi=110)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes: within 5 minutes on 2 CPU cores")
     parser.add_argument("--json", default=None, help="write results here (a PNG is written beside it)")
-    parser.add_argument("--reps", type=int, default=None, help="timed steps per mode after one warm-up (default per case)")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="timed steps per mode after one warm-up (default per case)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", default=None, help="comma-separated case names")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -229,21 +285,48 @@ def main() -> int:
         return 0
     names = args.only.split(",") if args.only else list(cases)
     start = time.perf_counter()
-    results = {n: run_case(cases[n], reps=args.reps or REPS[args.quick][n], quick=args.quick, device=args.device)
-               for n in names}
-    print(f"\n{'case':<15}{'params':>9}{'plain s':>10}{'l2l s':>9}{'ratio':>7}{'cpu ratio':>10}{'plain RSS':>11}{'l2l RSS':>9}")
+    results = {
+        n: run_case(cases[n], reps=args.reps or REPS[args.quick][n], quick=args.quick, device=args.device)
+        for n in names
+    }
+    print(
+        f"\n{'case':<15}{'params':>9}{'plain s':>10}{'l2l s':>9}{'ratio':>7}{'cpu ratio':>10}{'keep s':>8}{'ratio':>7}"
+        f"{'plain RSS':>11}{'l2l RSS':>9}{'keep RSS':>10}"
+    )
     for n, r in results.items():
-        print(f"{n:<15}{r['params'] / 1e6:>8.1f}M{r['plain']['step_s']:>10.3f}{r['l2l']['step_s']:>9.3f}"
-              f"{r['ratio']:>7.2f}{r['cpu_ratio']:>10.2f}{r['plain']['peak_rss_mb']:>10.0f}M{r['l2l']['peak_rss_mb']:>8.0f}M")
+        print(
+            f"{n:<15}{r['params'] / 1e6:>8.1f}M{r['plain']['step_s']:>10.3f}{r['l2l']['step_s']:>9.3f}"
+            f"{r['ratio']:>7.2f}{r['cpu_ratio']:>10.2f}{r['l2l_keep']['step_s']:>8.3f}{r['ratio_keep']:>7.2f}"
+            f"{r['plain']['peak_rss_mb']:>10.0f}M{r['l2l']['peak_rss_mb']:>8.0f}M{r['l2l_keep']['peak_rss_mb']:>9.0f}M"
+        )
     head = results[names[0]]
     out = {
         "command": " ".join(["python", *sys.argv]),
-        "threads": {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-                    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "l2l_optimizer_worker_threads": 1},
-        "device": args.device, "cpu_cores": os.cpu_count(), "torch": torch.__version__, "dtype": "float32",
-        "headline_case": names[0], "plain": head["plain"], "l2l": head["l2l"], "ratio": head["ratio"],
-        "cpu_ratio": head["cpu_ratio"], "paired_ratio": head["paired_ratio"], "ratio_max": max(r["ratio"] for r in results.values()),
-        "load_average_1min": os.getloadavg()[0], "cases": results,
+        "threads": {
+            "torch": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+            "l2l_optimizer_worker_threads": 1,
+        },
+        "device": args.device,
+        "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "dtype": "float32",
+        "headline_case": names[0],
+        "plain": head["plain"],
+        "l2l": head["l2l"],
+        "ratio": head["ratio"],
+        "cpu_ratio": head["cpu_ratio"],
+        "paired_ratio": head["paired_ratio"],
+        "ratio_max": max(r["ratio"] for r in results.values()),
+        "l2l_keep": head["l2l_keep"],
+        "ratio_keep": head["ratio_keep"],
+        "cpu_ratio_keep": head["cpu_ratio_keep"],
+        "paired_ratio_keep": head["paired_ratio_keep"],
+        "ratio_keep_max": max(r["ratio_keep"] for r in results.values()),
+        "keep_rss_below_plain": all(r["keep_rss_below_plain"] for r in results.values()),
+        "load_average_1min": os.getloadavg()[0],
+        "cases": results,
         "wall_s": time.perf_counter() - start,
     }
     if args.json:

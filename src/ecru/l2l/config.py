@@ -61,6 +61,14 @@ class L2LConfig:
     """Data parallel, ZeRO-1 style: each block's optimizer state lives on one rank (round robin), which
     receives the reduced gradient, updates the block and broadcasts its weights at the end of the step
     (optimizer memory / world_size; the broadcasts are not overlapped). RAM tier only."""
+    keep_graph_blocks: int = 0
+    """Selective recomputation, memory for speed: the last k blocks of a step (the first ones the backward
+    needs) run their forward under autograd and keep its graph per micro-batch, so their backward skips the
+    recomputation. Those graphs hold every activation autograd saves inside the k blocks for ALL
+    micro-batches at once (several times the block inputs the stash keeps, and on the device whatever
+    `stash` says), plus, when the device weights are not the fp32 masters themselves (CUDA or low
+    precision), a device copy of the k blocks' weights. 0: recompute every block; k >= the number of
+    blocks keeps them all. Not with store="disk" (it evicts masters)."""
     loss_scale: float = 2.0**16
     """Initial dynamic loss scale (float16 only)."""
     loss_scale_growth_interval: int = 2000
@@ -70,13 +78,26 @@ class L2LConfig:
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
             raise L2LInputError(f"micro_batch_size must be an integer >= 1, got {self.micro_batch_size!r}")
         if self.compute_dtype not in DTYPES:
-            raise L2LInputError(f"compute_dtype {self.compute_dtype!r} is unknown; use one of {sorted(DTYPES)}")
+            raise L2LInputError(
+                f"compute_dtype {self.compute_dtype!r} is unknown; use one of {sorted(DTYPES)}"
+            )
         if self.stash not in STASH_PLACES:
             raise L2LInputError(f"stash must be one of {STASH_PLACES}, got {self.stash!r}")
         if self.prefetch < 0:
             raise L2LInputError(f"prefetch must be >= 0, got {self.prefetch}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise L2LInputError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if (
+            not isinstance(self.keep_graph_blocks, int)
+            or isinstance(self.keep_graph_blocks, bool)
+            or self.keep_graph_blocks < 0
+        ):
+            raise L2LInputError(f"keep_graph_blocks must be an integer >= 0, got {self.keep_graph_blocks!r}")
+        if self.keep_graph_blocks and self.store == "disk":
+            raise L2LInputError(
+                'keep_graph_blocks needs store="ram": the disk tier evicts a block\'s masters '
+                "after use, while a kept graph would hold them until the backward"
+            )
         if self.max_pending_updates < 1:
             raise L2LInputError(f"max_pending_updates must be >= 1, got {self.max_pending_updates}")
         if not self.loss_scale > 0 or self.loss_scale_growth_interval < 1:
@@ -93,11 +114,15 @@ class L2LConfig:
                 "loss scaling need every gradient first (the whole model in RAM): use bfloat16 and no clipping"
             )
         if self.shard_optimizer and (self.store == "disk" or self.deferred_update):
-            raise L2LInputError("shard_optimizer works on the RAM tier without clipping or float16 loss scaling")
+            raise L2LInputError(
+                "shard_optimizer works on the RAM tier without clipping or float16 loss scaling"
+            )
         try:
             torch.device(self.device)
         except (RuntimeError, TypeError) as exc:
-            raise L2LInputError(f"device {self.device!r} is not a device name; use e.g. 'cpu' or 'cuda:0'") from exc
+            raise L2LInputError(
+                f"device {self.device!r} is not a device name; use e.g. 'cpu' or 'cuda:0'"
+            ) from exc
 
     @property
     def dtype(self) -> torch.dtype:
@@ -123,5 +148,7 @@ def check_device(device: torch.device) -> torch.device:
         raise L2LInputError(f"device {device} requested but CUDA is not available here; use device='cpu'")
     index = torch.cuda.current_device() if device.index is None else device.index
     if index >= torch.cuda.device_count():
-        raise L2LInputError(f"device {device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+        raise L2LInputError(
+            f"device {device} does not exist: this machine has {torch.cuda.device_count()} GPU(s)"
+        )
     return torch.device("cuda", index)

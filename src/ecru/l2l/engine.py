@@ -9,6 +9,9 @@ One `step`:
             once and let the host optimizer update the block while the device works on the one below.
   stem      last: the resident stem + head group (which holds a tied embedding once) is updated after
             both of its gradients have arrived.
+  kept graphs   `L2LConfig(keep_graph_blocks=k)`: the last k blocks run their forward under autograd and
+            keep the graph per micro-batch; their backward runs autograd on it instead of recomputing
+            (memory for speed, as selective activation checkpointing).
 
 Beyond one machine's memory and beyond one process:
   disk tier     `L2LConfig(store="disk")`: the parameter server keeps each block's masters and optimizer
@@ -38,6 +41,8 @@ from ecru.l2l.store import OptimizerFactory, ParameterStore
 
 RESIDENT = 0  # group of the stem and head; block i is group i + 1
 Binding = list[tuple[str, int]]  # (parameter name in the piece, index in its group)
+# a kept block's autograd leaves (index in its group -> weight) and, per micro-batch, (input leaf or None, output)
+KeptGraphs = tuple[dict[int, torch.Tensor], list[tuple[torch.Tensor | None, torch.Tensor | None]]]
 
 
 class L2L:
@@ -47,13 +52,18 @@ class L2L:
         self.config = config or L2LConfig()
         self.device = check_device(self.config.torch_device)
         if not callable(optimizer):
-            raise L2LInputError("optimizer must be a callable params -> torch.optim.Optimizer, "
-                                "e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
+            raise L2LInputError(
+                "optimizer must be a callable params -> torch.optim.Optimizer, "
+                "e.g. functools.partial(torch.optim.AdamW, lr=1e-3)"
+            )
         self.parts, self.model = parts, parts.model
         _fp32_masters_(self.model)
         _buffers_to_(self.model, self.device)
         groups = _groups(parts)
-        self._bindings = {"stem": _binding(parts.stem, groups[RESIDENT]), "head": _binding(parts.head, groups[RESIDENT])}
+        self._bindings = {
+            "stem": _binding(parts.stem, groups[RESIDENT]),
+            "head": _binding(parts.head, groups[RESIDENT]),
+        }
         self._block_bindings = [_binding(b, groups[i + 1]) for i, b in enumerate(parts.blocks)]
         self.process_group = _data_parallel_group() if self.config.data_parallel else None
         if self.process_group is not None:  # every rank starts from rank 0's weights
@@ -61,8 +71,14 @@ class L2L:
 
             for p in _unique(self.model.parameters()):
                 dist.broadcast(p.data, src=0, group=self.process_group)
-        store_kw = dict(optimizer=optimizer, device=self.device, dtype=self.config.dtype, resident=RESIDENT,
-                        slots=self.config.prefetch + 2, max_pending=self.config.max_pending_updates)
+        store_kw = dict(
+            optimizer=optimizer,
+            device=self.device,
+            dtype=self.config.dtype,
+            resident=RESIDENT,
+            slots=self.config.prefetch + 2,
+            max_pending=self.config.max_pending_updates,
+        )
         if self.config.store == "disk":
             from ecru.l2l.disk import DiskParameterStore
 
@@ -71,8 +87,13 @@ class L2L:
                 import torch.distributed as dist
 
                 directory = f"{directory}/rank{dist.get_rank(self.process_group)}"
-            self.store = DiskParameterStore(groups, directory=directory, fsync=self.config.fsync,
-                                            read_ahead=max(1, self.config.prefetch), **store_kw)
+            self.store = DiskParameterStore(
+                groups,
+                directory=directory,
+                fsync=self.config.fsync,
+                read_ahead=max(1, self.config.prefetch),
+                **store_kw,
+            )
         else:
             self.store = ParameterStore(groups, **store_kw)
         self.store.process_group = self.process_group
@@ -81,10 +102,14 @@ class L2L:
 
             self.store.shard = (dist.get_rank(self.process_group), dist.get_world_size(self.process_group))
         self.stash = ActivationStash(self.config.stash, self.device, self.config.store_dir)
-        self.scaler = LossScale(self.config.loss_scale, self.config.loss_scale_growth_interval) \
-            if self.config.dtype == torch.float16 else None
+        self.scaler = (
+            LossScale(self.config.loss_scale, self.config.loss_scale_growth_interval)
+            if self.config.dtype == torch.float16
+            else None
+        )
         self._rng_devices = (self.device.index,) if self.device.type == "cuda" else ()
         self._rng: dict[tuple[int, int], RngState] = {}
+        self._kept: dict[int, KeptGraphs] = {}  # block -> its kept forward graphs (keep_graph_blocks)
         self.steps = getattr(self.store, "step", 0)  # a disk store resumes from its last complete step
         if getattr(self.store, "extra", {}).get("rng") is not None:
             torch.set_rng_state(self.store.extra["rng"])
@@ -92,7 +117,9 @@ class L2L:
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
-    def from_hf(cls, model: nn.Module, *, optimizer: OptimizerFactory, config: L2LConfig | None = None) -> L2L:
+    def from_hf(
+        cls, model: nn.Module, *, optimizer: OptimizerFactory, config: L2LConfig | None = None
+    ) -> L2L:
         """A Hugging Face causal LM (Llama family, GPT-2); batches are dicts with input_ids,
         attention_mask (optional) and labels (-100 = ignored)."""
         from ecru.l2l.hf import hf_parts
@@ -101,8 +128,13 @@ class L2L:
 
     @classmethod
     def from_sequential(
-        cls, seq: nn.Sequential, *, loss_fn: Callable, optimizer: OptimizerFactory,
-        config: L2LConfig | None = None, reduction: str = "mean",
+        cls,
+        seq: nn.Sequential,
+        *,
+        loss_fn: Callable,
+        optimizer: OptimizerFactory,
+        config: L2LConfig | None = None,
+        reduction: str = "mean",
     ) -> L2L:
         """Each child of `seq` is a block; batches are (inputs, targets); `reduction` is how `loss_fn`
         reduces over samples ("mean" or "sum")."""
@@ -111,8 +143,15 @@ class L2L:
         return cls(sequential_parts(seq, loss_fn, reduction=reduction), optimizer=optimizer, config=config)
 
     @classmethod
-    def resume(cls, path, model: nn.Module, *, optimizer: OptimizerFactory, config: L2LConfig | None = None,
-               loss_fn: Callable | None = None) -> L2L:
+    def resume(
+        cls,
+        path,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerFactory,
+        config: L2LConfig | None = None,
+        loss_fn: Callable | None = None,
+    ) -> L2L:
         """An engine over `model` restored from `engine.save(path)`: weights, optimizer state, step, RNG."""
         from ecru.l2l.checkpoint import resume
 
@@ -126,7 +165,10 @@ class L2L:
         blocks left out keep their weights and optimizer state untouched."""
         order = self._order(blocks)
         self._current_order = order
-        micro = [mb.to(self.device, self.config.dtype) for mb in self.parts.split(batch, self.config.micro_batch_size)]
+        micro = [
+            mb.to(self.device, self.config.dtype)
+            for mb in self.parts.split(batch, self.config.micro_batch_size)
+        ]
         scale = self.scaler.scale if self.scaler else 1.0
         share = self._rank_share(micro)
         try:
@@ -140,6 +182,7 @@ class L2L:
         finally:
             self.stash.clear()
             self._rng.clear()
+            self._kept.clear()
             self.store.discard_grads()
         self.steps += 1
         if hasattr(self.store, "extra"):
@@ -183,10 +226,14 @@ class L2L:
         """Progressive stacking: append `block` to the model (after the last block) and to the parameter
         server with a fresh optimizer state; returns its index. Existing blocks keep their state."""
         if self.parts.append is None:
-            raise L2LInputError(f"this model ({self.parts.kind}) cannot grow; add_block needs from_hf or from_sequential")
+            raise L2LInputError(
+                f"this model ({self.parts.kind}) cannot grow; add_block needs from_hf or from_sequential"
+            )
         for name, p in block.named_parameters():
             if not p.is_floating_point() or p.device.type != "cpu":
-                raise L2LInputError(f"parameter {name} of the new block must be a floating-point tensor on the CPU")
+                raise L2LInputError(
+                    f"parameter {name} of the new block must be a floating-point tensor on the CPU"
+                )
         known = {id(p) for g in self.store.groups for p in g.params}
         params = _unique(block.parameters())
         if any(id(p) in known for p in params):
@@ -200,7 +247,9 @@ class L2L:
         self.store.add_group(params)
         return len(self.parts.blocks) - 1
 
-    def _forward(self, micro: list[MicroBatch], order: list[int] | None = None) -> tuple[list[torch.Tensor], list[Any]]:
+    def _forward(
+        self, micro: list[MicroBatch], order: list[int] | None = None
+    ) -> tuple[list[torch.Tensor], list[Any]]:
         order = list(range(len(self.parts.blocks))) if order is None else order
         stem = self.store.weights(RESIDENT)
         hidden, contexts = [], []
@@ -211,11 +260,16 @@ class L2L:
             hidden.append(h)
             contexts.append(ctx)
         self.store.begin("forward", [i + 1 for i in order])
+        keep = order[len(order) - min(self.config.keep_graph_blocks, len(order)) :]
         for pos, i in enumerate(order):
             block = self.parts.blocks[i]
             weights = self.store.weights(i + 1)
-            for nxt in order[pos + 1: pos + 1 + self.config.prefetch]:
+            for nxt in order[pos + 1 : pos + 1 + self.config.prefetch]:
                 self.store.prefetch(nxt + 1)
+            if i in keep:
+                hidden = self._forward_kept(i, weights, hidden, contexts, first=pos == 0)
+                self.store.done_with(i + 1)
+                continue
             outputs = []
             for j, x in enumerate(hidden):
                 self._rng[(i + 1, j)] = capture(self._rng_devices)
@@ -226,6 +280,34 @@ class L2L:
             hidden = outputs
         return hidden, contexts
 
+    def _forward_kept(
+        self,
+        i: int,
+        weights: list[torch.Tensor],
+        hidden: list[torch.Tensor],
+        contexts: list[Any],
+        *,
+        first: bool,
+    ) -> list[torch.Tensor]:
+        """Block `i` over every micro-batch under autograd, keeping each graph for the backward. Nothing is
+        stashed and no RNG state captured: the graph holds the input and its own dropout masks, and the
+        forward draws exactly what the no-grad forward would, so later blocks' masks are unchanged."""
+        binding, block = self._block_bindings[i], self.parts.blocks[i]
+        leaves, _ = self._leaves(binding, weights)
+        if not self.store.binds_masters:  # device weights sit in reused slots / wire buffers: keep a copy
+            leaves = {idx: w.detach().clone().requires_grad_() for idx, w in leaves.items()}
+        needs_input = not first or bool(self._bindings["stem"])
+        graphs, outputs = [], []
+        for j, x in enumerate(hidden):
+            if needs_input and x.is_floating_point():
+                x = x.detach().requires_grad_()
+            with torch.enable_grad():
+                y = self._call(block, binding, leaves, (x, contexts[j]))
+            graphs.append((x if x.requires_grad else None, y) if y.requires_grad else (None, None))
+            outputs.append(y.detach())
+        self._kept[i] = (leaves, graphs)
+        return outputs
+
     def _head(self, hidden: list[torch.Tensor], micro: list[MicroBatch], scale: float):
         """Each micro-batch's weighted loss and its gradient w.r.t. the last hidden state and the head."""
         weights, indices = self._leaves(self._bindings["head"], self.store.weights(RESIDENT))
@@ -234,33 +316,54 @@ class L2L:
             x = hidden[j].detach().requires_grad_()
             hidden[j] = None
             with torch.enable_grad():
-                loss = self._call(self.parts.head, self._bindings["head"], weights, (x, mb.targets, mb.weight))
+                loss = self._call(
+                    self.parts.head, self._bindings["head"], weights, (x, mb.targets, mb.weight)
+                )
                 grads.append(self._grad(RESIDENT, loss * scale, None, x, weights, indices))
             total += loss.detach().float()
         return grads, float(total)
 
-    def _backward_block(self, i: int, grads: list[torch.Tensor], contexts: list[Any], *, first: bool) -> list[torch.Tensor]:
-        g, binding, block = i + 1, self._block_bindings[i], self.parts.blocks[i]
-        weights, _ = self._leaves(binding, self.store.weights(g))
+    def _backward_block(
+        self, i: int, grads: list[torch.Tensor], contexts: list[Any], *, first: bool
+    ) -> list[torch.Tensor]:
+        g = i + 1
+        kept = self._kept.pop(i, None)
+        weights = kept[0] if kept else self._leaves(self._block_bindings[i], self.store.weights(g))[0]
         for below in self._below(i):
             self.store.prefetch(below + 1)
         for j, grad_out in enumerate(grads):
-            x = self.stash.pop(i, j)
-            needs_input = (not first or bool(self._bindings["stem"])) and x.is_floating_point()
-            if needs_input:
-                x = x.detach().requires_grad_()
-            inputs = ([x] if needs_input else []) + list(weights.values())
-            if not inputs:
+            if kept:
+                (x, y), kept[1][j] = kept[1][j], (None, None)  # free each graph as soon as it has run
+            else:
+                x, y = self._recompute(i, j, weights, contexts[j], first=first)
+            if y is None:
                 continue
-            with replay(self._rng[(g, j)]), torch.enable_grad():
-                y = self._call(block, binding, weights, (x, contexts[j]), fresh_buffers=True)
-                grad_in = self._grad(g, y, grad_out, x if needs_input else None, weights)
-            if needs_input:
+            with torch.enable_grad():
+                grad_in = self._grad(g, y, grad_out, x, weights)
+            if x is not None:
                 grads[j] = grad_in
         self.store.done_with(g)
         if weights:
             self._submit(g)
         return grads
+
+    def _recompute(
+        self, i: int, j: int, weights: dict[int, torch.Tensor], context: Any, *, first: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Block `i`'s forward of micro-batch `j` again, from its stash under the forward's RNG state, with
+        autograd: (the input leaf if its gradient is needed, else None; the output), or (None, None) when
+        nothing needs a gradient."""
+        x = self.stash.pop(i, j)
+        needs_input = (not first or bool(self._bindings["stem"])) and x.is_floating_point()
+        if needs_input:
+            x = x.detach().requires_grad_()
+        if not needs_input and not weights:
+            return None, None
+        with replay(self._rng[(i + 1, j)]), torch.enable_grad():
+            y = self._call(
+                self.parts.blocks[i], self._block_bindings[i], weights, (x, context), fresh_buffers=True
+            )
+        return (x if needs_input else None), y
 
     def _backward_stem(self, micro: list[MicroBatch], grads: list[torch.Tensor]) -> None:
         binding = self._bindings["stem"]
@@ -278,8 +381,15 @@ class L2L:
         if self.store.groups[RESIDENT].params:
             self._submit(RESIDENT)
 
-    def _grad(self, g: int, output: torch.Tensor, grad_output: torch.Tensor | None, x: torch.Tensor | None,
-              weights: dict[int, torch.Tensor], indices: list[int] | None = None) -> torch.Tensor | None:
+    def _grad(
+        self,
+        g: int,
+        output: torch.Tensor,
+        grad_output: torch.Tensor | None,
+        x: torch.Tensor | None,
+        weights: dict[int, torch.Tensor],
+        indices: list[int] | None = None,
+    ) -> torch.Tensor | None:
         """Backpropagate `output` (seeded with `grad_output`) to group `g`'s `weights` (its parameters
         `indices`, default all), whose gradients the store accumulates over the micro-batches, and to the
         leaf `x` (None: not needed); returns x's gradient. When the masters are bound directly, autograd
@@ -293,28 +403,32 @@ class L2L:
             return None if x is None else x.grad if x.grad is not None else torch.zeros_like(x)
         out = torch.autograd.grad(output, leaves, grad_output, materialize_grads=True)
         if weights:
-            self.store.add_grads(g, out[len(leaves) - len(weights):], indices=indices)
+            self.store.add_grads(g, out[len(leaves) - len(weights) :], indices=indices)
         return out[0] if x is not None else None
 
     def _below(self, i: int) -> list[int]:
         """The blocks whose backward follows block `i`'s in the current step (for prefetching)."""
         order = self._current_order
         k = order.index(i)
-        return order[max(0, k - self.config.prefetch): k][::-1]
+        return order[max(0, k - self.config.prefetch) : k][::-1]
 
     def _submit(self, g: int) -> None:
         self.store.collect(g) if self.config.deferred_update else self.store.update(g)
 
     def _finish_update(self, scale: float) -> None:
         if self.config.deferred_update:
-            finite, self.last_grad_norm = self.store.step_all(inv_scale=1.0 / scale, max_norm=self.config.max_grad_norm)
+            finite, self.last_grad_norm = self.store.step_all(
+                inv_scale=1.0 / scale, max_norm=self.config.max_grad_norm
+            )
             if self.scaler is not None:
                 self.scaler.update(finite=finite)
         # step() returns with the model updated: only the tail (block 1, stem/head) is exposed here
         self.store.synchronize()
 
     # ---- weight binding -------------------------------------------------------------------------
-    def _leaves(self, binding: Binding, weights: Sequence[torch.Tensor]) -> tuple[dict[int, torch.Tensor], list[int]]:
+    def _leaves(
+        self, binding: Binding, weights: Sequence[torch.Tensor]
+    ) -> tuple[dict[int, torch.Tensor], list[int]]:
         """Autograd leaves over the group's device weights that `binding` uses, keyed by index: the
         masters themselves when they are bound directly, else fresh leaves over the device copies."""
         indices = sorted({idx for _, idx in binding})
@@ -322,7 +436,9 @@ class L2L:
             return {idx: weights[idx] for idx in indices}, indices
         return {idx: weights[idx].detach().requires_grad_() for idx in indices}, indices
 
-    def _call(self, module: nn.Module, binding: Binding, weights, args: tuple, *, fresh_buffers: bool = False):
+    def _call(
+        self, module: nn.Module, binding: Binding, weights, args: tuple, *, fresh_buffers: bool = False
+    ):
         """`module(*args)` with its parameters bound to `weights` (a sequence or an index -> tensor dict)
         through `functional_call`; when the masters are the device weights, they are the module's own
         parameters already and only buffers are bound. A recomputation gets copies of the buffers, so
@@ -359,7 +475,9 @@ class L2L:
     def save_pretrained(self, path) -> None:
         """Export the trained Hugging Face model in `save_pretrained` format."""
         if self.parts.kind != "hf":
-            raise L2LInputError("save_pretrained exports Hugging Face models; use engine.state_dict() or save()")
+            raise L2LInputError(
+                "save_pretrained exports Hugging Face models; use engine.state_dict() or save()"
+            )
         self.store.synchronize()
         if hasattr(self.store, "materialize"):  # the disk tier: read every block back for the export
             self.store.materialize()
@@ -390,8 +508,10 @@ def _fp32_masters_(model: nn.Module) -> None:
         if p.dtype != torch.float32:  # the masters are fp32 whatever the compute precision
             p.data = p.data.float()
         if p.device.type != "cpu":
-            raise L2LInputError(f"parameter {name} is on {p.device}; give L2L the model on the CPU (it keeps "
-                                "the masters in host memory and streams blocks to the device itself)")
+            raise L2LInputError(
+                f"parameter {name} is on {p.device}; give L2L the model on the CPU (it keeps "
+                "the masters in host memory and streams blocks to the device itself)"
+            )
 
 
 def _buffers_to_(model: nn.Module, device: torch.device) -> None:
