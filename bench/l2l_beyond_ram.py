@@ -27,8 +27,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-SHAPE = {"hidden_size": 2560, "intermediate_size": 6912, "num_attention_heads": 20, "num_key_value_heads": 20,
-         "vocab_size": 32000, "max_position_embeddings": 1024, "tie_word_embeddings": True}
+SHAPE = {
+    "hidden_size": 2560,
+    "intermediate_size": 6912,
+    "num_attention_heads": 20,
+    "num_key_value_heads": 20,
+    "vocab_size": 32000,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+}
 
 
 def disk_bandwidth(folder: Path, nbytes: int = 1 << 30) -> dict:
@@ -55,7 +62,9 @@ def disk_bandwidth(folder: Path, nbytes: int = 1 << 30) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store-dir", type=Path, required=True, help="an empty folder on a disk with >= 50 GB free")
+    ap.add_argument(
+        "--store-dir", type=Path, required=True, help="an empty folder on a disk with >= 50 GB free"
+    )
     ap.add_argument("--layers", type=int, default=26, help="26 blocks: 2.1B parameters")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128, help="tokens per step (one sequence)")
@@ -72,8 +81,11 @@ def main(argv=None) -> None:
     print(f"disk: write {bw['write_gb_s']:.2f} GB/s, read {bw['read_gb_s']:.2f} GB/s", flush=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=0, attn_implementation="sdpa", **SHAPE))
-    engine = L2L.from_hf(model, optimizer=functools.partial(torch.optim.AdamW, lr=args.lr, fused=True),
-                         config=L2LConfig(micro_batch_size=1, store="disk", store_dir=str(args.store_dir)))
+    engine = L2L.from_hf(
+        model,
+        optimizer=functools.partial(torch.optim.AdamW, lr=args.lr, fused=True),
+        config=L2LConfig(micro_batch_size=1, store="disk", store_dir=str(args.store_dir)),
+    )
     full = LlamaConfig(num_hidden_layers=args.layers, attn_implementation="sdpa", **SHAPE)
     t0 = time.perf_counter()
     for i in tqdm(range(args.layers), desc="building blocks into the store"):
@@ -91,19 +103,40 @@ def main(argv=None) -> None:
         dt = time.perf_counter() - t0
         read, written = engine.store.bytes_read - r0, engine.store.bytes_written - w0
         floor = read / (bw["read_gb_s"] * 1e9) + written / (bw["write_gb_s"] * 1e9)
-        steps.append({"loss": loss, "step_s": dt, "bytes_read": read, "bytes_written": written,
-                      "disk_floor_s": floor, "step_over_floor": dt / floor})
-        print(f"step {s}: loss {loss:.4f}  {dt:.0f} s  read {read / 1e9:.1f} GB  written {written / 1e9:.1f} GB  "
-              f"floor {floor:.0f} s  ratio {dt / floor:.2f}", flush=True)
+        steps.append(
+            {
+                "loss": loss,
+                "step_s": dt,
+                "bytes_read": read,
+                "bytes_written": written,
+                "disk_floor_s": floor,
+                "step_over_floor": dt / floor,
+            }
+        )
+        print(
+            f"step {s}: loss {loss:.4f}  {dt:.0f} s  read {read / 1e9:.1f} GB  written {written / 1e9:.1f} GB  "
+            f"floor {floor:.0f} s  ratio {dt / floor:.2f}",
+            flush=True,
+        )
     engine.close()
-    out = {"shape": SHAPE, "layers": args.layers, "params": params, "tokens_per_step": args.tokens,
-           "threads": os.environ.get("OMP_NUM_THREADS"), "disk": bw, "build_s": build_s, "steps": steps,
-           "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-           "ram_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
-           "plain_needs_gb": params * 16 / 1e9,
-           "loss_decreased": steps[-1]["loss"] < steps[0]["loss"] if steps else None}
-    print(f"peak RSS {out['peak_rss_mb']:.0f} MB for {params / 1e9:.2f}B parameters "
-          f"(plain training would need >= {out['plain_needs_gb']:.0f} GB; RAM {out['ram_gb']:.0f} GB)")
+    out = {
+        "shape": SHAPE,
+        "layers": args.layers,
+        "params": params,
+        "tokens_per_step": args.tokens,
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "disk": bw,
+        "build_s": build_s,
+        "steps": steps,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "ram_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9,
+        "plain_needs_gb": params * 16 / 1e9,
+        "loss_decreased": steps[-1]["loss"] < steps[0]["loss"] if steps else None,
+    }
+    print(
+        f"peak RSS {out['peak_rss_mb']:.0f} MB for {params / 1e9:.2f}B parameters "
+        f"(plain training would need >= {out['plain_needs_gb']:.0f} GB; RAM {out['ram_gb']:.0f} GB)"
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

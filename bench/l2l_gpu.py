@@ -31,9 +31,17 @@ def llama(depth: int, *, hidden: int, inter: int, heads: int, vocab: int, seed: 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
-                      num_key_value_heads=heads, num_hidden_layers=depth, vocab_size=vocab,
-                      max_position_embeddings=16384, attn_implementation="sdpa", tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        num_hidden_layers=depth,
+        vocab_size=vocab,
+        max_position_embeddings=16384,
+        attn_implementation="sdpa",
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -51,8 +59,11 @@ def parity() -> dict:
     model = copy.deepcopy(ref)
     ref = ref.cuda()
     opt = adamw(ref.parameters())
-    engine = L2L.from_hf(model, optimizer=functools.partial(adamw, fused=True),
-                         config=L2LConfig(device="cuda", micro_batch_size=2, stash="host"))
+    engine = L2L.from_hf(
+        model,
+        optimizer=functools.partial(adamw, fused=True),
+        config=L2LConfig(device="cuda", micro_batch_size=2, stash="host"),
+    )
     for s in range(3):
         b = batch(8, 128, 1024, s)
         opt.zero_grad()
@@ -60,7 +71,9 @@ def parity() -> dict:
         opt.step()
         engine.step(b)
     got = engine.state_dict()
-    diff = max(float((got[k].float().cpu() - v.float().cpu()).abs().max()) for k, v in ref.state_dict().items())
+    diff = max(
+        float((got[k].float().cpu() - v.float().cpu()).abs().max()) for k, v in ref.state_dict().items()
+    )
     engine.close()
     return {"max_abs_param_diff": diff, "ok": diff <= 1e-4}
 
@@ -82,13 +95,22 @@ def timing(depth: int, tokens: int, *, reps: int) -> dict:
     def plain_step():
         popt.zero_grad(set_to_none=True)
         for j in range(4):  # the same micro-batches, as gradient accumulation
-            mb = {k: v[j * rows_per_micro:(j + 1) * rows_per_micro] for k, v in gb.items()}
+            mb = {k: v[j * rows_per_micro : (j + 1) * rows_per_micro] for k, v in gb.items()}
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 (plain(**mb).loss / 4).backward()
         popt.step()
 
-    engine = L2L.from_hf(llama(depth, **shape), optimizer=adamw, config=L2LConfig(
-        device="cuda", compute_dtype="bfloat16", micro_batch_size=rows_per_micro, stash="device", prefetch=1))
+    engine = L2L.from_hf(
+        llama(depth, **shape),
+        optimizer=adamw,
+        config=L2LConfig(
+            device="cuda",
+            compute_dtype="bfloat16",
+            micro_batch_size=rows_per_micro,
+            stash="device",
+            prefetch=1,
+        ),
+    )
     times: dict[str, list[float]] = {"plain": [], "l2l": []}
     for r in range(reps + 1):  # the first round warms up both
         for mode, fn in (("plain", plain_step), ("l2l", lambda: engine.step(b))):
@@ -100,8 +122,13 @@ def timing(depth: int, tokens: int, *, reps: int) -> dict:
                 times[mode].append(time.perf_counter() - t0)
     engine.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"depth": depth, "tokens_per_block_pass": rows_per_micro * seq, "plain_s": med["plain"],
-            "l2l_s": med["l2l"], "ratio": med["l2l"] / med["plain"]}
+    return {
+        "depth": depth,
+        "tokens_per_block_pass": rows_per_micro * seq,
+        "plain_s": med["plain"],
+        "l2l_s": med["l2l"],
+        "ratio": med["l2l"] / med["plain"],
+    }
 
 
 def main(argv=None) -> None:
@@ -111,15 +138,23 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/l2l_gpu.py needs a CUDA GPU; none here (run it on a machine with one)")
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "parity": parity(), "timing": []}
+    out = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "parity": parity(),
+        "timing": [],
+    }
     print("parity:", out["parity"], flush=True)
     depths, reps = ((8,), 2) if args.quick else ((8, 16), 3)
     for depth in depths:
         for tokens in (2048, 8192, 16384):
             res = timing(depth, tokens, reps=reps)
             out["timing"].append(res)
-            print(f"depth {depth:3d} T {res['tokens_per_block_pass']:6d}: plain {res['plain_s']:.3f} s  "
-                  f"L2L {res['l2l_s']:.3f} s  ratio {res['ratio']:.2f}", flush=True)
+            print(
+                f"depth {depth:3d} T {res['tokens_per_block_pass']:6d}: plain {res['plain_s']:.3f} s  "
+                f"L2L {res['l2l_s']:.3f} s  ratio {res['ratio']:.2f}",
+                flush=True,
+            )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

@@ -28,8 +28,15 @@ from pathlib import Path
 
 import torch
 
-WIDTH = {"hidden_size": 768, "intermediate_size": 2048, "num_attention_heads": 12, "num_key_value_heads": 12,
-         "vocab_size": 512, "max_position_embeddings": 256, "tie_word_embeddings": True}
+WIDTH = {
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 12,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
 DEPTHS = (4, 8, 16, 32)
 
 
@@ -45,7 +52,9 @@ def _batch(batch: int, seq: int, step: int) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def worker(mode: str, depth: int, *, batch: int, seq: int, micro: int, steps: int, store_dir: str | None) -> dict:
+def worker(
+    mode: str, depth: int, *, batch: int, seq: int, micro: int, steps: int, store_dir: str | None
+) -> dict:
     """One depth in one mode, in this (fresh) process; returns losses, step times and peak RSS."""
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -70,8 +79,11 @@ def worker(mode: str, depth: int, *, batch: int, seq: int, micro: int, steps: in
 
         config = _config(0)
         model = LlamaForCausalLM(config)  # stem + head only; the blocks are built one by one into the store
-        engine = L2L.from_hf(model, optimizer=adamw, config=L2LConfig(
-            micro_batch_size=micro, store="disk", store_dir=store_dir))
+        engine = L2L.from_hf(
+            model,
+            optimizer=adamw,
+            config=L2LConfig(micro_batch_size=micro, store="disk", store_dir=store_dir),
+        )
         full = _config(depth)
         for i in range(depth):
             engine.add_block(LlamaDecoderLayer(full, layer_idx=i))
@@ -82,23 +94,58 @@ def worker(mode: str, depth: int, *, batch: int, seq: int, micro: int, steps: in
             times.append(time.perf_counter() - t0)
         engine.close()
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    return {"mode": mode, "depth": depth, "params": params, "rss_mb": round(rss_mb, 1),
-            "losses": losses, "step_s": [round(t, 3) for t in times]}
+    return {
+        "mode": mode,
+        "depth": depth,
+        "params": params,
+        "rss_mb": round(rss_mb, 1),
+        "losses": losses,
+        "step_s": [round(t, 3) for t in times],
+    }
 
 
 def run(depths, *, batch: int, seq: int, micro: int, steps: int) -> dict:
-    out: dict = {"width": WIDTH, "depths": list(depths), "batch": batch, "seq": seq, "micro_batch": micro,
-                 "steps": steps, "threads": os.environ.get("OMP_NUM_THREADS"), "plain": {}, "l2l": {}}
+    out: dict = {
+        "width": WIDTH,
+        "depths": list(depths),
+        "batch": batch,
+        "seq": seq,
+        "micro_batch": micro,
+        "steps": steps,
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "plain": {},
+        "l2l": {},
+    }
     for depth in depths:
         for mode in ("plain", "l2l"):
-            with tempfile.TemporaryDirectory(prefix="ecru-l2l-mem-", dir=os.environ.get("ECRU_L2L_DISK")) as tmp:
-                cmd = [sys.executable, __file__, "--worker", mode, "--depth", str(depth), "--batch", str(batch),
-                       "--seq", str(seq), "--micro", str(micro), "--steps", str(steps), "--store-dir", tmp]
+            with tempfile.TemporaryDirectory(
+                prefix="ecru-l2l-mem-", dir=os.environ.get("ECRU_L2L_DISK")
+            ) as tmp:
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    mode,
+                    "--depth",
+                    str(depth),
+                    "--batch",
+                    str(batch),
+                    "--seq",
+                    str(seq),
+                    "--micro",
+                    str(micro),
+                    "--steps",
+                    str(steps),
+                    "--store-dir",
+                    tmp,
+                ]
                 res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             out[mode][str(depth)] = res
-            print(f"depth {depth:3d} {mode:5s}: {res['params'] / 1e6:7.1f}M params  peak RSS {res['rss_mb']:8.1f} MB"
-                  f"  step {res['step_s'][-1]:.2f} s  loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}",
-                  flush=True)
+            print(
+                f"depth {depth:3d} {mode:5s}: {res['params'] / 1e6:7.1f}M params  peak RSS {res['rss_mb']:8.1f} MB"
+                f"  step {res['step_s'][-1]:.2f} s  loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}",
+                flush=True,
+            )
     lo, hi = str(min(depths)), str(max(depths))
     for mode in ("plain", "l2l"):
         out[f"ratio_{mode}"] = round(out[mode][hi]["rss_mb"] / out[mode][lo]["rss_mb"], 3)
@@ -108,7 +155,9 @@ def run(depths, *, batch: int, seq: int, micro: int, steps: int) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 steps of 2 x 64 tokens per depth (~5-10 min on 2 cores)")
+    ap.add_argument(
+        "--quick", action="store_true", help="2 steps of 2 x 64 tokens per depth (~5-10 min on 2 cores)"
+    )
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--worker", choices=("plain", "l2l"), help=argparse.SUPPRESS)
     ap.add_argument("--depth", type=int, default=4, help=argparse.SUPPRESS)
@@ -123,8 +172,19 @@ def main(argv=None) -> None:
     micro = args.micro or (1 if args.quick else 2)
     steps = args.steps or (2 if args.quick else 3)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.depth, batch=batch, seq=seq, micro=micro, steps=steps,
-                                store_dir=args.store_dir)))
+        print(
+            json.dumps(
+                worker(
+                    args.worker,
+                    args.depth,
+                    batch=batch,
+                    seq=seq,
+                    micro=micro,
+                    steps=steps,
+                    store_dir=args.store_dir,
+                )
+            )
+        )
         return
     t0 = time.perf_counter()
     out = run(DEPTHS, batch=batch, seq=seq, micro=micro, steps=steps)

@@ -77,8 +77,13 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     numel = args.numel or (32_000_000 if args.quick else 64_000_000)
     rounds = args.rounds or (3 if args.quick else 5)
-    out = {"numel": numel, "pieces": args.pieces, "bytes_per_param": BYTES_PER_PARAM,
-           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "results": {}}
+    out = {
+        "numel": numel,
+        "pieces": args.pieces,
+        "bytes_per_param": BYTES_PER_PARAM,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "results": {},
+    }
     params = _params(numel, args.pieces)
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -91,16 +96,24 @@ def main(argv=None) -> None:
                 samples[impl].append(time_adamw(impl, params, steps=2 if impl == "for-loop" else 3))
         bw = max(statistics.median(samples["copy"]), statistics.median(samples["triad"]))
         bound = bw / BYTES_PER_PARAM
-        res = {"copy_gb_s": round(statistics.median(samples["copy"]) / 1e9, 2),
-               "triad_gb_s": round(statistics.median(samples["triad"]) / 1e9, 2), "bound_params_per_s": round(bound)}
+        res = {
+            "copy_gb_s": round(statistics.median(samples["copy"]) / 1e9, 2),
+            "triad_gb_s": round(statistics.median(samples["triad"]) / 1e9, 2),
+            "bound_params_per_s": round(bound),
+        }
         for impl in IMPLS:
             rate = numel / statistics.median(samples[impl])
             res[impl] = {"params_per_s": round(rate), "fraction_of_bound": round(rate / bound, 3)}
         res["fastest"] = max(IMPLS, key=lambda k: res[k]["params_per_s"])
         out["results"][str(threads)] = res
-        print(f"threads {threads}: copy {res['copy_gb_s']} / triad {res['triad_gb_s']} GB/s -> bound {bound / 1e6:.0f}M params/s; "
-              + "; ".join(f"{k} {res[k]['params_per_s'] / 1e6:.0f}M/s ({res[k]['fraction_of_bound']:.0%})"
-                          for k in IMPLS), flush=True)
+        print(
+            f"threads {threads}: copy {res['copy_gb_s']} / triad {res['triad_gb_s']} GB/s -> bound {bound / 1e6:.0f}M params/s; "
+            + "; ".join(
+                f"{k} {res[k]['params_per_s'] / 1e6:.0f}M/s ({res[k]['fraction_of_bound']:.0%})"
+                for k in IMPLS
+            ),
+            flush=True,
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

@@ -74,7 +74,10 @@ def test_smollm2_loads_and_reuses_its_cache(tmp_path):
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": "hello"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": "hello"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     out = again.generate(**ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == ids["input_ids"].shape[1] + 5 or tok.eos_token_id in out[0].tolist()

@@ -41,7 +41,11 @@ def test_baseline_recipes():
     assert (adam.embed_lr, adam.dense_lr, adam.l2, adam.clip) == (1e-4, 8e-4, 1e-5, False)
     assert (sq.embed_lr, sq.clip) == (1e-4, False) and sq.dense_lr == pytest.approx(8e-4 * math.sqrt(s))
     assert lin.embed_lr == pytest.approx(1e-4 * s) and lin.dense_lr == pytest.approx(8e-4 * s)
-    assert ecru.l2 == pytest.approx(1e-5 * math.sqrt(s)) and not ecru.clip and ecru.warmup_epochs == pytest.approx(1 / s)
+    assert (
+        ecru.l2 == pytest.approx(1e-5 * math.sqrt(s))
+        and not ecru.clip
+        and ecru.warmup_epochs == pytest.approx(1 / s)
+    )
     assert ecru.embed_lr == pytest.approx(1e-4 * s) and ecru.dense_lr == pytest.approx(8e-4 * s**0.75)
     base = scaled_recipe("adam", 1024)
     assert all(scaled_recipe(n, 1024) == replace(base, name=n) for n in ("adam-sqrt", "linear", "ecru"))

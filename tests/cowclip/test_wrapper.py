@@ -117,7 +117,9 @@ def test_ratio_distribution_and_errors():
 
 def test_ratio_quantiles_match_the_exact_quantiles():
     # rows with ||w|| = 1 and count 1 have threshold 1, so ||g|| / threshold = ||g||: known ratios
-    ratios = 10 ** torch.empty(5000, dtype=torch.float64).uniform_(-4, 1, generator=torch.Generator().manual_seed(0))
+    ratios = 10 ** torch.empty(5000, dtype=torch.float64).uniform_(
+        -4, 1, generator=torch.Generator().manual_seed(0)
+    )
     grad = torch.zeros(5000, 4, dtype=torch.float64)
     grad[:, 0] = ratios
     weight = torch.zeros(5000, 4, dtype=torch.float64)

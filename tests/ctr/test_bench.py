@@ -36,7 +36,14 @@ def bench(monkeypatch):
 
 def _tiny_setting(bench, *, rows: int):
     return bench.Setting(
-        rows=rows, test_fraction=0.25, scale=1e-3, zipf=1.1, mlp=(8,), epochs=1, batches=(128, 512), timing_steps=3
+        rows=rows,
+        test_fraction=0.25,
+        scale=1e-3,
+        zipf=1.1,
+        mlp=(8,),
+        epochs=1,
+        batches=(128, 512),
+        timing_steps=3,
     )
 
 
@@ -97,6 +104,8 @@ def test_sparse_only_plan(bench, tmp_path, monkeypatch):
     assert bench.main(["--summarize", str(out), "--note", "why"]) == 0
     again = json.loads(out.read_text())
     assert again["note"] == "why" and again["runs"] == result["runs"]
-    assert again["targets"]["ecru_sparse_512_gap_to_1k"] == pytest.approx(ref["auc"] - result["runs"][2]["auc"])
+    assert again["targets"]["ecru_sparse_512_gap_to_1k"] == pytest.approx(
+        ref["auc"] - result["runs"][2]["auc"]
+    )
     with pytest.raises(SystemExit):  # the two mode filters exclude each other
         bench.main(["--no-sparse", "--sparse-only", "--json", str(out)])

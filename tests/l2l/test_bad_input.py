@@ -30,10 +30,19 @@ def _without(batch: dict, key: str) -> dict:
 BAD_BATCHES = {
     "no labels": (_without(lm_batch(), "labels"), "no 'labels'"),
     "labels shape": ({**lm_batch(), "labels": lm_batch()["labels"][:, :-1]}, "labels has shape"),
-    "mask shape": ({**lm_batch(), "attention_mask": lm_batch()["attention_mask"][:3]}, "attention_mask has shape"),
+    "mask shape": (
+        {**lm_batch(), "attention_mask": lm_batch()["attention_mask"][:3]},
+        "attention_mask has shape",
+    ),
     "no targets": ({**lm_batch(), "labels": torch.full((5, 12), -100)}, "no target token"),
-    "ids out of vocab": ({**lm_batch(), "input_ids": lm_batch()["input_ids"] + 1000}, r"input_ids must lie in \[0, 128\)"),
-    "labels out of vocab": ({**lm_batch(), "labels": lm_batch()["labels"].clamp_min(0) + 500}, "labels must lie"),
+    "ids out of vocab": (
+        {**lm_batch(), "input_ids": lm_batch()["input_ids"] + 1000},
+        r"input_ids must lie in \[0, 128\)",
+    ),
+    "labels out of vocab": (
+        {**lm_batch(), "labels": lm_batch()["labels"].clamp_min(0) + 500},
+        "labels must lie",
+    ),
     "not a dict": ((lm_batch()["input_ids"],), "dict with input_ids"),
     "float ids": ({**lm_batch(), "input_ids": lm_batch()["input_ids"].float()}, "int64"),
 }

@@ -31,8 +31,11 @@ def test_state_dict_loads_strict_into_the_original_model_class():
 
 
 def test_load_state_dict_refreshes_the_weights_the_engine_computes_with():
-    engine = L2L.from_hf(tiny_llama(), optimizer=functools.partial(torch.optim.SGD, lr=0.0),
-                         config=L2LConfig(micro_batch_size=2, compute_dtype="bfloat16"))
+    engine = L2L.from_hf(
+        tiny_llama(),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.0),
+        config=L2LConfig(micro_batch_size=2, compute_dtype="bfloat16"),
+    )
     other = tiny_llama(seed=5)
     engine.load_state_dict(other.state_dict())
     batch = lm_batch()

@@ -28,8 +28,10 @@ def _train(model, config, steps=3, *, blocks=None):
 def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, micro, stash):
     ref = tiny_llama(num_layers=4)
     ram, ram_losses = _train(copy.deepcopy(ref), L2LConfig(micro_batch_size=micro))
-    disk, disk_losses = _train(copy.deepcopy(ref), L2LConfig(micro_batch_size=micro, store="disk", stash=stash,
-                                                              store_dir=str(tmp_path), fsync=False))
+    disk, disk_losses = _train(
+        copy.deepcopy(ref),
+        L2LConfig(micro_batch_size=micro, store="disk", stash=stash, store_dir=str(tmp_path), fsync=False),
+    )
     assert disk_losses == ram_losses
     expected, got = ram.state_dict(), disk.state_dict()
     for name in expected:
@@ -45,8 +47,11 @@ def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, micro, stash):
 
 def test_blocks_live_in_memory_only_while_used(tmp_path):
     model = tiny_llama(num_layers=6)
-    engine = L2L.from_hf(model, optimizer=ADAMW, config=L2LConfig(micro_batch_size=2, store="disk",
-                                                                  store_dir=str(tmp_path), fsync=False))
+    engine = L2L.from_hf(
+        model,
+        optimizer=ADAMW,
+        config=L2LConfig(micro_batch_size=2, store="disk", store_dir=str(tmp_path), fsync=False),
+    )
     seen = []
     for block in engine.parts.blocks:
         block.register_forward_hook(lambda *_: seen.append(len(engine.store.resident_groups())))
@@ -76,12 +81,21 @@ def _mlp(seed):
 
 def test_interrupted_step_then_resume_equals_uninterrupted(tmp_path):
     factory = functools.partial(FailingAdamW, lr=1e-2)
-    data = [(torch.randn(6, 8, generator=torch.Generator().manual_seed(s)),
-             torch.randn(6, 2, generator=torch.Generator().manual_seed(100 + s))) for s in range(3)]
+    data = [
+        (
+            torch.randn(6, 8, generator=torch.Generator().manual_seed(s)),
+            torch.randn(6, 2, generator=torch.Generator().manual_seed(100 + s)),
+        )
+        for s in range(3)
+    ]
 
     def engine_over(folder, seed=0):
-        return L2L.from_sequential(_mlp(seed), loss_fn=nn.MSELoss(), optimizer=factory,
-                                   config=L2LConfig(micro_batch_size=2, store="disk", store_dir=str(folder)))
+        return L2L.from_sequential(
+            _mlp(seed),
+            loss_fn=nn.MSELoss(),
+            optimizer=factory,
+            config=L2LConfig(micro_batch_size=2, store="disk", store_dir=str(folder)),
+        )
 
     FailingAdamW.fail_at, FailingAdamW.calls = None, 0
     straight = engine_over(tmp_path / "a")
@@ -119,11 +133,17 @@ def test_disk_tier_refuses_what_needs_the_whole_model(tmp_path):
         L2LConfig(stash="disk")
     with pytest.raises(L2LInputError, match="clipping"):
         L2LConfig(store="disk", store_dir=str(tmp_path), max_grad_norm=1.0)
-    engine = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW,
-                         config=L2LConfig(store="disk", store_dir=str(tmp_path / "s"), fsync=False))
+    engine = L2L.from_hf(
+        tiny_llama(num_layers=2),
+        optimizer=ADAMW,
+        config=L2LConfig(store="disk", store_dir=str(tmp_path / "s"), fsync=False),
+    )
     with pytest.raises(L2LInputError, match="different|sizes"):
-        L2L.from_hf(tiny_llama(num_layers=3), optimizer=ADAMW,
-                    config=L2LConfig(store="disk", store_dir=str(tmp_path / "s")))
+        L2L.from_hf(
+            tiny_llama(num_layers=3),
+            optimizer=ADAMW,
+            config=L2LConfig(store="disk", store_dir=str(tmp_path / "s")),
+        )
     engine.close()
 
 
@@ -132,8 +152,10 @@ def test_disk_tier_on_cuda_equals_ram_tier_on_cuda(tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
     ref = tiny_llama(num_layers=4)
     ram, ram_losses = _train(copy.deepcopy(ref), L2LConfig(device="cuda", micro_batch_size=2, stash="host"))
-    disk, disk_losses = _train(copy.deepcopy(ref), L2LConfig(device="cuda", micro_batch_size=2, stash="disk",
-                                                              store="disk", store_dir=str(tmp_path)))
+    disk, disk_losses = _train(
+        copy.deepcopy(ref),
+        L2LConfig(device="cuda", micro_batch_size=2, stash="disk", store="disk", store_dir=str(tmp_path)),
+    )
     assert disk_losses == pytest.approx(ram_losses, rel=1e-6)
     expected, got = ram.state_dict(), disk.state_dict()
     for name in expected:

@@ -28,28 +28,42 @@ def _shard(batch: dict, rank: int) -> dict:
 
 def _rank(rank: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         model = tiny_llama(num_layers=2, seed=rank)  # different inits: rank 0's weights are broadcast
         engine = L2L.from_hf(model, optimizer=SGD, config=L2LConfig(micro_batch_size=2))
         losses = [engine.step(_shard(lm_batch(seed=s), rank)) for s in range(2)]
         result = {"hf": engine.state_dict(), "losses": losses}
         engine.close()
-        tiers = (("seq", {}), ("seq-disk", {"store": "disk", "store_dir": f"{out}.store", "fsync": False}),
-                 ("seq-zero1", {"shard_optimizer": True}))
+        tiers = (
+            ("seq", {}),
+            ("seq-disk", {"store": "disk", "store_dir": f"{out}.store", "fsync": False}),
+            ("seq-zero1", {"shard_optimizer": True}),
+        )
         for key, tier in tiers:
             torch.manual_seed(rank)
             model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-            engine = L2L.from_sequential(model, loss_fn=nn.CrossEntropyLoss(), optimizer=SGD,
-                                         config=L2LConfig(micro_batch_size=2, **tier))
+            engine = L2L.from_sequential(
+                model,
+                loss_fn=nn.CrossEntropyLoss(),
+                optimizer=SGD,
+                config=L2LConfig(micro_batch_size=2, **tier),
+            )
             for s in range(2):
                 x, y = _seq_batch(s)
                 rows = slice(0, 4) if rank == 0 else slice(4, 7)  # 4 + 3 samples: uneven mean weights
                 engine.step((x[rows], y[rows]))
             result[key] = engine.state_dict()
             if key == "seq-zero1":  # momentum buffers only where this rank owns the block (round robin)
-                result["owned"] = [bool(g.optimizer.state) for g in engine.store.groups if g.optimizer is not None]
+                result["owned"] = [
+                    bool(g.optimizer.state) for g in engine.store.groups if g.optimizer is not None
+                ]
             engine.close()
         torch.save(result, f"{out}.{rank}")
     finally:
@@ -67,7 +81,9 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
     mp.spawn(_rank, args=(str(tmp_path / "init"), out), nprocs=WORLD, join=True)
     results = [torch.load(f"{out}.{r}", weights_only=False) for r in range(WORLD)]
 
-    engine = L2L.from_hf(tiny_llama(num_layers=2, seed=0), optimizer=SGD, config=L2LConfig(micro_batch_size=2))
+    engine = L2L.from_hf(
+        tiny_llama(num_layers=2, seed=0), optimizer=SGD, config=L2LConfig(micro_batch_size=2)
+    )
     losses = [engine.step(lm_batch(seed=s)) for s in range(2)]
     expected = engine.state_dict()
     engine.close()

@@ -42,7 +42,9 @@ def test_layer_drop_and_reordering_match_plain_and_keep_optimizer_state(tmp_path
     ref = _blocks(0)
     opts = [ADAMW(b.parameters()) for b in ref]
     seq = nn.Sequential(*copy.deepcopy(ref))
-    config = L2LConfig(micro_batch_size=2, store=store, store_dir=str(tmp_path) if store == "disk" else None, fsync=False)
+    config = L2LConfig(
+        micro_batch_size=2, store=store, store_dir=str(tmp_path) if store == "disk" else None, fsync=False
+    )
     engine = L2L.from_sequential(seq, loss_fn=nn.MSELoss(), optimizer=ADAMW, config=config)
     orders = [[0, 1, 2, 3], [0, 2, 3], [3, 1, 0, 2], [1], [0, 1, 2, 3]]
     for step, order in enumerate(orders):
@@ -62,7 +64,9 @@ def test_progressive_stacking_appends_blocks_to_a_running_engine(tmp_path, store
     ref = _blocks(1, n=4)
     opts = [ADAMW(b.parameters()) for b in ref]
     seq = nn.Sequential(*copy.deepcopy(ref[:2]))
-    config = L2LConfig(micro_batch_size=3, store=store, store_dir=str(tmp_path) if store == "disk" else None, fsync=False)
+    config = L2LConfig(
+        micro_batch_size=3, store=store, store_dir=str(tmp_path) if store == "disk" else None, fsync=False
+    )
     engine = L2L.from_sequential(seq, loss_fn=nn.MSELoss(), optimizer=ADAMW, config=config)
     for step in range(6):
         depth = 2 + step // 2  # 2, 2, 3, 3, 4, 4 blocks

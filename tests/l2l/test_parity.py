@@ -51,8 +51,11 @@ def test_gradients_equal_plain_including_tied_embedding(micro):
     ref = tiny_llama(num_layers=2)
     model = copy.deepcopy(ref)
     log: dict[int, torch.Tensor] = {}
-    engine = L2L.from_hf(model, optimizer=functools.partial(GradRecorder, log=log, lr=0.1),
-                         config=L2LConfig(micro_batch_size=micro))
+    engine = L2L.from_hf(
+        model,
+        optimizer=functools.partial(GradRecorder, log=log, lr=0.1),
+        config=L2LConfig(micro_batch_size=micro),
+    )
     batch = lm_batch(seed=7)
     ref(**batch).loss.backward()
     engine.step(batch)
@@ -97,8 +100,9 @@ def test_sequential_matches_plain(micro, stash):
     seq = copy.deepcopy(ref)
     opt = SGD(ref.parameters())
     loss_fn = nn.CrossEntropyLoss()
-    engine = L2L.from_sequential(seq, loss_fn=loss_fn, optimizer=SGD,
-                                 config=L2LConfig(micro_batch_size=micro, stash=stash))
+    engine = L2L.from_sequential(
+        seq, loss_fn=loss_fn, optimizer=SGD, config=L2LConfig(micro_batch_size=micro, stash=stash)
+    )
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         x, y = torch.randn(7, 6, generator=g), torch.randint(0, 3, (7,), generator=g)
@@ -116,8 +120,13 @@ def test_sequential_sum_reduction_and_batchnorm_statistics_updated_once():
     seq = copy.deepcopy(ref)
     loss_fn = nn.MSELoss(reduction="sum")
     opt = SGD(ref.parameters(), lr=0.01)
-    engine = L2L.from_sequential(seq, loss_fn=loss_fn, optimizer=functools.partial(SGD, lr=0.01),
-                                 config=L2LConfig(micro_batch_size=6), reduction="sum")
+    engine = L2L.from_sequential(
+        seq,
+        loss_fn=loss_fn,
+        optimizer=functools.partial(SGD, lr=0.01),
+        config=L2LConfig(micro_batch_size=6),
+        reduction="sum",
+    )
     x, y = torch.randn(6, 4), torch.randn(6, 1)
     for _ in range(2):
         opt.zero_grad()
@@ -143,8 +152,12 @@ def test_stem_sparse_embedding_gradient_equals_dense(name):
     hidden, _ = stem((ids, torch.ones_like(ids)))
     sparse = torch.autograd.grad(hidden, weights, grad_out)
     assert all(g.is_sparse for g in sparse)
-    dense = torch.autograd.grad(model.get_input_embeddings()(ids) if name == "llama"
-                                else model.transformer.wte(ids) + model.transformer.wpe(torch.arange(6)),
-                                weights, grad_out)
+    dense = torch.autograd.grad(
+        model.get_input_embeddings()(ids)
+        if name == "llama"
+        else model.transformer.wte(ids) + model.transformer.wpe(torch.arange(6)),
+        weights,
+        grad_out,
+    )
     for s, d in zip(sparse, dense, strict=True):
         assert torch.equal(torch.zeros_like(d).add_(s), d)

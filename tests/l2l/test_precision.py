@@ -23,7 +23,9 @@ def test_low_precision_loss_close_to_fp32(dtype):
     base = tiny_llama(num_layers=2)
     runs = {}
     for d in ("float32", dtype):
-        engine = L2L.from_hf(copy.deepcopy(base), optimizer=ADAMW, config=L2LConfig(micro_batch_size=2, compute_dtype=d))
+        engine = L2L.from_hf(
+            copy.deepcopy(base), optimizer=ADAMW, config=L2LConfig(micro_batch_size=2, compute_dtype=d)
+        )
         runs[d] = [engine.step(lm_batch(seed=1)) for _ in range(3)]
         masters = [p.dtype for p in engine.model.parameters()]
         assert set(masters) == {torch.float32}  # fp32 masters whatever the compute precision

@@ -42,7 +42,9 @@ def test_host_update_of_a_block_overlaps_the_backward_below_and_results_match_pl
     for i, block in enumerate(seq):
         block.register_forward_hook(lambda *_, i=i: log.append(("block", i, threading.current_thread().name)))
     factory = functools.partial(SlowSGD, log=log, lr=0.1, momentum=0.9)
-    engine = L2L.from_sequential(seq, loss_fn=nn.MSELoss(), optimizer=factory, config=L2LConfig(micro_batch_size=2))
+    engine = L2L.from_sequential(
+        seq, loss_fn=nn.MSELoss(), optimizer=factory, config=L2LConfig(micro_batch_size=2)
+    )
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(6, 8), torch.randn(6, 2)
     for _ in range(3):
@@ -61,8 +63,12 @@ def test_host_update_of_a_block_overlaps_the_backward_below_and_results_match_pl
 
 def test_wire_copy_follows_the_masters_after_each_update():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-    engine = L2L.from_sequential(model, loss_fn=nn.MSELoss(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-                                 config=L2LConfig(compute_dtype="bfloat16"))
+    engine = L2L.from_sequential(
+        model,
+        loss_fn=nn.MSELoss(),
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+        config=L2LConfig(compute_dtype="bfloat16"),
+    )
     before = copy.deepcopy(model.state_dict())
     engine.step((torch.randn(3, 4), torch.randn(3, 1)))
     for g in engine.store.groups[1:]:
@@ -73,8 +79,12 @@ def test_wire_copy_follows_the_masters_after_each_update():
 
 def test_float32_on_cpu_binds_the_masters_without_copies():
     params = [nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3))]
-    store = ParameterStore([[], params], optimizer=functools.partial(torch.optim.SGD, lr=1.0),
-                           device=torch.device("cpu"), dtype=torch.float32)
+    store = ParameterStore(
+        [[], params],
+        optimizer=functools.partial(torch.optim.SGD, lr=1.0),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+    )
     weights = store.weights(1)
     assert all(w.data_ptr() == p.data_ptr() for w, p in zip(weights, params, strict=True))
     store.add_grads(1, [torch.ones(3, 3), torch.ones(3)])
@@ -108,8 +118,12 @@ def test_float32_on_cpu_gradients_accumulate_in_the_masters_grad_without_a_copy(
             seen.update({id(p): p.grad.data_ptr() for grp in self.param_groups for p in grp["params"]})
             return super().step(closure)
 
-    engine = L2L.from_sequential(model, loss_fn=nn.MSELoss(), optimizer=functools.partial(Recorder, lr=0.1),
-                                 config=L2LConfig(micro_batch_size=2))
+    engine = L2L.from_sequential(
+        model,
+        loss_fn=nn.MSELoss(),
+        optimizer=functools.partial(Recorder, lr=0.1),
+        config=L2LConfig(micro_batch_size=2),
+    )
     engine.step((torch.randn(6, 8), torch.randn(6, 2)))
     assert seen and seen == {k: first_grad[k] for k in seen}
     assert all(p.grad is None for p in model.parameters())
@@ -131,7 +145,9 @@ def test_a_parameter_the_step_does_not_use_is_left_alone_as_in_plain_training():
     ref = nn.Sequential(_WithUnused(), _WithUnused(), nn.Linear(8, 2))
     seq = copy.deepcopy(ref)
     adamw = functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.5)
-    engine = L2L.from_sequential(seq, loss_fn=nn.MSELoss(), optimizer=adamw, config=L2LConfig(micro_batch_size=2))
+    engine = L2L.from_sequential(
+        seq, loss_fn=nn.MSELoss(), optimizer=adamw, config=L2LConfig(micro_batch_size=2)
+    )
     opt = adamw(ref.parameters())
     x, y = torch.randn(5, 8), torch.randn(5, 2)
     for _ in range(3):
@@ -162,7 +178,9 @@ def test_a_step_that_fails_mid_backward_leaves_no_gradient_behind():
     ref = nn.Sequential(nn.Linear(8, 8), _FailsInRecompute(), nn.Linear(8, 2))
     seq = copy.deepcopy(ref)
     sgd = functools.partial(torch.optim.SGD, lr=0.1)  # stateless: the failed step updated the last block
-    engine = L2L.from_sequential(seq, loss_fn=nn.MSELoss(), optimizer=sgd, config=L2LConfig(micro_batch_size=2))
+    engine = L2L.from_sequential(
+        seq, loss_fn=nn.MSELoss(), optimizer=sgd, config=L2LConfig(micro_batch_size=2)
+    )
     x, y = torch.randn(5, 8), torch.randn(5, 2)
     seq[1].fail = True
     try:

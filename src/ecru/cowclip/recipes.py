@@ -111,5 +111,7 @@ def scaled_recipe(name: str, batch_size: int, *, base_batch: int = 1024, dataset
     if name == "linear":
         return Recipe("linear", batch_size, embed_lr * s, dense_lr * s, l2 * s)
     if name == "ecru":
-        return Recipe("ecru", batch_size, embed_lr * s, dense_lr * s**0.75, l2 * math.sqrt(s), warmup_epochs=1 / s)
+        return Recipe(
+            "ecru", batch_size, embed_lr * s, dense_lr * s**0.75, l2 * math.sqrt(s), warmup_epochs=1 / s
+        )
     raise ValueError(f"unknown recipe {name!r}; choose from {RECIPES}")

@@ -9,10 +9,32 @@ from __future__ import annotations
 from ecru.plugins import lazy_exports
 
 _EXPORTS = {
-    "ecru.ctr.data": ("CTRData", "Encoder", "MalformedLineError", "ReaderConfig", "load_ctr_file", "read_ctr_file"),
+    "ecru.ctr.data": (
+        "CTRData",
+        "Encoder",
+        "MalformedLineError",
+        "ReaderConfig",
+        "load_ctr_file",
+        "read_ctr_file",
+    ),
     "ecru.ctr.metrics": ("auc", "logloss"),
-    "ecru.ctr.models": ("MODELS", "DCN", "CTRConfig", "CTRModel", "DCNv2", "DeepFM", "WideDeep", "build_model"),
-    "ecru.ctr.synthetic": ("SyntheticConfig", "expected_oracle", "generate", "oracle_summary", "write_criteo_tsv"),
+    "ecru.ctr.models": (
+        "MODELS",
+        "DCN",
+        "CTRConfig",
+        "CTRModel",
+        "DCNv2",
+        "DeepFM",
+        "WideDeep",
+        "build_model",
+    ),
+    "ecru.ctr.synthetic": (
+        "SyntheticConfig",
+        "expected_oracle",
+        "generate",
+        "oracle_summary",
+        "write_criteo_tsv",
+    ),
     "ecru.ctr.training": ("TrainConfig", "TrainResult", "evaluate", "train"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

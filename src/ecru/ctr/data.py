@@ -256,9 +256,7 @@ def _chunk(labels, dense, cats, n_dense, encoder, path, fmt) -> CTRData:
     )
 
 
-def restrict_vocabulary_to_train(
-    train: CTRData, test: CTRData, *, min_count: int
-) -> tuple[CTRData, CTRData]:
+def restrict_vocabulary_to_train(train: CTRData, test: CTRData, *, min_count: int) -> tuple[CTRData, CTRData]:
     """Map ids seen fewer than `min_count` times in `train` to the out-of-vocabulary id 0, in both splits.
 
     The reader fits its vocabulary on the whole file, before any split; without this step, test rows

@@ -55,7 +55,10 @@ def section(ctx: DemoContext) -> Section:
     ax1.legend(fontsize=8)
     for (rec, mode, b), res in results:
         ax2.plot(
-            [i * b / 1000 for i in range(len(res.losses))], res.losses, label=f"{rec} {b // 1024}K {mode}", lw=1
+            [i * b / 1000 for i in range(len(res.losses))],
+            res.losses,
+            label=f"{rec} {b // 1024}K {mode}",
+            lw=1,
         )
     ax2.set(xlabel="thousand samples", ylabel="training loss (mean BCE)", title="training loss")
     ax2.legend(fontsize=8)

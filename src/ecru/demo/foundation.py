@@ -44,14 +44,19 @@ def answer_queries(ctx: DemoContext) -> list[dict]:
     rows = []
     for q in queries:
         ids = tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
         )
         start = time.perf_counter()
         with torch.no_grad():
             out = model.generate(**ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
         new = out[0, ids["input_ids"].shape[1] :]
         answer = tok.decode(new, skip_special_tokens=True).strip()
-        rows.append({"query": q, "answer": answer[:160], "tokens": int(new.numel()), "s": time.perf_counter() - start})
+        rows.append(
+            {"query": q, "answer": answer[:160], "tokens": int(new.numel()), "s": time.perf_counter() - start}
+        )
         ctx.log(f"SmolLM2: {q!r} -> {int(new.numel())} tokens")
     return rows
 

@@ -73,7 +73,9 @@ _STYLE = (
 def write_report(out: Path, sections: list[Section], meta: dict[str, str]) -> Path:
     """Write `report.html` and `summary.json` into `out`; return the HTML path."""
     out.mkdir(parents=True, exist_ok=True)
-    overview = _table([{"section": s.title, "status": s.status, "wall_s": s.wall_s, **s.summary} for s in sections])
+    overview = _table(
+        [{"section": s.title, "status": s.status, "wall_s": s.wall_s, **s.summary} for s in sections]
+    )
     env = "\n".join(f"{k}: {v}" for k, v in meta.items())
     page = (
         f"<!doctype html><html><head><meta charset=utf-8><title>ecru demo report</title><style>{_STYLE}</style>"

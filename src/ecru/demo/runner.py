@@ -45,7 +45,9 @@ def _meta(argv: list[str]) -> dict[str, str]:
 def _print_summary(sections: list[Section]) -> None:
     print(f"\n{'section':<12} {'status':<10} {'wall_s':>7}  headline")
     for s in sections:
-        headline = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(s.summary.items())[:4])
+        headline = ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(s.summary.items())[:4]
+        )
         print(f"{s.title[:12]:<12} {s.status:<10} {s.wall_s:>7.1f}  {headline}")
 
 

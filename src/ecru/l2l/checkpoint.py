@@ -39,8 +39,10 @@ def save(engine: L2L, path: str | os.PathLike) -> Path:
         "model": {k: v.detach().cpu() for k, v in engine.state_dict().items()},
         "optimizers": engine.store.optimizer_state(),
         "loss_scale": dataclasses.asdict(engine.scaler) if engine.scaler else None,
-        "rng": {"cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None},
+        "rng": {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        },
     }
     target = folder / FILE
     tmp = folder / f".{FILE}.{os.getpid()}.partial"
@@ -65,7 +67,12 @@ def load(path: str | os.PathLike) -> dict:
 
 
 def resume(
-    cls: type[L2L], path, model: nn.Module, *, optimizer: OptimizerFactory, config: L2LConfig | None,
+    cls: type[L2L],
+    path,
+    model: nn.Module,
+    *,
+    optimizer: OptimizerFactory,
+    config: L2LConfig | None,
     loss_fn: Callable | None,
 ) -> L2L:
     """A new engine over `model` in the checkpoint's exact training state (`config` overrides the saved one)."""
@@ -76,8 +83,13 @@ def resume(
     else:
         if loss_fn is None:
             raise ValueError("resuming a Sequential checkpoint needs loss_fn=")
-        engine = cls.from_sequential(model, loss_fn=loss_fn, optimizer=optimizer, config=config,
-                                     reduction=payload["options"].get("reduction", "mean"))
+        engine = cls.from_sequential(
+            model,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            config=config,
+            reduction=payload["options"].get("reduction", "mean"),
+        )
     engine.load_state_dict(payload["model"])
     engine.store.load_optimizer_state(payload["optimizers"])
     engine.steps = payload["steps"]

@@ -31,12 +31,16 @@ def encode_batch(tokenizer, texts: Sequence[str], *, max_length: int) -> dict[st
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "right"
-        enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+        enc = tokenizer(
+            list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        )
         ids, mask = enc["input_ids"], enc["attention_mask"]
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)}
 
 
-def clinc_batches(tokenizer, *, batch_size: int, max_length: int = 64, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+def clinc_batches(
+    tokenizer, *, batch_size: int, max_length: int = 64, seed: int = 0
+) -> Iterator[dict[str, torch.Tensor]]:
     """Endless shuffled batches of CLINC150 training utterances."""
     from ecru.datasets import load_clinc
 
@@ -46,4 +50,6 @@ def clinc_batches(tokenizer, *, batch_size: int, max_length: int = 64, seed: int
         order = list(range(len(texts)))
         rng.shuffle(order)
         for i in range(0, len(order) - batch_size + 1, batch_size):
-            yield encode_batch(tokenizer, [texts[k] for k in order[i : i + batch_size]], max_length=max_length)
+            yield encode_batch(
+                tokenizer, [texts[k] for k in order[i : i + batch_size]], max_length=max_length
+            )

@@ -51,21 +51,30 @@ def section(ctx: DemoContext) -> Section:
     model, tokenizer = load_smollm2()
     model.train()
     # one fixed batch of utterances, fitted for a few steps: a clean, comparable descent
-    batches = list(itertools.islice(clinc_batches(tokenizer, batch_size=BATCH, max_length=MAX_LENGTH), 1)) * STEPS
+    batches = (
+        list(itertools.islice(clinc_batches(tokenizer, batch_size=BATCH, max_length=MAX_LENGTH), 1)) * STEPS
+    )
     adamw = functools.partial(torch.optim.AdamW, lr=LR, fused=True)
     ctx.log(f"L2L: {STEPS} steps of plain PyTorch training (batch {BATCH})")
     reference = copy.deepcopy(model)
     plain, plain_s = plain_losses(reference, batches, adamw)
     ctx.log(f"L2L: {STEPS} steps of L2L training ({BATCH // MICRO} micro-batches of {MICRO})")
     l2l, l2l_s = l2l_losses(model, batches, adamw)
-    weight_gap = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(),
-                                                                  reference.state_dict().values(), strict=True))
+    weight_gap = max(
+        (a - b).abs().max().item()
+        for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True)
+    )
     loss_gap = max(abs(a - b) for a, b in zip(plain, l2l, strict=True))
     plot = _plot(plain, l2l, ctx)
     return Section(
         "l2l",
-        {"plain_final_loss": plain[-1], "l2l_final_loss": l2l[-1], "max_loss_gap": loss_gap,
-         "max_weight_gap": weight_gap, "step_time_ratio": l2l_s / plain_s},
+        {
+            "plain_final_loss": plain[-1],
+            "l2l_final_loss": l2l[-1],
+            "max_loss_gap": loss_gap,
+            "max_weight_gap": weight_gap,
+            "step_time_ratio": l2l_s / plain_s,
+        },
         text=(
             f"SmolLM2-135M-Instruct fine-tuned for {STEPS} AdamW steps (lr {LR}) on a batch of {BATCH} CLINC150 "
             f"training utterances (at most {MAX_LENGTH} tokens each): once with plain PyTorch, once with "
@@ -75,8 +84,10 @@ def section(ctx: DemoContext) -> Section:
             "memory to save, so the step time ratio shows L2L's recomputation cost (about 4/3 on the blocks)."
         ),
         plots=[plot],
-        rows=[{"step": i + 1, "plain_loss": p, "l2l_loss": q, "gap": abs(p - q)}
-              for i, (p, q) in enumerate(zip(plain, l2l, strict=True))],
+        rows=[
+            {"step": i + 1, "plain_loss": p, "l2l_loss": q, "gap": abs(p - q)}
+            for i, (p, q) in enumerate(zip(plain, l2l, strict=True))
+        ],
     )
 
 
@@ -87,6 +98,8 @@ def _plot(plain: list[float], l2l: list[float], ctx: DemoContext) -> str:
     ax1.plot(steps, l2l, "x--", label="L2L", color="tab:orange")
     ax1.set(xlabel="step", ylabel="training loss", title="SmolLM2-135M on CLINC150 utterances")
     ax1.legend()
-    ax2.semilogy(steps, [max(abs(p - q), 1e-9) for p, q in zip(plain, l2l, strict=True)], "s-", color="tab:green")
+    ax2.semilogy(
+        steps, [max(abs(p - q), 1e-9) for p, q in zip(plain, l2l, strict=True)], "s-", color="tab:green"
+    )
     ax2.set(xlabel="step", ylabel="|loss(plain) - loss(L2L)|", title="gap (floating-point reordering)")
     return save(fig, ctx.out / "l2l.png")

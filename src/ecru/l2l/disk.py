@@ -87,8 +87,15 @@ class DiskParameterStore(ParameterStore):
         self._flat: dict[int, torch.Tensor] = {}  # groups in memory: their flat fp32 masters
         self._phase, self._order = "forward", []
         self.bytes_read = self.bytes_written = 0
-        super().__init__(groups, optimizer=optimizer, device=device, dtype=dtype, resident=resident,
-                         slots=slots, max_pending=max_pending)
+        super().__init__(
+            groups,
+            optimizer=optimizer,
+            device=device,
+            dtype=dtype,
+            resident=resident,
+            slots=slots,
+            max_pending=max_pending,
+        )
         manifest = self.directory / MANIFEST
         if manifest.is_file():
             self._resume(torch.load(manifest, weights_only=False))
@@ -110,12 +117,15 @@ class DiskParameterStore(ParameterStore):
         group = self.groups[g]
         flat = self._flat.get(g)
         if flat is None:
-            flat = torch.cat([p.detach().reshape(-1) for p in group.params]) if group.params else torch.empty(0)
+            flat = (
+                torch.cat([p.detach().reshape(-1) for p in group.params]) if group.params else torch.empty(0)
+            )
         state = [dict(group.optimizer.state.get(p, {})) for p in group.params] if group.optimizer else []
         _write(self._path(g, version, "w"), flat, fsync=self.fsync)
         _write(self._path(g, version, "o"), state, fsync=self.fsync)
         self.bytes_written += flat.numel() * 4 + sum(
-            t.numel() * t.element_size() for st in state for t in st.values() if isinstance(t, torch.Tensor))
+            t.numel() * t.element_size() for st in state for t in st.values() if isinstance(t, torch.Tensor)
+        )
 
     def _read_group(self, g: int, with_state: bool):
         pending = self.groups[g].pending
@@ -125,14 +135,23 @@ class DiskParameterStore(ParameterStore):
         flat = torch.load(self._path(g, version, "w"), weights_only=True)
         state = torch.load(self._path(g, version, "o"), weights_only=False) if with_state else None
         self.bytes_read += flat.numel() * 4 + sum(
-            t.numel() * t.element_size() for st in (state or []) for t in st.values() if isinstance(t, torch.Tensor))
+            t.numel() * t.element_size()
+            for st in (state or [])
+            for t in st.values()
+            if isinstance(t, torch.Tensor)
+        )
         return flat, state
 
     def _commit(self, steps: int) -> None:
         """Make the current versions the durable state of step `steps`, then delete older files."""
         self.step = steps
-        payload = {"format": FORMAT, "step": steps, "versions": list(self.versions),
-                   "numels": [g.numel for g in self.groups], "extra": self.extra}
+        payload = {
+            "format": FORMAT,
+            "step": steps,
+            "versions": list(self.versions),
+            "numels": [g.numel for g in self.groups],
+            "extra": self.extra,
+        }
         _write(self.directory / MANIFEST, payload, fsync=self.fsync)
         self._clean()
 
@@ -224,7 +243,7 @@ class DiskParameterStore(ParameterStore):
             self._install(g, *self._reads.pop(g)[1].result())
         if g in self._order:  # read the next blocks of this phase while this one computes
             k = self._order.index(g)
-            for nxt in self._order[k + 1: k + 1 + self.read_ahead]:
+            for nxt in self._order[k + 1 : k + 1 + self.read_ahead]:
                 self._request(nxt, self._phase == "backward")
         return super().weights(g)
 
@@ -268,12 +287,16 @@ class DiskParameterStore(ParameterStore):
             self._evict(g)
 
     def optimizer_state(self) -> list[dict]:
-        raise L2LInputError("the disk tier keeps optimizer states in store_dir; it is its own checkpoint: "
-                            "build the engine again over the same store_dir to resume")
+        raise L2LInputError(
+            "the disk tier keeps optimizer states in store_dir; it is its own checkpoint: "
+            "build the engine again over the same store_dir to resume"
+        )
 
     def refresh(self) -> None:
-        raise L2LInputError("the disk tier cannot load a state dict into a running engine; write the weights "
-                            "into the model before building the engine over an empty store_dir")
+        raise L2LInputError(
+            "the disk tier cannot load a state dict into a running engine; write the weights "
+            "into the model before building the engine over an empty store_dir"
+        )
 
     def close(self) -> None:
         try:

@@ -29,8 +29,15 @@ IGNORE_INDEX = -100
 
 def embed(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     """`module(ids)` with a sparse weight gradient (only the rows of `ids`), whatever `module.sparse` says."""
-    return F.embedding(ids, module.weight, module.padding_idx, module.max_norm, module.norm_type,
-                       module.scale_grad_by_freq, sparse=True)
+    return F.embedding(
+        ids,
+        module.weight,
+        module.padding_idx,
+        module.max_norm,
+        module.norm_type,
+        module.scale_grad_by_freq,
+        sparse=True,
+    )
 
 
 class LlamaStem(nn.Module):
@@ -48,8 +55,11 @@ class LlamaStem(nn.Module):
         hidden = embed(self.embed_tokens, input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-            past_key_values=None, position_ids=positions,
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=positions,
         )
         with torch.no_grad():
             cos_sin = self.rotary_emb(hidden, position_ids=positions)
@@ -72,8 +82,11 @@ class GPT2Stem(nn.Module):
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
         embeds = embed(self.wte, input_ids)
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
-            past_key_values=None, position_ids=positions,
+            config=self.config,
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            past_key_values=None,
+            position_ids=positions,
         )
         hidden = self.drop(embeds + embed(self.wpe, positions))
         return hidden, {"attention_mask": mask, "position_ids": positions}
@@ -125,14 +138,21 @@ def hf_parts(model: nn.Module) -> ModelParts:
         layers.append(layer)
         if hasattr(model.config, "num_hidden_layers"):
             model.config.num_hidden_layers = len(layers)
-        if getattr(model.config, "layer_types", None) is not None and len(model.config.layer_types) < len(layers):
+        if getattr(model.config, "layer_types", None) is not None and len(model.config.layer_types) < len(
+            layers
+        ):
             model.config.layer_types = [*model.config.layer_types, model.config.layer_types[-1]]
         return DecoderBlock(layer)
 
     return ModelParts(
-        kind="hf", model=model, stem=stem, blocks=[DecoderBlock(layer) for layer in layers],
-        head=CausalLMHead(model, norm), split=lambda batch, size: split_lm_batch(batch, size, vocab_size=vocab),
-        count=lambda micro: float(micro[0].weight), append=append,
+        kind="hf",
+        model=model,
+        stem=stem,
+        blocks=[DecoderBlock(layer) for layer in layers],
+        head=CausalLMHead(model, norm),
+        split=lambda batch, size: split_lm_batch(batch, size, vocab_size=vocab),
+        count=lambda micro: float(micro[0].weight),
+        append=append,
     )
 
 
@@ -148,7 +168,9 @@ def split_lm_batch(batch: Mapping[str, torch.Tensor], size: int, *, vocab_size: 
 
 def _check_lm_batch(batch: Any, *, vocab_size: int):
     if not isinstance(batch, Mapping):
-        raise L2LInputError(f"a causal-LM batch is a dict with input_ids and labels, got {type(batch).__name__}")
+        raise L2LInputError(
+            f"a causal-LM batch is a dict with input_ids and labels, got {type(batch).__name__}"
+        )
     if "labels" not in batch or batch["labels"] is None:
         raise L2LInputError(
             "the batch has no 'labels'; add labels = input_ids with -100 at padding positions (the model "
@@ -158,10 +180,14 @@ def _check_lm_batch(batch: Any, *, vocab_size: int):
         raise L2LInputError("the batch has no 'input_ids'")
     input_ids, labels, mask = batch["input_ids"], batch["labels"], batch.get("attention_mask")
     if input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise L2LInputError(f"input_ids must be a [batch, time] int64 tensor, got {tuple(input_ids.shape)} {input_ids.dtype}")
+        raise L2LInputError(
+            f"input_ids must be a [batch, time] int64 tensor, got {tuple(input_ids.shape)} {input_ids.dtype}"
+        )
     for name, t in (("labels", labels), ("attention_mask", mask)):
         if t is not None and tuple(t.shape) != tuple(input_ids.shape):
-            raise L2LInputError(f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}")
+            raise L2LInputError(
+                f"{name} has shape {tuple(t.shape)} but input_ids has {tuple(input_ids.shape)}"
+            )
     if input_ids.numel() == 0:
         raise L2LInputError("the batch is empty")
     if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:

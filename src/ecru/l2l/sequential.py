@@ -53,8 +53,12 @@ def sequential_parts(seq: nn.Module, loss_fn: Callable, *, reduction: str = "mea
     if isinstance(loss_fn, nn.Module) and any(True for _ in loss_fn.parameters()):
         raise L2LInputError("loss_fn has parameters; make them the last child of the Sequential instead")
     return ModelParts(
-        kind="sequential", model=seq, stem=InputStem(), blocks=[ChildBlock(c) for c in seq],
-        head=WeightedLoss(loss_fn), split=lambda batch, size: split_pairs(batch, size, reduction=reduction),
+        kind="sequential",
+        model=seq,
+        stem=InputStem(),
+        blocks=[ChildBlock(c) for c in seq],
+        head=WeightedLoss(loss_fn),
+        split=lambda batch, size: split_pairs(batch, size, reduction=reduction),
         options={"reduction": reduction},
         count=(lambda micro: float(sum(mb.inputs.shape[0] for mb in micro))) if reduction == "mean" else None,
         append=lambda child: (seq.append(child), ChildBlock(child))[1],

@@ -39,15 +39,20 @@ def _warn_if_slow(optimizer: torch.optim.Optimizer | None, device: torch.device)
         name = type(optimizer).__name__
         if name not in _warned:
             _warned.add(name)
-            warnings.warn(f"the L2L host optimizer {name} runs without fused=True; pass "
-                          f"functools.partial(torch.optim.{name}, ..., fused=True) for a several times faster "
-                          "host update (the binding limit of L2L on fast devices)", stacklevel=4)
+            warnings.warn(
+                f"the L2L host optimizer {name} runs without fused=True; pass "
+                f"functools.partial(torch.optim.{name}, ..., fused=True) for a several times faster "
+                "host update (the binding limit of L2L on fast devices)",
+                stacklevel=4,
+            )
 
 
 class ParamGroup:
     """Masters, optimizer and wire copy of one group; `version` counts the updates submitted."""
 
-    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, wire: torch.Tensor | None):
+    def __init__(
+        self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, wire: torch.Tensor | None
+    ):
         self.params, self.optimizer, self.wire = params, optimizer, wire
         self.sizes = [p.numel() for p in params]
         self.shapes = [p.shape for p in params]  # kept: the disk tier empties evicted parameters
@@ -57,7 +62,9 @@ class ParamGroup:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` cut into tensors shaped like the group's parameters."""
-        return [v.view(shape) for v, shape in zip(flat[: self.numel].split(self.sizes), self.shapes, strict=True)]
+        return [
+            v.view(shape) for v, shape in zip(flat[: self.numel].split(self.sizes), self.shapes, strict=True)
+        ]
 
     def refresh_wire(self) -> None:
         if self.wire is not None:
@@ -172,7 +179,9 @@ class ParameterStore:
             return 0
         return sum(1 for group in self.groups[:g] if group.params) % self.shard[1]
 
-    def _make_group(self, params: list[nn.Parameter], factory: OptimizerFactory, *, needs_wire: bool) -> ParamGroup:
+    def _make_group(
+        self, params: list[nn.Parameter], factory: OptimizerFactory, *, needs_wire: bool
+    ) -> ParamGroup:
         numel = sum(p.numel() for p in params)
         wire = torch.empty(numel, dtype=self.dtype, pin_memory=self.cuda) if needs_wire and params else None
         group = ParamGroup(params, factory(params) if params else None, wire)
@@ -246,13 +255,17 @@ class ParameterStore:
         accumulates them); `update` steps on them, `discard_grads` drops them."""
         self._acc[g] = None
 
-    def add_grads(self, g: int, grads: Sequence[torch.Tensor], *, indices: Sequence[int] | None = None) -> None:
+    def add_grads(
+        self, g: int, grads: Sequence[torch.Tensor], *, indices: Sequence[int] | None = None
+    ) -> None:
         """Accumulate one micro-batch's gradients of group `g` (or of its parameters `indices`) in fp32 on
         the device. The resident group is zeroed on first touch: stem and head each fill only a part."""
         if self.grads_in_params:  # into the masters' .grad (the engine lets autograd accumulate there)
             self.note_grads(g)
             params = self.groups[g].params
-            for p, grad in zip(params if indices is None else [params[i] for i in indices], grads, strict=True):
+            for p, grad in zip(
+                params if indices is None else [params[i] for i in indices], grads, strict=True
+            ):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 p.grad.add_(grad)
@@ -343,7 +356,9 @@ class ParameterStore:
         self._give_back(g, host)
 
     def _give_back(self, g: int, host: torch.Tensor | None) -> None:
-        if host is not None and g != self.resident:  # on CPU the host gradient is the device accumulator itself
+        if (
+            host is not None and g != self.resident
+        ):  # on CPU the host gradient is the device accumulator itself
             (self._host_pool if self.cuda else self._acc_pool).give(host)
 
     def step_all(self, *, inv_scale: float = 1.0, max_norm: float | None = None) -> tuple[bool, float | None]:
@@ -355,8 +370,11 @@ class ParameterStore:
             if copied is not None:
                 copied.synchronize()
             params = self.groups[g].params
-            for p, grad in zip(params, self.groups[g].views(host) if host is not None else [p.grad for p in params],
-                               strict=True):
+            for p, grad in zip(
+                params,
+                self.groups[g].views(host) if host is not None else [p.grad for p in params],
+                strict=True,
+            ):
                 p.grad = grad.mul_(inv_scale) if inv_scale != 1.0 and grad is not None else grad
         params = [p for g in order for p in self.groups[g].params]
         grads = [p.grad for p in params if p.grad is not None]  # None: a parameter the step did not use

@@ -38,7 +38,9 @@ def tiny_llama(
     return LlamaForCausalLM(config).eval()
 
 
-def tiny_gpt2(*, vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 2, seed: int = 0, dropout: float = 0.0):
+def tiny_gpt2(
+    *, vocab_size: int = 128, hidden_size: int = 32, num_layers: int = 2, seed: int = 0, dropout: float = 0.0
+):
     """A random GPT-2 in fp32 (learned positions, tied head)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
