@@ -27,6 +27,12 @@ def test_knn_scores_by_hand():
     torch.testing.assert_close(loo, torch.tensor([s2, s2, s2], dtype=torch.float64))
 
 
+def test_a_task_with_one_training_utterance_is_refused():
+    one = F.normalize(torch.randn(1, 4), dim=-1)
+    with pytest.raises(ValueError, match="two or more training utterances"):
+        Router(k=5, percentile=10).add_task(one)
+
+
 def test_route_takes_the_best_task_or_the_frozen_model():
     scores = torch.tensor([[0.9, 0.5], [0.2, 0.7], [0.6, 0.65]])
     thresholds = torch.tensor([0.8, 0.7])

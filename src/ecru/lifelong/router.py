@@ -25,6 +25,11 @@ def knn_scores(
 
     `exclude_self` (queries == keys) leaves each key out of its own neighbours (leave-one-out scores).
     """
+    if keys.shape[0] < 1 + int(exclude_self):
+        raise ValueError(
+            f"knn_scores needs at least {1 + int(exclude_self)} keys, got {keys.shape[0]}: "
+            "a task needs two or more training utterances to set its routing threshold"
+        )
     sim = queries @ keys.T
     if exclude_self:
         sim = sim.fill_diagonal_(float("-inf"))
