@@ -66,6 +66,7 @@ def _rank(rank: int, init_file: str, out: str) -> None:
                 ]
             engine.close()
         torch.save(result, f"{out}.{rank}")
+        dist.barrier()  # both ranks tear gloo down together: none exits while its peer is still connected
     finally:
         dist.destroy_process_group()
 
