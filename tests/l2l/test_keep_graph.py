@@ -109,29 +109,6 @@ def test_sequential_matches_plain(micro, stash, keep):
     assert_kept_blocks_not_recomputed(calls, blocks=5, keep=keep, micro=-(-7 // micro), steps=3)
 
 
-def test_kept_batchnorm_statistics_updated_once():
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
-    seq = copy.deepcopy(ref)
-    loss_fn = nn.MSELoss(reduction="sum")
-    opt = SGD(ref.parameters(), lr=0.01)
-    engine = L2L.from_sequential(
-        seq,
-        loss_fn=loss_fn,
-        optimizer=functools.partial(SGD, lr=0.01),
-        config=L2LConfig(micro_batch_size=6, keep_graph_blocks=3),
-        reduction="sum",
-    )
-    x, y = torch.randn(6, 4), torch.randn(6, 1)
-    for _ in range(2):
-        opt.zero_grad()
-        loss_fn(ref(x), y).backward()
-        opt.step()
-        engine.step((x, y))
-    assert int(seq[1].num_batches_tracked) == 2
-    assert_params_close(ref, engine.state_dict())
-
-
 @pytest.mark.parametrize("keep", [1, 2, ALL])
 def test_dropout_kept_graphs_hold_their_masks_and_later_blocks_draw_plain_masks(keep):
     """Kept blocks draw their masks once (in the forward) and the recomputed ones replay theirs: both equal
