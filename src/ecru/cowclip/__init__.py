@@ -2,6 +2,7 @@
 
 from ecru.cowclip.clip import cowclip, id_counts
 from ecru.cowclip.recipes import RECIPES, Recipe, cowclip_recipe, scaled_recipe
+from ecru.cowclip.row_sparse_adam import RowSparseAdam
 from ecru.cowclip.wrapper import ClipStats, CowClip
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "ClipStats",
     "CowClip",
     "Recipe",
+    "RowSparseAdam",
     "cowclip",
     "cowclip_recipe",
     "id_counts",

@@ -9,8 +9,9 @@ Two update modes:
   to the (dense) gradient before clipping, so every row decays every step and the optimizer touches the
   whole table.
 - "sparse" (row-sparse, fast): the gradient must be sparse (`nn.Embedding(sparse=True)`); L2 is added to
-  the rows present in the batch only, and a row-sparse optimizer (`torch.optim.SparseAdam`) updates only
-  those rows. Absent rows no longer decay: a change of semantics, measured in bench/ctr_scaling.py.
+  the rows present in the batch only, and a row-sparse optimizer (`ecru.cowclip.RowSparseAdam`) updates only
+  those rows (and, with its catch-up, continues Adam's momentum on the absent ones as dense Adam does). Absent
+  rows get no L2 term: the one change of semantics left, measured in bench/ctr_scaling.py.
 
 First-order (dim-1) tables get the L2 term but are never clipped; dense layers are not registered here.
 """

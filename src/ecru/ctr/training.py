@@ -23,6 +23,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ecru.cowclip import ClipStats, CowClip, Recipe, scaled_recipe
+from ecru.cowclip.row_sparse_adam import RowSparseAdam
 from ecru.cowclip.wrapper import Mode
 from ecru.ctr.data import CTRData
 from ecru.ctr.metrics import auc, logloss
@@ -43,7 +44,7 @@ class TrainConfig:
     recipe: str = "cowclip"
     """Scaling recipe (ecru.cowclip.RECIPES) applied at `batch_size` relative to `base_batch`."""
     mode: Mode = "full"
-    """'full': faithful full-table L2 + Adam; 'sparse': row-sparse embeddings and SparseAdam."""
+    """'full': faithful full-table L2 + Adam; 'sparse': row-sparse embeddings and RowSparseAdam."""
     base_batch: int = 1024
     """The batch size the recipe's base settings are for."""
     dataset: str = "criteo"
@@ -138,7 +139,7 @@ def make_model(cfg: TrainConfig, data: CTRData) -> CTRModel:
 
 def make_optimizers(model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_epoch: int):
     tables = model.embedding_tables()
-    embed_cls = torch.optim.SparseAdam if mode == "sparse" else torch.optim.Adam
+    embed_cls = RowSparseAdam if mode == "sparse" else torch.optim.Adam
     embed_opt = embed_cls(tables, lr=recipe.embed_lr, eps=recipe.eps)
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=recipe.dense_lr, eps=recipe.eps)
     warmup = max(1.0, recipe.warmup_epochs * steps_per_epoch)
@@ -161,6 +162,8 @@ def _step(
     """One optimizer step on this rank's shard `mine` of the global batch; returns the shard's mean loss."""
     dense, cats, labels = batch
     embed_opt, dense_opt, sched = opts
+    if isinstance(embed_opt, RowSparseAdam):  # absent rows' missed Adam steps, before the forward reads them
+        embed_opt.catch_up(model.tables.global_ids(cats))
     loss = F.binary_cross_entropy_with_logits(net(dense[mine], cats[mine]), labels[mine])
     embed_opt.zero_grad(set_to_none=True), dense_opt.zero_grad(set_to_none=True)
     loss.backward()  # under DDP the gradients are now the global batch's mean
@@ -215,6 +218,8 @@ def train(
                 losses.append(_global_mean(loss.detach(), world))
             bar.update()
         bar.close()
+        if isinstance(embed_opt, RowSparseAdam):
+            embed_opt.flush()  # every row up to date before evaluating and saving
         if cfg.device.startswith("cuda"):
             torch.cuda.synchronize()
         wall += time.perf_counter() - start
