@@ -73,10 +73,12 @@ def instrument(engine) -> tuple[dict[str, float], dict[str, float]]:
         setattr(engine, name, timed(main, name, getattr(engine, name)))
     call = engine._call
 
-    def timed_call(module, binding, weights, args, *, fresh_buffers=False):
+    def timed_call(module, binding, weights, args, *, kwargs=None, fresh_buffers=False):
         kind = "head" if module is engine.parts.head else "stem" if module is engine.parts.stem else "block"
         name = f"  {kind} recompute" if fresh_buffers else f"  {kind} forward"
-        return timed(main, name, call)(module, binding, weights, args, fresh_buffers=fresh_buffers)
+        return timed(main, name, call)(
+            module, binding, weights, args, kwargs=kwargs, fresh_buffers=fresh_buffers
+        )
 
     engine._call = timed_call
     store = engine.store

@@ -7,6 +7,9 @@ One `step`:
   backward  for each block in reverse: load its weights, recompute every micro-batch from its stash with
             the forward's RNG state, accumulate the weight gradient on the device, send it to the host
             once and let the host optimizer update the block while the device works on the one below.
+            The recomputation is only backpropagated through: blocks that can skip work whose only use
+            is their output's value do (`ModelParts.output_unused_ok`; a Llama layer's last projection,
+            ecru.l2l.recompute), with bit-identical gradients.
   stem      last: the resident stem + head group (which holds a tied embedding once) is updated after
             both of its gradients have arrived.
   kept graphs   `L2LConfig(keep_graph_blocks=k)`: the last k blocks run their forward under autograd and
@@ -359,9 +362,16 @@ class L2L:
             x = x.detach().requires_grad_()
         if not needs_input and not weights:
             return None, None
+        # y is only backpropagated through, never read: the block may skip what only its value needs
+        kwargs = {"output_used": False} if self.parts.output_unused_ok else None
         with replay(self._rng[(i + 1, j)]), torch.enable_grad():
             y = self._call(
-                self.parts.blocks[i], self._block_bindings[i], weights, (x, context), fresh_buffers=True
+                self.parts.blocks[i],
+                self._block_bindings[i],
+                weights,
+                (x, context),
+                kwargs=kwargs,
+                fresh_buffers=True,
             )
         return (x if needs_input else None), y
 
@@ -437,16 +447,25 @@ class L2L:
         return {idx: weights[idx].detach().requires_grad_() for idx in indices}, indices
 
     def _call(
-        self, module: nn.Module, binding: Binding, weights, args: tuple, *, fresh_buffers: bool = False
+        self,
+        module: nn.Module,
+        binding: Binding,
+        weights,
+        args: tuple,
+        *,
+        kwargs: dict[str, Any] | None = None,
+        fresh_buffers: bool = False,
     ):
-        """`module(*args)` with its parameters bound to `weights` (a sequence or an index -> tensor dict)
-        through `functional_call`; when the masters are the device weights, they are the module's own
-        parameters already and only buffers are bound. A recomputation gets copies of the buffers, so
-        running statistics are updated once, in the forward."""
+        """`module(*args, **kwargs)` with its parameters bound to `weights` (a sequence or an index ->
+        tensor dict) through `functional_call`; when the masters are the device weights, they are the
+        module's own parameters already and only buffers are bound. A recomputation gets copies of the
+        buffers, so running statistics are updated once, in the forward."""
         bound = {} if self.store.binds_masters else {name: weights[idx] for name, idx in binding}
         if fresh_buffers:
             bound.update({name: b.clone() for name, b in module.named_buffers()})
-        return functional_call(module, bound, args) if bound else module(*args)
+        if bound:
+            return functional_call(module, bound, args, kwargs)
+        return module(*args, **(kwargs or {}))
 
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ecru.l2l.config import L2LInputError
 from ecru.l2l.parts import MicroBatch, ModelParts, chunks
+from ecru.l2l.recompute import llama_layer_graph, replayable
 
 SUPPORTED = ("llama", "gpt2")
 IGNORE_INDEX = -100
@@ -93,13 +94,19 @@ class GPT2Stem(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """One decoder layer called the way its model calls it (no cache)."""
+    """One decoder layer called the way its model calls it (no cache). `output_used=False` (the backward's
+    recomputation) lets a Llama layer skip its last projection (ecru.l2l.recompute): same gradients,
+    but the returned value is not the layer's output."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, context: dict[str, Any], *, output_used: bool = True
+    ) -> torch.Tensor:
+        if not output_used and replayable(self.layer):
+            return llama_layer_graph(self.layer, hidden, context)
         out = self.layer(hidden, use_cache=False, **context)
         return out[0] if isinstance(out, tuple) else out
 
@@ -153,6 +160,7 @@ def hf_parts(model: nn.Module) -> ModelParts:
         split=lambda batch, size: split_lm_batch(batch, size, vocab_size=vocab),
         count=lambda micro: float(micro[0].weight),
         append=append,
+        output_unused_ok=True,
     )
 
 

@@ -6,6 +6,9 @@ Every piece is an `nn.Module` with a fixed call convention, so the engine binds 
 - `stem(inputs) -> (hidden, context)`: embeddings and whatever the blocks need per micro-batch (masks,
   rotary cos/sin); `context` carries no gradient.
 - `block(hidden, context) -> hidden`: one streamed block.
+- `block(hidden, context, output_used=False) -> hidden`, where `ModelParts.output_unused_ok`: the
+  backward's recomputation, which only backpropagates through the output and never reads it; the block
+  may skip work whose only use is the output's value, as long as every gradient stays exact.
 - `head(hidden, targets, weight) -> loss`: the micro-batch's share of the minibatch loss, weighted by the
   adapter (`weight`) so that the shares sum to the loss the model defines for the whole minibatch.
 """
@@ -52,6 +55,8 @@ class ModelParts:
     loss, whose per-rank gradients simply add up."""
     append: Callable[[nn.Module], nn.Module] | None = None
     """Progressive stacking: registers a new block in `model` after the last one, returns it wrapped."""
+    output_unused_ok: bool = False
+    """Blocks accept `output_used=False` (see the module docstring)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Adapter options a checkpoint must record to rebuild the same parts (e.g. the loss reduction)."""
 
