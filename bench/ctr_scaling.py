@@ -152,7 +152,7 @@ def plan(
     return [("adam", "sparse", setting.batches[0]), *runs] if sparse else runs
 
 
-def time_modes(setting: Setting, data, reps: int = 3) -> dict:
+def time_modes(setting: Setting, data, reps: int = 5) -> dict:
     """Samples/s of faithful vs row-sparse CowClip at the base batch: alternating repetitions, medians."""
     batch = setting.batches[0]
     subset = data[0].subset(slice(0, batch * setting.timing_steps))
