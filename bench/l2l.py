@@ -5,14 +5,21 @@ host RSS (a fresh subprocess per configuration and mode; peak device memory too 
 
 Models: a random Llama of SmolLM2-135M's shape (30 blocks, width 576, 49K vocabulary, tied embedding)
 and a deep narrow random Llama (width 256, 32 or 48 blocks, SmolLM2's vocabulary). Each L2L step runs
-the blocks 4x (forward, recompute, 2x backward) against 3x in plain training, the head 3x in both, so
-the expected ratio is 1.2-1.3, less the optimizer time L2L hides behind the backward. Measured per phase
-(bench/l2l_profile.py, thread CPU time): the recompute costs 20-25% of a plain step, the smaller
-micro-batch matmuls (192-256 tokens instead of 384-512) about 5% more; the rest of L2L's bookkeeping ~1%.
+the blocks ~3.75x (forward, a recompute that skips each Llama layer's down projection, whose output
+value the backward never reads (ecru.l2l.recompute), 2x backward) against 3x in plain training, the
+head 3x in both, so a FLOP count predicts ~1.16 for deep-narrow, less the optimizer time L2L hides
+behind the backward. Measured per phase (bench/l2l_profile.py --quick, thread CPU ms/step): the
+recompute costs deep-narrow 363 (419 before the lean recompute), smollm2-shape 917 (1159), 18-21% of a
+plain step, and the elementwise / attention work in it is recomputed in full; deep-narrow's 256-token
+matmuls cost no more per token than plain's 512-token ones (torch.profiler by shape); the rest of L2L's
+bookkeeping (store calls, optimizer hand-off waits) is under 1%.
 The cases share one process: after smollm2-shape the heap keeps enough freed memory that deep-narrow
 runs without page faults in both modes (measured: plain 1.94 -> 1.57 CPU s/step, L2L 2.47 -> 2.09), so
-its ratio is the compute ratio (~1.33); alone in a fresh process both pay ~0.25 s/step of system time
-for faults (the head's 50 MB logits), which dilutes the ratio to ~1.22-1.28.
+its ratio is the compute ratio (~1.33 with the ordinary recompute; one alternating run in that state
+timing both recomputes against plain: 1.31 / paired 1.34 ordinary, 1.30 / paired 1.27 lean). The
+warm heap is not guaranteed: a bench/l2l_profile.py run of both cases did fault in deep-narrow. Alone in a
+fresh process both pay
+~0.25 s/step of system time for faults (the head's 50 MB logits), which dilutes the ratio to ~1.22-1.28.
 A third mode, `l2l_keep`, is L2L with `keep_graph_blocks` = ceil(blocks / 3): the last third of the
 blocks keep their forward graph per micro-batch instead of being recomputed (memory for speed), timed
 in the same alternating rounds (`ratio_keep`) with its own peak RSS (`keep_rss_below_plain`).
