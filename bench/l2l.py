@@ -17,9 +17,9 @@ The cases share one process: after smollm2-shape the heap keeps enough freed mem
 runs without page faults in both modes (measured: plain 1.94 -> 1.57 CPU s/step, L2L 2.47 -> 2.09), so
 its ratio is the compute ratio (~1.33 with the ordinary recompute; one alternating run in that state
 timing both recomputes against plain: 1.31 / paired 1.34 ordinary, 1.30 / paired 1.27 lean). The
-warm heap is not guaranteed: a bench/l2l_profile.py run of both cases did fault in deep-narrow. Alone in a
-fresh process both pay
-~0.25 s/step of system time for faults (the head's 50 MB logits), which dilutes the ratio to ~1.22-1.28.
+warm heap is not guaranteed: a bench/l2l_profile.py run of both cases did fault in deep-narrow. Alone
+in a fresh process both pay ~0.25 s/step of system time for faults (the head's 50 MB logits), which
+dilutes the ratio to ~1.22-1.28.
 A third mode, `l2l_keep`, is L2L with `keep_graph_blocks` = ceil(blocks / 3): the last third of the
 blocks keep their forward graph per micro-batch instead of being recomputed (memory for speed), timed
 in the same alternating rounds (`ratio_keep`) with its own peak RSS (`keep_rss_below_plain`).
