@@ -60,9 +60,16 @@ def test_only_the_exact_llama_layer_code_is_replayed():
     llama = tiny_llama(num_layers=1)
     layer = llama.model.layers[0]
     assert replayable(layer)
-    handle = layer.mlp.down_proj.register_forward_hook(lambda *_: None)  # the replay would bypass it
-    assert not replayable(layer)
-    handle.remove()
+    for register in (  # hooks the replay would bypass
+        layer.mlp.down_proj.register_forward_hook,
+        layer.register_forward_pre_hook,
+        layer.register_full_backward_hook,
+        torch.nn.modules.module.register_module_forward_hook,
+    ):
+        handle = register(lambda *_: None)
+        assert not replayable(layer)
+        handle.remove()
+        assert replayable(layer)
     biased = copy.deepcopy(layer)
     biased.mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(llama.config.hidden_size))
     assert not replayable(biased)

@@ -55,11 +55,16 @@ def replayable(layer: nn.Module) -> bool:
     )
 
 
+_HOOKS = ("forward_hooks", "forward_pre_hooks", "backward_hooks", "backward_pre_hooks")
+
+
 def _has_hooks(*modules: nn.Module) -> bool:
+    """Module hooks on `modules` or registered globally (the replay calls neither `layer` nor `down_proj`)."""
     from torch.nn.modules import module as torch_module
 
-    global_hooks = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
-    return any(global_hooks) or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    if any(getattr(torch_module, f"_global_{kind}", None) for kind in _HOOKS):
+        return True
+    return any(getattr(m, f"_{kind}", None) for m in modules for kind in _HOOKS)
 
 
 def llama_layer_graph(layer: nn.Module, hidden: torch.Tensor, context: dict[str, Any]) -> torch.Tensor:
