@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.testing import assert_close
 
 from ecru.ctr import DCN, MODELS, CTRConfig, DCNv2, DeepFM, WideDeep, build_model
 from ecru.ctr.models import fm_logit
@@ -72,3 +73,17 @@ def test_bad_config():
         CTRConfig(())
     with pytest.raises(ValueError, match="unknown model"):
         build_model("xgboost", CTRConfig(CARDS))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_base_rate_start(name):
+    torch.manual_seed(0)
+    cfg = CTRConfig((7, 5, 9), n_dense=3, embed_dim=4, mlp=(8,), base_rate=0.25)
+    model = build_model(name, cfg)
+    dense, cats = torch.randn(64, 3) * 3, torch.randint(0, 5, (64, 3))
+    probs = torch.sigmoid(model(dense, cats))
+    assert_close(probs, torch.full_like(probs, 0.25), atol=1e-3, rtol=0)  # only the tiny FM term remains
+    default = build_model(name, CTRConfig((7, 5, 9), n_dense=3, embed_dim=4, mlp=(8,)))
+    assert (torch.sigmoid(default(dense, cats)) - 0.25).abs().max() > 1e-2  # PyTorch's init does not
+    with pytest.raises(ValueError, match="base_rate"):
+        CTRConfig((3,), base_rate=1.0)

@@ -9,6 +9,7 @@ Every model has the same two embedding tables, so the optimizer and CowClip trea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,12 +37,18 @@ class CTRConfig:
     """Standard deviation of the N(0, std^2) embedding initialisation."""
     sparse: bool = False
     """Sparse embedding gradients (for the row-sparse update mode)."""
+    base_rate: float | None = None
+    """The training click rate: if set, the model starts by predicting it for every sample (output layer and
+    dense linear term zero-initialised, output bias = its logit), so the first loss is the label entropy
+    instead of that of a random logit; None keeps PyTorch's default initialisation."""
 
     def __post_init__(self) -> None:
         if not self.cardinalities or min(self.cardinalities) < 1:
             raise ValueError(
                 f"cardinalities must be a non-empty list of positive ints, got {self.cardinalities}"
             )
+        if self.base_rate is not None and not 0 < self.base_rate < 1:
+            raise ValueError(f"base_rate must lie in (0, 1), got {self.base_rate}")
         if self.n_dense < 0 or self.embed_dim < 1 or self.cross_layers < 0 or any(w < 1 for w in self.mlp):
             raise ValueError(f"invalid model sizes in {self}")
 
@@ -103,6 +110,15 @@ class CTRModel(nn.Module):
 
     def interaction(self, emb: Tensor, flat: Tensor) -> Tensor:
         raise NotImplementedError
+
+    @torch.no_grad()
+    def start_at(self, rate: float) -> None:
+        """Predict `rate` for every sample before training: zero output layer and dense linear term, bias
+        logit(rate) (the FM term of the small initial embeddings stays, ~1e-3)."""
+        self.head.weight.zero_()
+        self.head.bias.fill_(math.log(rate / (1 - rate)))
+        if self.tables.dense_linear is not None:
+            self.tables.dense_linear.weight.zero_(), self.tables.dense_linear.bias.zero_()
 
 
 class WideDeep(CTRModel):
@@ -170,4 +186,7 @@ def build_model(name: str, cfg: CTRConfig) -> CTRModel:
     classes = {"deepfm": DeepFM, "wdl": WideDeep, "dcn": DCN, "dcnv2": DCNv2}
     if name not in classes:
         raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
-    return classes[name](cfg)
+    model = classes[name](cfg)
+    if cfg.base_rate is not None:
+        model.start_at(cfg.base_rate)
+    return model

@@ -125,6 +125,12 @@ def evaluate(model: nn.Module, data: CTRData, *, batch_size: int = 65536) -> tup
     return auc(data.labels, probs), logloss(data.labels, probs)
 
 
+def _base_rate(data: CTRData) -> float | None:
+    """The training click rate the model starts at (None if the labels are all one class)."""
+    rate = float(data.labels.float().mean())
+    return rate if 0 < rate < 1 else None
+
+
 def make_model(cfg: TrainConfig, data: CTRData) -> CTRModel:
     ctr = CTRConfig(
         data.cardinalities,
@@ -132,6 +138,7 @@ def make_model(cfg: TrainConfig, data: CTRData) -> CTRModel:
         embed_dim=cfg.embed_dim,
         mlp=cfg.mlp,
         sparse=cfg.mode == "sparse",
+        base_rate=_base_rate(data),
     )
     torch.manual_seed(cfg.seed)
     return build_model(cfg.model, ctr)
