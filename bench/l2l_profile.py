@@ -7,7 +7,12 @@ For each `bench/l2l.py` case it times, on one thread, alternating, medians of --
   plain-micro  (--micro) the same with gradient accumulation over L2L's micro-batches (the micro-batch
                effect alone, without anything L2L adds);
   l2l          the engine's phases (forward, head, block backward with its recompute, stem backward,
-               waiting for the last updates), the store calls, and the optimizer time of its worker thread.
+               waiting for the last updates), the store calls, and the optimizer time of its worker thread;
+  l2l-ordinary (--ordinary) the same engine with the ordinary recompute (the full block forward, not the
+               lean Llama graph of ecru.l2l.recompute): an A/B of the lean recompute in the same rounds.
+--sweep instead times only the backward's block work, outside the engine: every layer of the case in
+reverse, recompute + backward per micro-batch, with the ordinary (full forward) and the lean recompute
+(ecru.l2l.recompute) alternating, and prints the paired median saving.
 Phase timers count CPU seconds of the calling thread (`time.thread_time`), so other jobs on a shared
 machine inflate them far less than wall time; wall, process CPU, system time and minor page faults of
 whole steps are printed too. --ops adds torch.profiler op totals of one step of each.
@@ -111,27 +116,31 @@ def op_table(fn, label: str, rows: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=40))
 
 
-def run(case, *, reps: int, profile_ops: bool, with_micro: bool) -> None:
+def run(case, *, reps: int, profile_ops: bool, with_micro: bool, ordinary: bool) -> None:
     base = build(case)
     plain = make_runner("plain", copy.deepcopy(base), case, "cpu")
     micro = PlainMicro(copy.deepcopy(base), case.micro) if with_micro else None
-    engine = make_runner("l2l", copy.deepcopy(base), case, "cpu")
+    engines = {"l2l": make_runner("l2l", copy.deepcopy(base), case, "cpu")}
+    if ordinary:
+        engines["l2l-ordinary"] = make_runner("l2l", copy.deepcopy(base), case, "cpu")
+        engines["l2l-ordinary"].parts.output_unused_ok = False  # every block recomputes its full forward
     del base
-    main, worker = instrument(engine)
+    engine = engines["l2l"]
+    timers = {name: instrument(e) for name, e in engines.items()}
     times = collections.defaultdict(list)
     pph = collections.defaultdict(list)
     for rep in range(reps + 1):
         batch = make_batch(case, rep)
         runs = [
             ("plain", lambda b=batch: pph_append(pph, plain_phases(plain, b))),
-            ("l2l", lambda b=batch: engine.step(b)),
+            *((name, lambda b=batch, e=e: e.step(b)) for name, e in engines.items()),
         ]
         if with_micro:
             runs.insert(1, ("plain-micro", lambda b=batch: micro.step(b)))
         for name, fn in runs if rep % 2 == 0 else runs[::-1]:
-            if name == "l2l":
-                main.clear()
-                worker.clear()
+            if name in timers:
+                for timer in timers[name]:
+                    timer.clear()
             start, cpu, ru = (
                 time.perf_counter(),
                 time.process_time(),
@@ -146,9 +155,10 @@ def run(case, *, reps: int, profile_ops: bool, with_micro: bool) -> None:
                 times[name + " [main thread cpu]"].append(time.thread_time() - thread)
                 times[name + " [sys]"].append(after.ru_stime - ru.ru_stime)
                 times[name + " [minflt/1000]"].append((after.ru_minflt - ru.ru_minflt) / 1000)
-                if name == "l2l":
+                if name in timers:
+                    main, worker = timers[name]
                     for k, v in {**main, **{"worker." + k: v for k, v in worker.items()}}.items():
-                        times["l2l." + k].append(v)
+                        times[f"{name}.{k}"].append(v)
         print(f"  rep {rep} done", file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n=== {case.name}: batch {case.batch}x{case.seq}, micro {case.micro}, medians of {reps} ===")
@@ -160,12 +170,62 @@ def run(case, *, reps: int, profile_ops: bool, with_micro: bool) -> None:
         print(f"  ratio{k} l2l/plain {med['l2l' + k] / med['plain' + k]:.3f}", end="")
         if with_micro:
             print(f"   plain-micro/plain {med['plain-micro' + k] / med['plain' + k]:.3f}", end="")
+        if ordinary:
+            print(f"   l2l-ordinary/plain {med['l2l-ordinary' + k] / med['plain' + k]:.3f}", end="")
         print()
     if profile_ops:
         batch = make_batch(case, 99)
         op_table(lambda: plain.step(batch), f"{case.name} plain", 18)
         op_table(lambda: engine.step(batch), f"{case.name} l2l", 24)
-    engine.close()
+    for e in engines.values():
+        e.close()
+
+
+def sweep_ab(case, *, reps: int) -> None:
+    """The backward's per-block work (recompute + backward of each micro-batch, blocks in reverse) with
+    the ordinary and the lean recompute, alternating; thread CPU time, medians and paired saving."""
+    from ecru.l2l.recompute import llama_layer_graph
+
+    model = build(case)
+    layers, rows = list(model.model.layers), case.micro
+    torch.manual_seed(1)
+    n_micro = -(-case.batch // case.micro)
+    inputs = [[torch.randn(rows, case.seq, case.hidden) for _ in range(n_micro)] for _ in layers]
+    positions = torch.arange(case.seq).unsqueeze(0)
+    context = {
+        "attention_mask": None,
+        "position_ids": positions,
+        "position_embeddings": model.model.rotary_emb(inputs[0][0], position_ids=positions),
+    }
+    grads_out = [torch.randn(rows, case.seq, case.hidden) for _ in range(n_micro)]
+
+    def backward_sweep(lean: bool) -> None:
+        grads = list(grads_out)
+        for layer, xs in zip(reversed(layers), reversed(inputs), strict=True):
+            params = list(layer.parameters())
+            for j, x in enumerate(xs):
+                x = x.detach().requires_grad_()
+                with torch.enable_grad():
+                    y = llama_layer_graph(layer, x, context) if lean else layer(x, use_cache=False, **context)
+                    torch.autograd.backward(y, grads[j], inputs=[x, *params])
+                grads[j] = x.grad
+            for p in params:
+                p.grad = None
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for rep in range(reps + 1):
+        for lean in (True, False) if rep % 2 == 0 else (False, True):
+            start = time.thread_time()
+            backward_sweep(lean)
+            if rep > 0:
+                times[lean].append(time.thread_time() - start)
+    ordinary, lean = statistics.median(times[False]), statistics.median(times[True])
+    saving = statistics.median(a - b for a, b in zip(times[False], times[True], strict=True))
+    print(
+        f"{case.name}: backward sweep ({len(layers)} blocks x {n_micro} micro-batches of {rows}x{case.seq}), "
+        f"medians of {reps}: ordinary recompute {1e3 * ordinary:.1f} ms, lean {1e3 * lean:.1f} ms, "
+        f"paired saving {1e3 * saving:.1f} ms ({100 * saving / ordinary:.1f}%)"
+    )
 
 
 def pph_append(pph, phases):
@@ -182,11 +242,20 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--micro", action="store_true", help="also time plain training with micro-batches")
     parser.add_argument("--ops", action="store_true", help="also print torch.profiler op tables")
+    parser.add_argument(
+        "--ordinary", action="store_true", help="also time L2L with the ordinary (full) recompute"
+    )
+    parser.add_argument(
+        "--sweep", action="store_true", help="only time the backward's block work, ordinary vs lean recompute"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     cases = QUICK if args.quick else CASES
     for name in args.only.split(",") if args.only else cases:
-        run(cases[name], reps=args.reps, profile_ops=args.ops, with_micro=args.micro)
+        if args.sweep:
+            sweep_ab(cases[name], reps=args.reps)
+            continue
+        run(cases[name], reps=args.reps, profile_ops=args.ops, with_micro=args.micro, ordinary=args.ordinary)
     return 0
 
 
