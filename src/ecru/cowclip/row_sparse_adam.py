@@ -17,7 +17,7 @@ its forward pass (then the forward sees what dense Adam's would) and `flush()` b
     w -= lr * S(t0, k) * m0 / (sqrt(v0) + eps * sqrt(bc2(t0 + 1) / beta2)),   m0 *= beta1^k,   v0 *= beta2^k,
     S(t0, k) = sum_{j=1..k} rho^j b(t0 + j),   rho = beta1 / sqrt(beta2),   b(s) = sqrt(bc2(s)) / bc1(s),
 
-with S read from a precomputed table (`catch_up_table`). It is exact for eps = 0; for eps > 0 the eps term
+with S read from a precomputed table (`catch_up_tables`). It is exact for eps = 0; for eps > 0 the eps term
 of every missed step is taken at its first step (over the ~10-40 steps in which rho^j matters the factor
 sqrt(bc2(s)) / beta2^(j/2) changes by ~1-3% once t0 > ~200). The learning rate is taken as constant between
 a row's updates (the current one is used).
@@ -34,13 +34,14 @@ from torch import Tensor
 
 
 @lru_cache(maxsize=8)
-def catch_up_table(beta1: float, beta2: float) -> Tensor:
-    """`T[t] = sum_{j>=1} rho^j b(t + j)` (float64) for t = 0..L, where b(s) = 1 to double precision beyond L.
+def catch_up_tables(beta1: float, beta2: float) -> dict[str, Tensor]:
+    """Lookup tables over a step index i = 0..L (beyond L, beta1^i and beta2^i are below 1e-18):
 
-    The sum of the first k terms after t is then `T[t] - rho^k T[t + k]` (with T constant past L).
+    - `sum`: T[i] = sum_{j>=1} rho^j b(i + j) (float64); the first k terms after t are T[t] - rho^k T[t + k];
+    - `rho` (float64), `beta1`, `beta2` (float32): rho^i, beta1^i, beta2^i (0 past L);
+    - `eps`: sqrt(bc2(i + 1) / beta2), the eps factor of a catch-up after step i (float32).
     """
     rho = beta1 / math.sqrt(beta2)
-    # beyond `last`, beta1^s and beta2^s are below 1e-18: b(s) == 1 in double precision
     last = max([1] + [math.ceil(math.log(1e-18) / math.log(b)) for b in (beta1, beta2) if b > 0])
     table = [0.0] * (last + 1)
     table[last] = rho / (1.0 - rho)  # b(s) == 1 for s > last
@@ -48,28 +49,37 @@ def catch_up_table(beta1: float, beta2: float) -> Tensor:
         s = t + 1
         b = math.sqrt(1.0 - beta2**s) / (1.0 - beta1**s)
         table[t] = rho * (b + table[t + 1])
-    return torch.tensor(table, dtype=torch.float64)
+    i = torch.arange(last + 1, dtype=torch.float64)
+    return {
+        "sum": torch.tensor(table, dtype=torch.float64),
+        "rho": rho**i,
+        "beta1": (beta1**i).float(),
+        "beta2": (beta2**i).float(),
+        "eps": torch.sqrt((1.0 - beta2 ** (i + 1)) / beta2).float(),
+    }
 
 
 def catch_up_sum(t0: Tensor, k: Tensor, beta1: float, beta2: float) -> Tensor:
     """S(t0, k) = sum_{j=1..k} rho^j b(t0 + j), elementwise (float64)."""
-    table = catch_up_table(beta1, beta2).to(t0.device)
-    last = table.numel() - 1
-    rho = beta1 / math.sqrt(beta2)
-    head = table[t0.clamp(max=last)]
-    tail = table[(t0 + k).clamp(max=last)]
-    return head - torch.pow(torch.tensor(rho, dtype=torch.float64, device=t0.device), k.double()) * tail
+    tab = catch_up_tables(beta1, beta2)
+    last = tab["sum"].numel() - 1
+    head = tab["sum"].to(t0.device)[t0.clamp(max=last)]
+    tail = tab["sum"].to(t0.device)[(t0 + k).clamp(max=last)]
+    return head - tab["rho"].to(t0.device)[k.clamp(max=last)] * tail
 
 
 def catch_up_(
     weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, t0: Tensor, k: Tensor, *, lr, beta1, beta2, eps
 ) -> None:
     """Apply k gradient-free Adam steps after step t0 to the rows given (row tensors `[n, d]`, in place)."""
+    tab = {name: t.to(weight.device) for name, t in catch_up_tables(beta1, beta2).items()}
+    last = tab["sum"].numel() - 1
+    kc = k.clamp(max=last)
     coeff = (lr * catch_up_sum(t0, k, beta1, beta2)).to(weight.dtype)
-    eps_row = (eps * torch.sqrt((1.0 - torch.pow(beta2, (t0 + 1).double())) / beta2)).to(weight.dtype)
-    weight.sub_(coeff[:, None] * exp_avg / (exp_avg_sq.sqrt() + eps_row[:, None]))
-    exp_avg.mul_(torch.pow(beta1, k.double()).to(exp_avg.dtype)[:, None])
-    exp_avg_sq.mul_(torch.pow(beta2, k.double()).to(exp_avg_sq.dtype)[:, None])
+    denom = exp_avg_sq.sqrt().add_(eps * tab["eps"][t0.clamp(max=last)].to(weight.dtype)[:, None])
+    weight.sub_(exp_avg.div(denom).mul_(coeff[:, None]))
+    exp_avg.mul_(tab["beta1"][kc].to(exp_avg.dtype)[:, None])
+    exp_avg_sq.mul_(tab["beta2"][kc].to(exp_avg_sq.dtype)[:, None])
 
 
 class RowSparseAdam(torch.optim.Optimizer):
@@ -125,7 +135,7 @@ class RowSparseAdam(torch.optim.Optimizer):
         if not bool(stale.any()):
             return
         rows, t0 = rows[stale], t0[stale]
-        w, m, v = p[rows], state["exp_avg"][rows], state["exp_avg_sq"][rows]
+        w, m, v = (x.index_select(0, rows) for x in (p, state["exp_avg"], state["exp_avg_sq"]))
         (beta1, beta2) = group["betas"]
         catch_up_(w, m, v, t0, t - t0, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"])
         p.index_copy_(0, rows, w)
@@ -145,9 +155,12 @@ class RowSparseAdam(torch.optim.Optimizer):
         per_param = [ids] * len(params) if isinstance(ids, Tensor) else list(ids)
         if len(per_param) != len(params):
             raise ValueError(f"got {len(per_param)} id tensors for {len(params)} tables")
+        uniques: dict[int, Tensor] = {}  # one sort for the tables that share the id tensor
         for (p, group), p_ids in zip(params, per_param, strict=True):
-            rows = p_ids.reshape(-1)
-            self._advance(p, group, torch.unique(rows[rows >= 0]).to(p.device))
+            if id(p_ids) not in uniques:
+                flat = p_ids.reshape(-1)
+                uniques[id(p_ids)] = torch.unique(flat[flat >= 0])
+            self._advance(p, group, uniques[id(p_ids)].to(p.device))
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -182,7 +195,7 @@ class RowSparseAdam(torch.optim.Optimizer):
                 t = state["step"]
                 if rows.numel() == 0:
                     continue
-                w, m, v = p[rows], state["exp_avg"][rows], state["exp_avg_sq"][rows]
+                w, m, v = (x.index_select(0, rows) for x in (p, state["exp_avg"], state["exp_avg_sq"]))
                 m.mul_(beta1).add_(values, alpha=1 - beta1)
                 v.mul_(beta2).addcmul_(values, values, value=1 - beta2)
                 denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)

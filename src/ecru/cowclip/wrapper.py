@@ -73,6 +73,7 @@ class CowClip:
             raise ValueError("weight_decay and zeta must be >= 0 and r > 0")
         self.weight_decay, self.r, self.zeta, self.threshold = weight_decay, r, zeta, threshold
         self.mode, self.clip = mode, clip
+        self._merged: tuple[Tensor, Tensor, Tensor] | None = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -88,6 +89,7 @@ class CowClip:
         per_table = [ids] * len(self.tables) if isinstance(ids, Tensor) else list(ids)
         if len(per_table) != len(self.tables):
             raise ValueError(f"got {len(per_table)} id tensors for {len(self.tables)} tables")
+        self._merged = None  # (indices, unique rows, inverse) of the last sparse gradient merged this call
         for table, table_ids in zip(self.tables, per_table, strict=True):
             if table.grad is not None:
                 table.grad = (
@@ -111,7 +113,7 @@ class CowClip:
             raise ValueError(
                 "mode='sparse' needs sparse gradients: build the table with nn.Embedding(sparse=True)"
             )
-        grad = table.grad.coalesce()
+        grad = self._coalesce(table.grad)
         rows, values = grad.indices()[0], grad.values()
         if self.weight_decay:
             values = values.add(table[rows], alpha=self.weight_decay)
@@ -120,6 +122,21 @@ class CowClip:
             values = values * self._scale(values, table[rows], _row_counts(rows, uniq, counts))[:, None]
         return torch.sparse_coo_tensor(
             grad.indices(), values, grad.shape, is_coalesced=True, check_invariants=False
+        )
+
+    def _coalesce(self, grad: Tensor) -> Tensor:
+        """`grad.coalesce()` as a unique + index_add, sharing the unique of tables looked up with the same ids
+        (every CTR table here): about half the time of two coalesces on a CPU."""
+        if grad.is_coalesced():
+            return grad
+        idx = grad._indices()[0]
+        if self._merged is None or not torch.equal(self._merged[0], idx):
+            self._merged = (idx, *torch.unique(idx, return_inverse=True))
+        _, rows, inverse = self._merged
+        values = grad._values()
+        summed = values.new_zeros((rows.numel(), *values.shape[1:])).index_add_(0, inverse, values)
+        return torch.sparse_coo_tensor(
+            rows[None], summed, grad.shape, is_coalesced=True, check_invariants=False
         )
 
     def _scale(self, grad_rows: Tensor, weight_rows: Tensor, counts: Tensor) -> Tensor:
