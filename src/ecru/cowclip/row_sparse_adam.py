@@ -145,7 +145,7 @@ class RowSparseAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def catch_up(self, ids: Tensor | Sequence[Tensor]) -> None:
-        """Bring the rows of this batch up to date BEFORE its forward pass (exact dense-Adam semantics).
+        """Bring the rows of this batch up to date BEFORE its forward pass (dense Adam up to the eps term).
 
         `ids`: the rows the batch looks up (any shape; negative = padding), one tensor for every table or
         one per table in parameter order. Without this call `step()` catches the rows up itself, after a
