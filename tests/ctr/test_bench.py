@@ -3,9 +3,12 @@
 import importlib.util
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+
+from ecru.cowclip import scaled_recipe
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "ctr_scaling.py"
 KEYS = {
@@ -109,3 +112,24 @@ def test_sparse_only_plan(bench, tmp_path, monkeypatch):
     )
     with pytest.raises(SystemExit):  # the two mode filters exclude each other
         bench.main(["--no-sparse", "--sparse-only", "--json", str(out)])
+
+
+def test_recipe_search_on_a_tiny_setting(bench, tmp_path, monkeypatch):
+    path = BENCH.with_name("ctr_recipe_search.py")
+    spec = importlib.util.spec_from_file_location("ctr_recipe_search", path)
+    search = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(search)  # its `from ctr_scaling import QUICK` finds the fixture's module
+    monkeypatch.setattr(search, "QUICK", _tiny_setting(bench, rows=4000))
+    out = tmp_path / "search.json"
+    assert search.main(["--seeds", "0,1", "--batch", "512", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["seeds"] == [0, 1] and len(result["runs"]) == 2 * (1 + len(result["gaps_to_1k"]))
+    auc = {(r["seed"], r["label"]): r["auc"] for r in result["runs"]}
+    for label, row in result["gaps_to_1k"].items():
+        assert row["gaps"] == pytest.approx([auc[(s, "1k")] - auc[(s, label)] for s in (0, 1)])
+        assert row["max_gap"] == max(row["gaps"])
+    best = result["best_by_max_gap"]
+    assert result["gaps_to_1k"][best]["max_gap"] == min(r["max_gap"] for r in result["gaps_to_1k"].values())
+    # the candidate labelled as ecru's rule is the library's ecru recipe
+    ecru = next(r for r in result["runs"] if r["label"] == "e1-d.75-l.5-w1/s")["settings"]
+    assert ecru == pytest.approx(asdict(scaled_recipe("ecru", 512, base_batch=128)))
