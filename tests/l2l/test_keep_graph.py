@@ -9,14 +9,13 @@ from collections import Counter
 
 import pytest
 import torch
-from torch import nn
 
 from ecru.l2l import L2L, L2LConfig, L2LInputError
 from ecru.models import tiny_gpt2, tiny_llama
 
 from .helpers import GRAD_TOL, GradRecorder, assert_params_close, lm_batch, named_grads, reference_step
 from .test_dropout import same_masks_reference_grads
-from .test_parity import MODELS, SGD, _mlp
+from .test_parity import MODELS, SGD, sequential_parity
 
 ALL = 99  # more than any fixture's blocks: keeps them all
 
@@ -86,27 +85,12 @@ def test_gradients_equal_plain_including_tied_embedding(micro, keep):
 @pytest.mark.parametrize("stash", ["device", "host"])
 @pytest.mark.parametrize("micro", [1, 2, 3])
 def test_sequential_matches_plain(micro, stash, keep):
-    ref = _mlp()
-    seq = copy.deepcopy(ref)
-    opt = SGD(ref.parameters())
-    loss_fn = nn.CrossEntropyLoss()
-    engine = L2L.from_sequential(
-        seq,
-        loss_fn=loss_fn,
-        optimizer=SGD,
-        config=L2LConfig(micro_batch_size=micro, stash=stash, keep_graph_blocks=keep),
+    counters: list[Counter] = []
+    sequential_parity(
+        L2LConfig(micro_batch_size=micro, stash=stash, keep_graph_blocks=keep),
+        on_engine=lambda engine: counters.append(count_block_calls(engine)),
     )
-    calls = count_block_calls(engine)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(7, 6, generator=g), torch.randint(0, 3, (7,), generator=g)
-        opt.zero_grad()
-        expected = loss_fn(ref(x), y)
-        expected.backward()
-        opt.step()
-        assert engine.step((x, y)) == pytest.approx(expected.item(), rel=1e-6, abs=0)
-    assert_params_close(ref, engine.state_dict())
-    assert_kept_blocks_not_recomputed(calls, blocks=5, keep=keep, micro=-(-7 // micro), steps=3)
+    assert_kept_blocks_not_recomputed(counters[0], blocks=5, keep=keep, micro=-(-7 // micro), steps=3)
 
 
 @pytest.mark.parametrize("keep", [1, 2, ALL])

@@ -93,18 +93,15 @@ def _mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 3))
 
 
-@pytest.mark.parametrize("stash", ["device", "host"])
-@pytest.mark.parametrize("micro", [1, 2, 3])
-def test_sequential_matches_plain(micro, stash):
+def sequential_parity(config: L2LConfig, *, on_engine=lambda engine: None, steps: int = 3) -> L2L:
+    """3 SGD steps of `_mlp` by plain PyTorch and by L2L (batch 7): equal losses and parameters."""
     ref = _mlp()
-    seq = copy.deepcopy(ref)
     opt = SGD(ref.parameters())
     loss_fn = nn.CrossEntropyLoss()
-    engine = L2L.from_sequential(
-        seq, loss_fn=loss_fn, optimizer=SGD, config=L2LConfig(micro_batch_size=micro, stash=stash)
-    )
+    engine = L2L.from_sequential(copy.deepcopy(ref), loss_fn=loss_fn, optimizer=SGD, config=config)
+    on_engine(engine)
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
+    for _ in range(steps):
         x, y = torch.randn(7, 6, generator=g), torch.randint(0, 3, (7,), generator=g)
         opt.zero_grad()
         expected = loss_fn(ref(x), y)
@@ -112,6 +109,13 @@ def test_sequential_matches_plain(micro, stash):
         opt.step()
         assert engine.step((x, y)) == pytest.approx(expected.item(), rel=1e-6, abs=0)
     assert_params_close(ref, engine.state_dict())
+    return engine
+
+
+@pytest.mark.parametrize("stash", ["device", "host"])
+@pytest.mark.parametrize("micro", [1, 2, 3])
+def test_sequential_matches_plain(micro, stash):
+    sequential_parity(L2LConfig(micro_batch_size=micro, stash=stash))
 
 
 @pytest.mark.parametrize("keep", [0, 3], ids=["recomputed", "kept-graphs"])
