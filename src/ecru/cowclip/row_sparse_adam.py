@@ -34,7 +34,7 @@ from torch import Tensor
 
 
 @lru_cache(maxsize=8)
-def catch_up_tables(beta1: float, beta2: float) -> dict[str, Tensor]:
+def catch_up_tables(beta1: float, beta2: float, device: torch.device | str = "cpu") -> dict[str, Tensor]:
     """Lookup tables over a step index i = 0..L (beyond L, beta1^i and beta2^i are below 1e-18):
 
     - `sum`: T[i] = sum_{j>=1} rho^j b(i + j) (float64); the first k terms after t are T[t] - rho^k T[t + k];
@@ -50,29 +50,30 @@ def catch_up_tables(beta1: float, beta2: float) -> dict[str, Tensor]:
         b = math.sqrt(1.0 - beta2**s) / (1.0 - beta1**s)
         table[t] = rho * (b + table[t + 1])
     i = torch.arange(last + 1, dtype=torch.float64)
-    return {
+    tables = {
         "sum": torch.tensor(table, dtype=torch.float64),
         "rho": rho**i,
         "beta1": (beta1**i).float(),
         "beta2": (beta2**i).float(),
         "eps": torch.sqrt((1.0 - beta2 ** (i + 1)) / beta2).float(),
     }
+    return {name: t.to(device) for name, t in tables.items()}  # cached per device: no copy per step
 
 
 def catch_up_sum(t0: Tensor, k: Tensor, beta1: float, beta2: float) -> Tensor:
     """S(t0, k) = sum_{j=1..k} rho^j b(t0 + j), elementwise (float64)."""
-    tab = catch_up_tables(beta1, beta2)
+    tab = catch_up_tables(beta1, beta2, t0.device)
     last = tab["sum"].numel() - 1
-    head = tab["sum"].to(t0.device)[t0.clamp(max=last)]
-    tail = tab["sum"].to(t0.device)[(t0 + k).clamp(max=last)]
-    return head - tab["rho"].to(t0.device)[k.clamp(max=last)] * tail
+    head = tab["sum"][t0.clamp(max=last)]
+    tail = tab["sum"][(t0 + k).clamp(max=last)]
+    return head - tab["rho"][k.clamp(max=last)] * tail
 
 
 def catch_up_(
     weight: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, t0: Tensor, k: Tensor, *, lr, beta1, beta2, eps
 ) -> None:
     """Apply k gradient-free Adam steps after step t0 to the rows given (row tensors `[n, d]`, in place)."""
-    tab = {name: t.to(weight.device) for name, t in catch_up_tables(beta1, beta2).items()}
+    tab = catch_up_tables(beta1, beta2, weight.device)
     last = tab["sum"].numel() - 1
     kc = k.clamp(max=last)
     coeff = (lr * catch_up_sum(t0, k, beta1, beta2)).to(weight.dtype)
