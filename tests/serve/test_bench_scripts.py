@@ -50,3 +50,50 @@ def test_cap_features_on_the_tiny_model(study):
     )
     assert f["entropy"].shape == (3,) and np.all(f["entropy"] >= 0)
     assert np.all((f[f"len{k}"] == 0) | (f[f"ended{k}"] == 1))
+
+
+@pytest.fixture(scope="module")
+def bounds():
+    path = SCRIPT.with_name("serve_bounds.py")
+    spec = importlib.util.spec_from_file_location("serve_bounds", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_calibrated_predictions_keep_the_marginal_and_the_correlation(bounds):
+    from scipy.stats import spearmanr
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 200, 400).astype(float)
+    perfect = bounds.calibrated_predictions(lengths, 1.0, rng)
+    assert np.array_equal(np.sort(perfect), np.sort(lengths))
+    assert np.array_equal(perfect, lengths)  # rho 1: each request predicted its own length
+    for rho in (0.0, 0.5, 0.9):
+        pred = bounds.calibrated_predictions(lengths, rho, np.random.default_rng(1))
+        assert np.array_equal(np.sort(pred), np.sort(lengths))
+        assert abs(spearmanr(pred, lengths).statistic - rho) < 0.1
+
+
+def test_serve_bounds_on_a_small_trace(bounds, tmp_path):
+    import json
+
+    rng = np.random.default_rng(0)
+    lengths = np.where(rng.random(48) < 0.3, 64, rng.integers(2, 40, 48))
+    (tmp_path / "t.jsonl").write_text(
+        "".join(json.dumps({"prompt_len": 20, "output_len": int(n)}) + "\n" for n in lengths)
+    )
+    out = tmp_path / "b.json"
+    bounds.main(
+        ["--trace", str(tmp_path / "t.jsonl"), "--max-new-tokens", "64", "--batch-size", "8",
+         "--cost-model", "unit", "--rhos", "0,1", "--seeds", "2", "--json", str(out)]
+    )  # fmt: skip
+    r = json.loads(out.read_text())
+    perfect, b = r["sweep"]["1.0"], r["bounds"]
+    # perfect predictions: sorted and fcr are the oracle schedule; shortest-first is the best cb-sjf
+    assert perfect["sorted_x_fcfs"] == pytest.approx(b["oracle_x_fcfs"])
+    assert perfect["fcr_x_fcfs"] == pytest.approx(b["oracle_x_fcfs"])
+    assert b["oracle_x_fcfs"] > 1.2 and b["cb_x_fcfs"] > 1.2
+    assert b["spt_latency_x_cb"] < 1.0
+    assert r["sweep"]["0.0"]["cb_sjf_latency_x_cb"] >= b["spt_latency_x_cb"]
+    assert out.with_suffix(".png").is_file()

@@ -48,6 +48,7 @@ _LAZY: dict[str, str] = {
     "ridge_fit": "ecru.serve.predictors",
     "run_policy": "ecru.serve.runner",
     "simulate": "ecru.serve.simulator",
+    "simulate_continuous": "ecru.serve.simulator",
     "timed_predict": "ecru.serve.predictors",
 }
 
@@ -77,7 +78,7 @@ if TYPE_CHECKING:  # static analysers see the real imports
     from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
     from ecru.serve.runner import POLICIES, PolicyRun, run_policy
     from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
-    from ecru.serve.simulator import SimResult, TraceRequest, read_trace, simulate
+    from ecru.serve.simulator import SimResult, TraceRequest, read_trace, simulate, simulate_continuous
 
 
 def __getattr__(name: str):
@@ -131,5 +132,6 @@ __all__ = [
     "ridge_fit",
     "run_policy",
     "simulate",
+    "simulate_continuous",
     "timed_predict",
 ]

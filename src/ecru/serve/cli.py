@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 POLICY_NAMES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf")
-SIM_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle")
+SIM_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf")
 
 
 def _write_json(data: dict, path: str | None) -> None:
@@ -36,7 +36,10 @@ def _simulate(args: argparse.Namespace) -> int:
         raise EcruError(str(exc)) from exc
     cost = CostModel.load(args.cost_model) if args.cost_model else SMOLLM2_CPU
     trace = read_trace(args.trace)
-    result = simulate(trace, policy=args.policy, config=config, cost=cost, predict_s=args.predict_s)
+    if args.policy in ("cb", "cb-sjf"):
+        result = _simulate_continuous(args, trace, cost)
+    else:
+        result = simulate(trace, policy=args.policy, config=config, cost=cost, predict_s=args.predict_s)
     out = {
         **result.to_json(),
         "batch_size": args.batch_size,
@@ -45,6 +48,28 @@ def _simulate(args: argparse.Namespace) -> int:
     }
     _write_json(out, args.json)
     return 0
+
+
+def _simulate_continuous(args: argparse.Namespace, trace, cost):
+    from ecru.errors import EcruError
+    from ecru.serve.continuous import ContinuousConfig
+    from ecru.serve.queues import FCFSQueue, SJFQueue
+    from ecru.serve.simulator import simulate_continuous
+
+    predicted = [r.predicted_len for r in trace]
+    if args.policy == "cb-sjf" and any(p is None for p in predicted):
+        raise EcruError("policy 'cb-sjf' needs predicted_len on every trace line")
+    try:
+        config = ContinuousConfig(
+            max_batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, refill_min=args.refill_min
+        )
+        queue = FCFSQueue() if args.policy == "cb" else SJFQueue(predicted, aging=args.aging)
+    except ValueError as exc:
+        raise EcruError(str(exc)) from exc
+    result, _ = simulate_continuous(
+        trace, queue=queue, config=config, cost=cost, predict_s=args.predict_s, policy=args.policy
+    )
+    return result
 
 
 def _label(args: argparse.Namespace) -> int:
@@ -112,9 +137,7 @@ def _cost(args: argparse.Namespace) -> int:
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="serve_command", metavar="SUBCOMMAND", required=True)
 
-    sim = sub.add_parser(
-        "simulate", help="replay a length trace through a static policy (exact slot accounting)"
-    )
+    sim = sub.add_parser("simulate", help="replay a length trace through a policy (exact slot accounting)")
     sim.add_argument(
         "--trace", required=True, help='JSONL lines {"prompt_len", "output_len", "predicted_len"}'
     )
@@ -129,6 +152,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--cost-model",
         default=None,
         help="cost model JSON from `ecru serve cost` (default: SmolLM2 on 1 CPU thread)",
+    )
+    sim.add_argument(
+        "--refill-min", type=int, default=4, help="cb, cb-sjf: admit when this many rows are free"
+    )
+    sim.add_argument(
+        "--aging", type=float, default=0.5, help="cb-sjf: priority tokens per decode step waited"
     )
     sim.add_argument("--predict-s", type=float, default=0.0, help="seconds of length prediction to add")
     sim.add_argument("--json", default=None, help="write the result here (default: print it)")

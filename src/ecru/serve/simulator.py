@@ -1,9 +1,11 @@
-"""Replay a length trace through a static policy: exact token-slot accounting plus modelled time.
+"""Replay a length trace through a policy: exact token-slot accounting plus modelled time.
 
 Trace JSONL, one request per line: {"prompt_len": int, "output_len": int, "predicted_len": number}.
-Each batch runs min(cap, longest output_len in it) steps and computes rows x steps token slots (first
-attempts and FCR reruns alike). A request's useful tokens, min(output_len, max_new_tokens), count once,
-on the run that completes it.
+Static policies (`simulate`): each batch runs min(cap, longest output_len in it) steps and computes
+rows x steps token slots (first attempts and FCR reruns alike). A request's useful tokens,
+min(output_len, max_new_tokens), count once, on the run that completes it.
+Continuous batching (`simulate_continuous`): the admission rule of `generate_continuous`, step by step,
+with the same queue objects, so its admission order, decode steps, prefills and slots are the runner's.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
+from ecru.serve.continuous import ContinuousConfig
 from ecru.serve.cost import SMOLLM2_CPU, CostModel
 from ecru.serve.policies import Batch, PlanConfig, is_failure, plan_batches, rerun_batches
+from ecru.serve.queues import RequestQueue
 
 
 @dataclass(frozen=True)
@@ -138,3 +142,84 @@ def simulate(
         tokens_per_s=useful / clock if clock else float("inf"),
         mean_latency_s=sum(done_at.values()) / n,
     )
+
+
+def simulate_continuous(
+    trace: Sequence[TraceRequest],
+    *,
+    queue: RequestQueue,
+    config: ContinuousConfig,
+    cost: CostModel = SMOLLM2_CPU,
+    arrivals: Sequence[int] | None = None,
+    predict_s: float = 0.0,
+    policy: str = "cb",
+) -> tuple[SimResult, list[int]]:
+    """Continuous batching over the true lengths of `trace`; returns the result and the admission order.
+
+    Mirrors `generate_continuous`: request i joins `queue` at decode step `arrivals[i]`; when at least
+    `refill_min` rows are free (or nothing else can come, or the batch is empty), waiting requests are
+    prefilled together (one token each) and join the batch; every decode step gives each running row
+    one token; a row leaves when it has min(output_len, max_new_tokens) tokens. Time: one prefill per
+    admission, cost.step_time(rows, widest row) per decode step. Latency: finish minus arrival clock.
+    """
+    n = len(trace)
+    arrivals = list(arrivals) if arrivals is not None else [0] * n
+    target = [max(1, min(r.output_len, config.max_new_tokens)) for r in trace]
+    incoming = sorted(range(n), key=lambda i: arrivals[i])
+    done = [0] * n
+    arrived_at, finished_at = [0.0] * n, [0.0] * n
+    running: list[int] = []
+    clock, step, slots, prefills, order = predict_s, 0, 0, 0, []
+    while incoming or len(queue) or running:
+        while incoming and arrivals[incoming[0]] <= step:
+            i = incoming.pop(0)
+            queue.push(i, now=step)
+            arrived_at[i] = clock
+        free = config.max_batch_size - len(running)
+        if (
+            len(queue)
+            and (free >= min(config.refill_min, len(queue) + len(incoming)) or not running)
+            and free > 0
+        ):
+            admit = [queue.pop() for _ in range(min(free, len(queue)))]
+            order += admit
+            clock += cost.prefill_time(len(admit), max(trace[i].prompt_len for i in admit))
+            prefills, slots = prefills + 1, slots + len(admit)
+            for i in admit:
+                done[i] = 1
+                if done[i] >= target[i]:
+                    finished_at[i] = clock
+                else:
+                    running.append(i)
+        if not running:
+            if incoming and not len(queue):
+                step = max(step + 1, arrivals[incoming[0]])
+            continue
+        clock += cost.step_time(len(running), max(trace[i].prompt_len + done[i] for i in running))
+        slots += len(running)
+        for i in running:
+            done[i] += 1
+            if done[i] >= target[i]:
+                finished_at[i] = clock
+        running = [i for i in running if done[i] < target[i]]
+        step += 1
+    useful = sum(target)
+    elapsed = clock
+    result = SimResult(
+        policy=policy,
+        requests=n,
+        batches=prefills,
+        rerun_batches=0,
+        batch_steps=step,
+        padded_slots=slots,
+        useful_tokens=useful,
+        effective_token_ratio=useful / slots if slots else 1.0,
+        failures=0,
+        failure_ratio=0.0,
+        avg_padded_length=slots / n,
+        time_s=elapsed,
+        samples_per_s=n / elapsed if elapsed else float("inf"),
+        tokens_per_s=useful / elapsed if elapsed else float("inf"),
+        mean_latency_s=sum(f - a for f, a in zip(finished_at, arrived_at, strict=True)) / n,
+    )
+    return result, order
