@@ -14,7 +14,8 @@ same admission rule as the real loop) and asks three questions:
    measured cost model (step time grows with rows and context) it is the same schedule, timed.
 2. Predictor quality needed: synthetic calibrated predictors whose rank correlation with the true
    lengths is rho (a Gaussian copula mapped onto the measured length distribution), rho from 0 to 1,
-   through `sorted`, `fcr` and `cb-sjf`; medians over `--seeds` draws and arrival orders.
+   through `sorted`, `fcr`, `cb-sjf` and `cb-ljf` (longest predicted first: for throughput);
+   medians over `--seeds` draws and arrival orders.
 3. The arrival order: fcfs and cb depend on it, so every number is a median over `--seeds` shuffles.
 Prints a table, writes JSON and a PNG next to it.
 """
@@ -78,6 +79,7 @@ def run_all(
         PlanConfig,
         SJFQueue,
         TraceRequest,
+        make_queue,
         simulate,
         simulate_continuous,
     )
@@ -95,6 +97,7 @@ def run_all(
     runs = {
         "cb": (FCFSQueue(), cb),
         "cb-sjf": (SJFQueue(list(predicted), aging=aging), cb),
+        "cb-ljf": (make_queue("cb-ljf", list(predicted), aging=aging), cb),
         # shortest true length first, a free row refilled at once: the optimal schedule for mean latency
         "cb-sjf oracle": (SJFQueue([float(t) for t in lengths], aging=0.0), spt),
     }
@@ -154,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                     "oracle_x_fcfs": r["oracle"][0] / r["fcfs"][0],
                     "cb_x_fcfs": r["cb"][0] / r["fcfs"][0],
                     "cb_sjf_x_fcfs": r["cb-sjf"][0] / r["fcfs"][0],
+                    "cb_ljf_x_fcfs": r["cb-ljf"][0] / r["fcfs"][0],
                     "cb_sjf_latency_x_cb": r["cb-sjf"][1] / r["cb"][1],
                     "spt_latency_x_cb": r["cb-sjf oracle"][1] / r["cb"][1],
                     "fcfs_effective_token_ratio": r["fcfs"][2],
@@ -202,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
             "sorted_85pct_of_oracle_gain": needed("sorted_x_fcfs", lambda x: x - 1 >= 0.85 * gain),
             "fcr_1.5x_fcfs": needed("fcr_x_fcfs", lambda x: x >= 1.5),
             "cb_sjf_latency_0.6x_cb": needed("cb_sjf_latency_x_cb", lambda x: x <= 0.6),
+            "cb_ljf_85pct_of_oracle_gain_and_above_cb": needed(
+                "cb_ljf_x_fcfs", lambda x: x - 1 >= 0.85 * gain and x > bounds["cb_x_fcfs"]
+            ),
         },
     }
     print(
@@ -213,12 +220,13 @@ def main(argv: list[str] | None = None) -> None:
         f"bounds: oracle static {bounds['oracle_x_fcfs']:.2f}x fcfs, cb {bounds['cb_x_fcfs']:.2f}x fcfs, "
         f"shortest-first with perfect lengths: mean latency {bounds['spt_latency_x_cb']:.2f}x cb"
     )
-    print("| rho | sorted x fcfs | fcr x fcfs | cb-sjf x fcfs | cb-sjf latency x cb |")
-    print("|---|---|---|---|---|")
+    print("| rho | sorted x fcfs | fcr x fcfs | cb-sjf x fcfs | cb-ljf x fcfs | cb-sjf latency x cb |")
+    print("|---|---|---|---|---|---|")
     for rho in rhos:
         s = sweep[str(rho)]
         print(
             f"| {rho:g} | {s['sorted_x_fcfs']:.2f} | {s['fcr_x_fcfs']:.2f} | {s['cb_sjf_x_fcfs']:.2f} | "
+            f"{s['cb_ljf_x_fcfs']:.2f} | "
             f"{s['cb_sjf_latency_x_cb']:.2f} |"
         )
     print("rho needed:", json.dumps(result["rho_needed"]))
@@ -237,7 +245,13 @@ def plot(result: dict, rhos: list[float], path: Path) -> None:
 
     sweep, b = result["sweep"], result["bounds"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, label in (("sorted_x_fcfs", "sorted"), ("fcr_x_fcfs", "fcr"), ("cb_sjf_x_fcfs", "cb-sjf")):
+    curves = (
+        ("sorted_x_fcfs", "sorted"),
+        ("fcr_x_fcfs", "fcr"),
+        ("cb_sjf_x_fcfs", "cb-sjf"),
+        ("cb_ljf_x_fcfs", "cb-ljf"),
+    )
+    for key, label in curves:
         ax1.plot(rhos, [sweep[str(r)][key] for r in rhos], marker="o", label=label)
     ax1.axhline(b["oracle_x_fcfs"], ls="--", c="k", label="oracle static")
     ax1.axhline(b["cb_x_fcfs"], ls=":", c="g", label="cb (no predictor)")

@@ -183,10 +183,10 @@ def test_continuous_latency_counts_from_arrival():
     assert r.time_s == 3.0 and r.mean_latency_s == ((2 - 0) + (3 - 1)) / 2
 
 
-@pytest.mark.parametrize("policy", ["cb", "cb-sjf"])
+@pytest.mark.parametrize("policy", ["cb", "cb-sjf", "cb-ljf"])
 @pytest.mark.parametrize("refill_min", [1, 3])
 def test_continuous_simulator_equals_the_real_loop(model, prompts, reference, gen, policy, refill_min):
-    from ecru.serve import ContinuousConfig, FCFSQueue, SJFQueue, generate_continuous, simulate_continuous
+    from ecru.serve import ContinuousConfig, generate_continuous, make_queue, simulate_continuous
 
     true = [len(r) for r in reference]
     predicted = [(t * 7) % 13 for t in true]  # a poor predictor: the order still has to match
@@ -194,10 +194,24 @@ def test_continuous_simulator_equals_the_real_loop(model, prompts, reference, ge
     arrivals = [2 * (i // 3) for i in range(len(prompts))]
 
     def queue():
-        return FCFSQueue() if policy == "cb" else SJFQueue(predicted, aging=0.5)
+        return make_queue(policy, predicted, aging=0.5)
 
     run = generate_continuous(model, prompts, queue=queue(), gen=gen, config=config, arrivals=arrivals)
     trace = [TraceRequest(len(p), t) for p, t in zip(prompts, true, strict=True)]
     sim, order = simulate_continuous(trace, queue=queue(), config=config, arrivals=arrivals)
     assert order == run.admitted_order
     assert (sim.batch_steps, sim.batches, sim.padded_slots) == (run.decode_steps, run.prefills, run.slots)
+
+
+def test_longest_first_admission_shortens_the_drain():
+    from ecru.serve import ContinuousConfig, make_queue, simulate_continuous
+
+    # 2 rows; FCFS admits the 10-token answer last and it runs alone; longest-first starts it at once
+    trace = [TraceRequest(1, n) for n in (2, 2, 2, 2, 10)]
+    config = ContinuousConfig(max_batch_size=2, max_new_tokens=16, refill_min=1)
+    fcfs, _ = simulate_continuous(trace, queue=make_queue("cb"), config=config)
+    ljf, order = simulate_continuous(
+        trace, queue=make_queue("cb-ljf", [t.output_len for t in trace]), config=config
+    )
+    assert order[0] == 4 and ljf.batch_steps < fcfs.batch_steps
+    assert (fcfs.batch_steps, ljf.batch_steps) == (2 + 9, 9)

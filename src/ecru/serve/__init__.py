@@ -28,6 +28,7 @@ _LAZY: dict[str, str] = {
     "ProbePredictor": "ecru.serve.predictors",
     "RequestQueue": "ecru.serve.queues",
     "SJFQueue": "ecru.serve.queues",
+    "make_queue": "ecru.serve.queues",
     "SMOLLM2_CPU": "ecru.serve.cost",
     "STATIC_POLICIES": "ecru.serve.policies",
     "SelfLoRAConfig": "ecru.serve.self_predict",
@@ -75,7 +76,7 @@ if TYPE_CHECKING:  # static analysers see the real imports
         ridge_fit,
         timed_predict,
     )
-    from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
+    from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue, make_queue
     from ecru.serve.runner import POLICIES, PolicyRun, run_policy
     from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
     from ecru.serve.simulator import SimResult, TraceRequest, read_trace, simulate, simulate_continuous
@@ -114,6 +115,7 @@ __all__ = [
     "ProbePredictor",
     "RequestQueue",
     "SJFQueue",
+    "make_queue",
     "SelfLoRAConfig",
     "SelfLoRAPredictor",
     "SimResult",

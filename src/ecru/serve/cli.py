@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-POLICY_NAMES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf")
-SIM_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf")
+POLICY_NAMES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf", "cb-ljf")
+SIM_POLICIES = POLICY_NAMES
 
 
 def _write_json(data: dict, path: str | None) -> None:
@@ -36,7 +36,7 @@ def _simulate(args: argparse.Namespace) -> int:
         raise EcruError(str(exc)) from exc
     cost = CostModel.load(args.cost_model) if args.cost_model else SMOLLM2_CPU
     trace = read_trace(args.trace)
-    if args.policy in ("cb", "cb-sjf"):
+    if args.policy.startswith("cb"):
         result = _simulate_continuous(args, trace, cost)
     else:
         result = simulate(trace, policy=args.policy, config=config, cost=cost, predict_s=args.predict_s)
@@ -53,17 +53,17 @@ def _simulate(args: argparse.Namespace) -> int:
 def _simulate_continuous(args: argparse.Namespace, trace, cost):
     from ecru.errors import EcruError
     from ecru.serve.continuous import ContinuousConfig
-    from ecru.serve.queues import FCFSQueue, SJFQueue
+    from ecru.serve.queues import make_queue
     from ecru.serve.simulator import simulate_continuous
 
     predicted = [r.predicted_len for r in trace]
-    if args.policy == "cb-sjf" and any(p is None for p in predicted):
-        raise EcruError("policy 'cb-sjf' needs predicted_len on every trace line")
+    if args.policy != "cb" and any(p is None for p in predicted):
+        raise EcruError(f"policy {args.policy!r} needs predicted_len on every trace line")
     try:
         config = ContinuousConfig(
             max_batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, refill_min=args.refill_min
         )
-        queue = FCFSQueue() if args.policy == "cb" else SJFQueue(predicted, aging=args.aging)
+        queue = make_queue(args.policy, predicted, aging=args.aging)
     except ValueError as exc:
         raise EcruError(str(exc)) from exc
     result, _ = simulate_continuous(
@@ -153,11 +153,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cost model JSON from `ecru serve cost` (default: SmolLM2 on 1 CPU thread)",
     )
+    sim.add_argument("--refill-min", type=int, default=4, help="cb*: admit when this many rows are free")
     sim.add_argument(
-        "--refill-min", type=int, default=4, help="cb, cb-sjf: admit when this many rows are free"
-    )
-    sim.add_argument(
-        "--aging", type=float, default=0.5, help="cb-sjf: priority tokens per decode step waited"
+        "--aging", type=float, default=0.5, help="cb-sjf, cb-ljf: priority tokens per decode step waited"
     )
     sim.add_argument("--predict-s", type=float, default=0.0, help="seconds of length prediction to add")
     sim.add_argument("--json", default=None, help="write the result here (default: print it)")

@@ -77,7 +77,13 @@ class _Running:
         self.ids, self.pending = self.ids + ids, torch.cat([self.pending, pending])
 
     def keep(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (a bool mask), then drop cache columns that are padding in every row."""
+        """Keep only `rows` (a bool mask), then drop cache columns that are padding in every row.
+
+        Nothing is copied when every row stays: re-indexing would copy the whole KV cache each step
+        (~0.1 s per step for SmolLM2 at batch 16 and context 300 on one CPU thread, a third of the step).
+        """
+        if bool(rows.all()):
+            return
         index = rows.nonzero().flatten()
         self.ids = [self.ids[i] for i in index.tolist()]
         self.pending, self.mask = self.pending[index], self.mask[index]

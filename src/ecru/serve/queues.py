@@ -1,10 +1,13 @@
 """Waiting queues for continuous batching: which request is admitted next when a row frees up.
 
-`FCFSQueue` admits in arrival order. `SJFQueue` admits the shortest predicted response first, with
+`FCFSQueue` admits in arrival order (`cb`). `SJFQueue` admits the shortest predicted response first, with
 aging: a request's priority is predicted_len - aging x (steps waited). Every waiting request ages at the
 same rate, so the order is that of predicted_len + aging x arrival_step, a key fixed at arrival (a heap).
 A request arriving at step t has key >= aging x t, so one waiting since step a with prediction p is
-admitted by step a + p / aging at the latest, however many short requests keep arriving: no starvation.
+admitted by step a + p / aging at the latest, however many short requests keep arriving: no starvation
+(`cb-sjf`, for mean latency). The same queue on negated predictions admits the longest predicted first
+(`cb-ljf`, for throughput): with every request waiting, starting the long ones first leaves no long
+answer running alone at the end while the batch drains (longest-processing-time-first list scheduling).
 """
 
 from __future__ import annotations
@@ -61,3 +64,19 @@ class SJFQueue:
 
     def __len__(self) -> int:
         return len(self._heap)
+
+
+CONTINUOUS_POLICIES = ("cb", "cb-sjf", "cb-ljf")
+
+
+def make_queue(policy: str, predicted: Sequence[float] | None = None, *, aging: float = 0.5) -> RequestQueue:
+    """The waiting queue of a continuous-batching policy of `CONTINUOUS_POLICIES`."""
+    if policy not in CONTINUOUS_POLICIES:
+        raise ValueError(
+            f"unknown continuous policy {policy!r}; choose from {', '.join(CONTINUOUS_POLICIES)}"
+        )
+    if policy == "cb":
+        return FCFSQueue()
+    if predicted is None:
+        raise ValueError(f"policy {policy!r} needs a predicted length per request")
+    return SJFQueue(predicted if policy == "cb-sjf" else [-p for p in predicted], aging=aging)

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from ecru.serve.continuous import ContinuousConfig, generate_continuous
 from ecru.serve.engine import GenerationConfig, generate_static
 from ecru.serve.policies import STATIC_POLICIES, PlanConfig, plan_batches, rerun_batches
-from ecru.serve.queues import FCFSQueue, SJFQueue
+from ecru.serve.queues import CONTINUOUS_POLICIES, make_queue
 
-POLICIES = (*STATIC_POLICIES, "cb", "cb-sjf")
+POLICIES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
 
 
 @dataclass
@@ -103,8 +103,8 @@ def run_continuous(
     aging: float = 0.5,
     predict_s: float = 0.0,
 ) -> PolicyRun:
-    """`cb` (FCFS admission) or `cb-sjf` (shortest predicted first, aged)."""
-    queue = FCFSQueue() if policy == "cb" else SJFQueue(predicted, aging=aging)
+    """`cb` (FCFS admission), `cb-sjf` (shortest predicted first) or `cb-ljf` (longest first), aged."""
+    queue = make_queue(policy, predicted, aging=aging)
     start = time.perf_counter()
     result = generate_continuous(model, prompts, queue=queue, gen=gen, config=config)
     wall = predict_s + time.perf_counter() - start
@@ -127,7 +127,7 @@ def run_policy(
     """Run any policy of `POLICIES`; `predicted` is unused by fcfs and cb (pass the true lengths for oracle)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    if policy in ("cb", "cb-sjf"):
+    if policy in CONTINUOUS_POLICIES:
         config = ContinuousConfig(
             max_batch_size=plan.batch_size, max_new_tokens=plan.max_new_tokens, refill_min=refill_min
         )
