@@ -108,6 +108,90 @@ def aggregate(runs: list[dict]) -> dict:
             "metrics_ci": metrics_ci, "heldout": mean("heldout"), "cost": cost, "runs": runs}  # fmt: skip
 
 
+def _paired(methods: dict, a: str, b: str, fn) -> list[float]:
+    """fn(run of a, run of b) for every (seed, order) both methods ran."""
+    other = {(r["seed"], r["order"]): r for r in methods[b]["runs"]}
+    return [
+        fn(r, other[(r["seed"], r["order"])]) for r in methods[a]["runs"] if (r["seed"], r["order"]) in other
+    ]
+
+
+def check_targets(methods: dict) -> dict:
+    """The issue's targets for `ecru`, per run and as mean / std over runs; those whose methods ran.
+
+    Paired quantities (ecru vs zscl, vs independent) are computed run by run on the same (seed, order).
+    `seqft` must lose >= 5 points on transfer retention or the Banking77 probe, by more than twice the std
+    of its paired difference to ecru (the "differences claimed are larger than twice the std" rule).
+    """
+    out: dict[str, dict] = {}
+
+    def add(name: str, values: list[float], threshold: float, ok) -> None:
+        if values:
+            mean, std = statistics.fmean(values), statistics.pstdev(values)
+            out[name] = {
+                "mean": mean,
+                "std": std,
+                "runs": values,
+                "threshold": threshold,
+                "met": bool(ok(mean)),
+            }
+
+    if "ecru" not in methods:
+        return out
+    ecru = methods["ecru"]["runs"]
+    add(
+        "ecru_transfer_retention",
+        [r["metrics"]["transfer_retention"] for r in ecru],
+        -1.0,
+        lambda m: m >= -1.0,
+    )
+    add("ecru_heldout_drop", [r["metrics"]["heldout_drop"] for r in ecru], -1.0, lambda m: m >= -1.0)
+    add("ecru_bwt", [r["metrics"]["bwt"] for r in ecru], -2.0, lambda m: m >= -2.0)
+    if "independent" in methods:
+        diff = _paired(
+            methods, "ecru", "independent", lambda e, i: e["metrics"]["last"] - i["metrics"]["diag"]
+        )
+        add("ecru_last_minus_independent_diag", diff, -2.0, lambda m: m >= -2.0)
+    if "zscl" in methods:
+        diff = _paired(methods, "ecru", "zscl", lambda e, z: e["metrics"]["avg"] - z["metrics"]["avg"])
+        add("ecru_avg_minus_zscl_avg", diff, -0.5, lambda m: m >= -0.5)
+        ratio = _paired(methods, "ecru", "zscl", lambda e, z: e["cost"]["wall_s"] / z["cost"]["wall_s"])
+        add("ecru_wall_over_zscl_wall", ratio, 1 / 3, lambda m: m <= 1 / 3)
+        share = _paired(
+            methods,
+            "ecru",
+            "zscl",
+            lambda e, z: e["cost"]["trainable_params"] / z["cost"]["trainable_params"],
+        )
+        add("ecru_trainable_share", share, 0.02, lambda m: m <= 0.02)
+    if "seqft" in methods:
+        for key in ("transfer_retention", "heldout_drop"):
+            loss = _paired(methods, "seqft", "ecru", lambda s, e, k=key: s["metrics"][k] - e["metrics"][k])
+            own = [r["metrics"][key] for r in methods["seqft"]["runs"]]
+            add(f"seqft_{key}", own, -5.0, lambda m: m <= -5.0)
+            if loss:
+                std = statistics.pstdev(loss)
+                out[f"seqft_{key}"]["minus_ecru"] = statistics.fmean(loss)
+                out[f"seqft_{key}"]["minus_ecru_std"] = std
+                out[f"seqft_{key}"]["met"] &= bool(-statistics.fmean(loss) > 2 * std)
+        out["seqft_loses_5_points_on_one"] = {
+            "met": any(
+                out.get(f"seqft_{k}", {}).get("met", False) for k in ("transfer_retention", "heldout_drop")
+            )
+        }
+    return out
+
+
+def print_targets(targets: dict) -> None:
+    for name, t in targets.items():
+        if "mean" in t:
+            runs = ", ".join(f"{v:.2f}" for v in t["runs"])
+            print(f"{name:<34} {t['mean']:8.3f} ± {t['std']:.3f} (runs {runs}; bound {t['threshold']:.3g}) "
+                  f"{'met' if t['met'] else 'NOT met'}")  # fmt: skip
+        else:
+            print(f"{name:<34} {'met' if t['met'] else 'NOT met'}")
+
+
 def plot_heatmaps(methods: dict, path: Path) -> str:
     names = list(methods)
     cols = min(4, len(names))
@@ -164,6 +248,7 @@ def main(argv=None) -> int:
     if args.plot_only:
         methods = json.loads(args.json.read_text())["methods"]
         print_table(methods)
+        print_targets(check_targets(methods))
         print("wrote", *plot_all(methods, args.json))
         return 0
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -190,6 +275,7 @@ def main(argv=None) -> int:
     methods = write_json(args, kw, batch, start, per_method, partial=False)
     plots = plot_all(methods, args.json)
     print_table(methods)
+    print_targets(check_targets(methods))
     print(f"\nwrote {args.json} and {', '.join(plots)} in {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -207,7 +293,8 @@ def write_json(args, kw: dict, batch: int, start: float, per_method: dict, *, pa
               "threads": torch.get_num_threads(), "command": " ".join(["python", *sys.argv]),
               "total_wall_s": time.perf_counter() - start, "units": "percent", "partial": partial}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"config": config, "methods": methods}, indent=1))
+    out = {"config": config, "targets": check_targets(methods), "methods": methods}
+    args.json.write_text(json.dumps(out, indent=1))
     return methods
 
 

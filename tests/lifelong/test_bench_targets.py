@@ -1,0 +1,64 @@
+"""bench/lifelong.py's target check on hand-made runs: paired differences, std, the 2-std rule."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "lifelong.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("lifelong_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(seed, *, last=80.0, avg=80.0, diag=80.0, tr=0.0, drop=0.0, bwt=0.0, wall=10.0, params=100):
+    metrics = dict(last=last, avg=avg, diag=diag, transfer_retention=tr, heldout_drop=drop, bwt=bwt)
+    return {
+        "seed": seed,
+        "order": seed,
+        "metrics": metrics,
+        "cost": {"wall_s": wall, "trainable_params": params},
+    }
+
+
+def test_targets_pair_runs_by_seed_and_order(bench):
+    methods = {
+        "ecru": {
+            "runs": [run(0, last=90, avg=85, wall=10, params=1), run(1, last=92, avg=84, wall=20, params=1)]
+        },
+        # listed in the other order: pairing is by (seed, order), not position
+        "zscl": {"runs": [run(1, avg=85, wall=100, params=100), run(0, avg=85, wall=40, params=100)]},
+        "independent": {"runs": [run(0, diag=91), run(1, diag=95)]},
+        "seqft": {"runs": [run(0, drop=-6.0, tr=-1.0), run(1, drop=-8.0, tr=-1.0)]},
+    }
+    t = bench.check_targets(methods)
+    assert t["ecru_avg_minus_zscl_avg"]["runs"] == [0.0, -1.0]
+    assert t["ecru_avg_minus_zscl_avg"]["mean"] == -0.5 and t["ecru_avg_minus_zscl_avg"]["met"]
+    assert t["ecru_wall_over_zscl_wall"]["runs"] == [0.25, 0.2] and t["ecru_wall_over_zscl_wall"]["met"]
+    assert t["ecru_last_minus_independent_diag"]["runs"] == [-1.0, -3.0]
+    assert (
+        t["ecru_last_minus_independent_diag"]["mean"] == -2.0 and t["ecru_last_minus_independent_diag"]["met"]
+    )
+    assert t["ecru_trainable_share"]["mean"] == 0.01 and t["ecru_trainable_share"]["met"]
+    # seqft drops 6 and 8 points (ecru 0): mean difference 7 > 2 x std 1 -> shown
+    assert t["seqft_heldout_drop"]["met"] and not t["seqft_transfer_retention"]["met"]
+    assert t["seqft_loses_5_points_on_one"]["met"]
+
+
+def test_targets_not_met_and_the_two_std_rule(bench):
+    methods = {
+        "ecru": {"runs": [run(0, tr=-2.0, drop=0.0), run(1, tr=0.0, drop=0.0)]},
+        # a 5.5-point mean loss whose paired difference to ecru varies by +-4.5: not shown
+        "seqft": {"runs": [run(0, drop=-1.0), run(1, drop=-10.0)]},
+    }
+    t = bench.check_targets(methods)
+    assert t["ecru_transfer_retention"]["mean"] == -1.0 and t["ecru_transfer_retention"]["met"]
+    assert t["seqft_heldout_drop"]["mean"] == -5.5 and not t["seqft_heldout_drop"]["met"]
+    assert not t["seqft_loses_5_points_on_one"]["met"]
+    assert "ecru_avg_minus_zscl_avg" not in t  # zscl did not run
+    assert bench.check_targets({"seqft": methods["seqft"]}) == {}
