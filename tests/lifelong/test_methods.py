@@ -88,6 +88,21 @@ def test_resume_from_task_checkpoint_equals_uninterrupted_run(name, tiny_model, 
         torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def test_resume_refuses_a_checkpoint_of_another_run(tiny_model, tiny_evaluator, tmp_path):
+    from dataclasses import replace
+
+    from ecru.errors import EcruError
+
+    run_stream(make_method("seqft", tiny_model(), train=TRAIN), tiny_evaluator, checkpoint_dir=tmp_path,
+               stop_after=1, log=lambda s: None)  # fmt: skip
+    for other in (
+        make_method("seqft", tiny_model(), train=replace(TRAIN, lr=2 * TRAIN.lr)),
+        make_method("lwf", tiny_model(), train=TRAIN),
+    ):
+        with pytest.raises(EcruError, match="different run"):
+            run_stream(other, tiny_evaluator, checkpoint_dir=tmp_path, log=lambda s: None)
+
+
 def test_wise_ft_interpolates_the_fine_tuned_weights_with_the_initial_ones(tiny_model, tiny_evaluator):
     task = tiny_evaluator.stream.tasks[0]
     init = {k: v.clone() for k, v in tiny_model().encoder.state_dict().items()}

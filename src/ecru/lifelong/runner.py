@@ -6,6 +6,7 @@ so a long run killed mid-way resumes at task i+1 and ends with the same matrix a
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any
 import psutil
 import torch
 
+from ecru.errors import EcruError
 from ecru.lifelong.evaluate import EvalRow, Evaluator
 from ecru.lifelong.methods.base import Method, TaskCost, tensor_bytes
 from ecru.lifelong.metrics import cl_metrics
@@ -82,6 +84,18 @@ def _checkpoint(folder: Path | None) -> Path | None:
     return None if folder is None else Path(folder) / "last.pt"
 
 
+def signature(method: Method, evaluator: Evaluator) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: the method, its config and training, the stream."""
+    train = getattr(method, "train", None)
+    stream = evaluator.stream
+    return {
+        "method": method.name,
+        "config": repr(getattr(method, "cfg", None)),
+        "train": None if train is None else repr(dataclasses.replace(train, progress=True)),
+        "stream": [[t.name, len(t.train), len(t.test)] for t in stream.tasks] + [len(stream.heldout)],
+    }
+
+
 def _summarise(costs: list[dict[str, float]], peak_mb: float) -> dict[str, float]:
     return {
         "trainable_params": max(c["trainable_params"] for c in costs),
@@ -114,6 +128,15 @@ def run_stream(
     progress = _Progress([], [])
     if ckpt is not None and ckpt.is_file():
         saved = torch.load(ckpt, weights_only=False)
+        want, got = signature(method, evaluator), saved.get("signature")
+        if got is None:
+            log(f"{ckpt} predates run signatures: resuming without checking that it is the same run")
+        elif got != want:
+            diff = ", ".join(k for k in want if got.get(k) != want[k])
+            raise EcruError(
+                f"{ckpt} was written by a different run (its {diff} differ from this one's); "
+                "fix: give this run its own checkpoint folder, or delete that one to start again"
+            )
         method.load_state_dict(saved["method"])
         progress, r0 = saved["progress"], saved["r0"]
         log(f"{method.name}: resumed after task {len(progress.rows)} of {len(tasks)} from {ckpt}")
@@ -130,7 +153,13 @@ def run_stream(
             if ckpt is not None:
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(
-                    {"method": method.state_dict(), "progress": progress, "r0": r0}, ckpt.with_suffix(".tmp")
+                    {
+                        "method": method.state_dict(),
+                        "progress": progress,
+                        "r0": r0,
+                        "signature": signature(method, evaluator),
+                    },
+                    ckpt.with_suffix(".tmp"),
                 )
                 ckpt.with_suffix(".tmp").replace(
                     ckpt
