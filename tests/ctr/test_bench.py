@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from ecru.cowclip import scaled_recipe
+from tests.bench_scripts import load_bench_script
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "ctr_scaling.py"
 KEYS = {
@@ -115,10 +116,7 @@ def test_sparse_only_plan(bench, tmp_path, monkeypatch):
 
 
 def test_recipe_search_on_a_tiny_setting(bench, tmp_path, monkeypatch):
-    path = BENCH.with_name("ctr_recipe_search.py")
-    spec = importlib.util.spec_from_file_location("ctr_recipe_search", path)
-    search = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(search)  # its `from ctr_scaling import QUICK` finds the fixture's module
+    search = load_bench_script("ctr_recipe_search")  # `from ctr_scaling import QUICK`: the fixture's module
     monkeypatch.setattr(search, "QUICK", _tiny_setting(bench, rows=4000))
     out = tmp_path / "search.json"
     assert search.main(["--seeds", "0,1", "--batch", "512", "--json", str(out)]) == 0

@@ -1,19 +1,13 @@
 """bench/lifelong.py's target check on hand-made runs: paired differences, std, the 2-std rule."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "lifelong.py"
+from tests.bench_scripts import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("lifelong_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("lifelong")
 
 
 def run(seed, *, last=80.0, avg=80.0, diag=80.0, tr=0.0, drop=0.0, bwt=0.0, wall=10.0, params=100):

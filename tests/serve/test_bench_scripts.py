@@ -1,20 +1,14 @@
 """bench/serve_predictors.py's cap study helpers: the mixture median, out-of-fold CV, prefix features."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "serve_predictors.py"
+from tests.bench_scripts import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("serve_predictors", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("serve_predictors")
 
 
 def test_mixture_median_by_hand(study):
@@ -54,11 +48,7 @@ def test_cap_features_on_the_tiny_model(study):
 
 @pytest.fixture(scope="module")
 def bounds():
-    path = SCRIPT.with_name("serve_bounds.py")
-    spec = importlib.util.spec_from_file_location("serve_bounds", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("serve_bounds")
 
 
 def test_calibrated_predictions_keep_the_marginal_and_the_correlation(bounds):
