@@ -51,6 +51,14 @@ class ContinuousResult:
     admitted_order: list[int] = field(default_factory=list)
 
 
+def admissions(*, free: int, waiting: int, upcoming: int, running: int, refill_min: int) -> int:
+    """How many waiting requests join the batch now: none unless at least `refill_min` rows are free (or
+    fewer requests are left than that, or the batch is empty); then as many as fit."""
+    if waiting and free > 0 and (free >= min(refill_min, waiting + upcoming) or not running):
+        return min(free, waiting)
+    return 0
+
+
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     """Zero-pad `t` on the left of dimension `dim` (-1 or -2) up to `width`."""
     return F.pad(t, (0, 0) * (-dim - 1) + (width - t.shape[dim], 0))
@@ -129,13 +137,15 @@ def generate_continuous(
     while incoming or len(queue) or run.ids:
         while incoming and arrivals[incoming[0]] <= step:
             queue.push(incoming.pop(0), now=step)
-        free = config.max_batch_size - len(run.ids)
-        if (
-            len(queue)
-            and (free >= min(config.refill_min, len(queue) + len(incoming)) or not run.ids)
-            and free > 0
-        ):
-            admit = [queue.pop() for _ in range(min(free, len(queue)))]
+        n_admit = admissions(
+            free=config.max_batch_size - len(run.ids),
+            waiting=len(queue),
+            upcoming=len(incoming),
+            running=len(run.ids),
+            refill_min=config.refill_min,
+        )
+        if n_admit:
+            admit = [queue.pop() for _ in range(n_admit)]
             order += admit
             ids, mask = left_pad([prompts[i] for i in admit], gen.pad_token_id)
             cache = new_cache(model)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
-from ecru.serve.continuous import ContinuousConfig
+from ecru.serve.continuous import ContinuousConfig, admissions
 from ecru.serve.cost import SMOLLM2_CPU, CostModel
 from ecru.serve.policies import Batch, PlanConfig, is_failure, plan_batches, rerun_batches
 from ecru.serve.queues import RequestQueue
@@ -175,13 +175,15 @@ def simulate_continuous(
             i = incoming.pop(0)
             queue.push(i, now=step)
             arrived_at[i] = clock
-        free = config.max_batch_size - len(running)
-        if (
-            len(queue)
-            and (free >= min(config.refill_min, len(queue) + len(incoming)) or not running)
-            and free > 0
-        ):
-            admit = [queue.pop() for _ in range(min(free, len(queue)))]
+        n_admit = admissions(
+            free=config.max_batch_size - len(running),
+            waiting=len(queue),
+            upcoming=len(incoming),
+            running=len(running),
+            refill_min=config.refill_min,
+        )
+        if n_admit:
+            admit = [queue.pop() for _ in range(n_admit)]
             order += admit
             clock += cost.prefill_time(len(admit), max(trace[i].prompt_len for i in admit))
             prefills, slots = prefills + 1, slots + len(admit)
