@@ -38,6 +38,22 @@ def test_each_method_runs_a_tiny_stream(name, tiny_model, tiny_evaluator):
         assert moved > 1e-4  # training changed what the model computes
 
 
+def test_routed_thresholds_from_reference_negatives_run_a_tiny_stream(tiny_model, tiny_evaluator):
+    from ecru.lifelong import RoutedConfig
+    from ecru.lifelong.methods import needs_teacher
+
+    stream, cfg = tiny_evaluator.stream, RoutedConfig(negative_quantile=0.99)
+    assert needs_teacher("ecru", cfg) and not needs_teacher("ecru") and needs_teacher("zscl")
+    teacher = _teacher(stream, tiny_model())
+    plain = make_method("ecru", tiny_model(), train=TRAIN)
+    method = make_method("ecru", tiny_model(), train=TRAIN, teacher=teacher, config=cfg)
+    res = run_stream(method, tiny_evaluator, log=lambda s: None)
+    assert len(res.R) == len(stream.tasks) and teacher.computed == 1
+    plain.learn(stream.tasks[0], index=0)
+    # the negatives can only lower a task's threshold
+    assert method.router.thresholds[0] <= plain.router.thresholds[0]
+
+
 def test_adapter_methods_train_only_adapters(tiny_model, tiny_evaluator):
     stream = tiny_evaluator.stream
     full = sum(p.numel() for p in tiny_model().parameters())

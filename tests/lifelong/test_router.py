@@ -117,3 +117,30 @@ def test_validation_split_never_uses_test_utterances():
     assert {e.text for e in stream.heldout} <= {e.text for e in load_banking77()["train"]}
     with pytest.raises(EcruError, match="split"):
         StreamConfig(split="dev")
+
+
+def test_negatives_lower_the_threshold_to_their_quantile_but_never_raise_it():
+    torch.manual_seed(0)
+    center = F.normalize(torch.randn(8, dtype=torch.float64), dim=-1)
+    emb = F.normalize(center + 0.3 * torch.randn(50, 8, dtype=torch.float64), dim=-1)
+    far = F.normalize(-center + 0.3 * torch.randn(40, 8, dtype=torch.float64), dim=-1)  # texts of no task
+    loo = knn_scores(emb, emb, k=3, exclude_self=True)
+    router = Router(k=3, percentile=10, negative_quantile=0.99)
+    router.add_task(emb, far)
+    want = torch.quantile(knn_scores(far, emb, k=3), 0.99).item()
+    assert want < torch.quantile(loo, 0.1).item()
+    assert router.thresholds[0] == pytest.approx(want, abs=1e-12)
+    assert router(emb).eq(0).all() and router(far).eq(FROZEN).float().mean() >= 0.95
+    # negatives as close as the task's own texts: the percentile bound stays
+    near = Router(k=3, percentile=10, negative_quantile=0.99)
+    near.add_task(emb, emb.flip(0))
+    assert near.thresholds[0] == pytest.approx(torch.quantile(loo, 0.1).item(), abs=1e-12)
+    with pytest.raises(ValueError, match="negatives"):
+        Router(k=3, percentile=10, negative_quantile=0.5).add_task(emb)
+
+
+def test_negative_quantile_needs_the_teacher(tiny_model):
+    with pytest.raises(EcruError, match="teacher"):
+        make_method("ecru", tiny_model(), train=TRAIN, config=RoutedConfig(negative_quantile=0.99))
+    with pytest.raises(EcruError, match="negative_quantile"):
+        RoutedConfig(negative_quantile=1.5)

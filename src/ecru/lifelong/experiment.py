@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ecru.lifelong.evaluate import EvalRow, Evaluator
-from ecru.lifelong.methods import DISTILLING, TrainConfig, make_method
+from ecru.lifelong.methods import TrainConfig, make_method, needs_teacher
 from ecru.lifelong.methods.registry import Config
 from ecru.lifelong.reference import TeacherCache
 from ecru.lifelong.runner import RunResult, run_stream
@@ -38,7 +38,7 @@ class Experiment:
     def run(self, method: str, train: TrainConfig, *, checkpoint_dir: Path | None = None,
             config: Config | None = None) -> RunResult:  # fmt: skip
         """Run `method` (with `config` instead of its preset, if given) on the stream."""
-        teacher = self.teacher if method in DISTILLING else None
+        teacher = self.teacher if needs_teacher(method, config) else None
         if teacher is not None:
             teacher.embeddings()  # encode the reference set before the clock of the first task starts
         m = make_method(method, load_minilm(), train=train, teacher=teacher, config=config)

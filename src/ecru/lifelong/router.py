@@ -6,6 +6,9 @@ utterances. A text's score for a task is its mean cosine similarity to its `k` n
 utterances of that task; it goes to the best-scoring task if that score reaches the task's threshold, and
 to the frozen model otherwise (unseen domains, held-out datasets). Each threshold is a low percentile of
 the task's own training utterances' leave-one-out scores, so fitting needs that task's training data only.
+Given negatives (texts of no learned task, e.g. the reference sentences), the threshold may go lower:
+down to a high quantile of the negatives' scores, so that nearly all of the task's own texts pass while
+almost no negative does.
 """
 
 from __future__ import annotations
@@ -47,16 +50,26 @@ def route(scores: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
 class Router:
     """Per-task frozen embeddings of training utterances and a threshold per task."""
 
-    def __init__(self, *, k: int, percentile: float):
-        self.k, self.percentile = k, percentile
+    def __init__(self, *, k: int, percentile: float, negative_quantile: float | None = None):
+        self.k, self.percentile, self.negative_quantile = k, percentile, negative_quantile
         self.keys: list[torch.Tensor] = []
         self.thresholds: list[float] = []
 
-    def add_task(self, train_emb: torch.Tensor) -> None:
-        """Register the next task from the frozen embeddings [N, D] of its training utterances."""
+    def add_task(self, train_emb: torch.Tensor, negatives: torch.Tensor | None = None) -> None:
+        """Register the next task from the frozen embeddings [N, D] of its training utterances.
+
+        Threshold: the `percentile` of their leave-one-out scores; with `negative_quantile` and
+        `negatives` [M, D], the lower of that and the `negative_quantile` of the negatives' scores.
+        """
         loo = knn_scores(train_emb, train_emb, k=self.k, exclude_self=True)
+        threshold = torch.quantile(loo, self.percentile / 100).item()
+        if self.negative_quantile is not None:
+            if negatives is None:
+                raise ValueError("negative_quantile is set: add_task needs the negatives' embeddings")
+            neg = knn_scores(negatives.to(train_emb.dtype), train_emb, k=self.k)
+            threshold = min(threshold, torch.quantile(neg, self.negative_quantile).item())
         self.keys.append(train_emb.detach().clone())
-        self.thresholds.append(torch.quantile(loo, self.percentile / 100).item())
+        self.thresholds.append(threshold)
 
     def scores(self, emb: torch.Tensor) -> torch.Tensor:
         """[Q, T] scores of frozen embeddings `emb` [Q, D] for each learned task."""

@@ -11,6 +11,7 @@ from ecru.lifelong.methods.registry import (
     ROUTED,
     ZeroShot,
     make_method,
+    needs_teacher,
 )
 from ecru.lifelong.methods.routed import RoutedAdapters, RoutedConfig, RoutedEncoder
 
@@ -32,4 +33,5 @@ __all__ = [
     "TrainConfig",
     "ZeroShot",
     "make_method",
+    "needs_teacher",
 ]

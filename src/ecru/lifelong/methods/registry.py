@@ -85,8 +85,15 @@ def make_method(name: str, model: MiniLM, *, train: TrainConfig, teacher: Teache
         if name in presets:
             return cls(name, model, train, _config(name, presets[name], config), teacher=teacher)
     if name in ROUTED:
-        return RoutedAdapters(name, model, train, _config(name, ROUTED[name], config))
+        return RoutedAdapters(name, model, train, _config(name, ROUTED[name], config), teacher=teacher)
     raise EcruError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+
+
+def needs_teacher(name: str, config: Config | None = None) -> bool:
+    """Whether method `name` (with `config`, else its preset) uses the reference sentences' teacher cache."""
+    if name in ROUTED:
+        return (config or ROUTED[name]).negative_quantile is not None
+    return name in DISTILLING
 
 
 def _config(name: str, preset: Config, config: Config | None) -> Config:

@@ -35,6 +35,7 @@ from ecru.lifelong.methods.base import (
     trainable,
 )
 from ecru.lifelong.prefix import FrozenPrefix, PrefixCachedEncoder
+from ecru.lifelong.reference import TeacherCache
 from ecru.lifelong.router import FROZEN, Router
 from ecru.lifelong.stream import Task
 from ecru.models import MiniLM
@@ -60,6 +61,9 @@ class RoutedConfig:
     """A task's threshold: this percentile of its training utterances' leave-one-out scores."""
     frozen_labels: bool = True
     """Intent names always go through the frozen model; False = names are routed and trained like utterances."""
+    negative_quantile: float | None = None
+    """If set, a task's threshold may go down to this quantile of the reference sentences' scores (texts of
+    no task: CLINC out-of-scope queries, Wikipedia), so more of its own texts reach its adapter."""
     anchor: float = 0.0
     """Weight of distillation towards the frozen model on the batch's own utterances (ZSCL's two-way loss at
     T=2, their frozen embeddings reused from the router's fit: no extra forward pass); keeps the adapter from
@@ -76,6 +80,8 @@ class RoutedConfig:
             raise EcruError(f"anchor must be >= 0; got {self.anchor}")
         if not 0 <= self.percentile <= 100:
             raise EcruError(f"percentile must be in [0, 100]; got {self.percentile}")
+        if self.negative_quantile is not None and not 0 < self.negative_quantile <= 1:
+            raise EcruError(f"negative_quantile must be in (0, 1] or None; got {self.negative_quantile}")
 
 
 class RoutedEncoder:
@@ -114,10 +120,15 @@ class RoutedEncoder:
 class RoutedAdapters:
     """A LoRA adapter per learned task, a router, and the frozen encoder under them (never stored)."""
 
-    def __init__(self, name: str, model: MiniLM, train: TrainConfig, cfg: RoutedConfig):
-        self.name, self.model, self.train, self.cfg = name, model, train, cfg
+    def __init__(self, name: str, model: MiniLM, train: TrainConfig, cfg: RoutedConfig,
+                 *, teacher: TeacherCache | None = None):  # fmt: skip
+        if cfg.negative_quantile is not None and teacher is None:
+            raise EcruError(
+                f"{name} with negative_quantile needs the teacher cache of the reference sentences"
+            )
+        self.name, self.model, self.train, self.cfg, self.teacher = name, model, train, cfg, teacher
         self.adapters: list[str] = []
-        self.router = Router(k=cfg.knn, percentile=cfg.percentile)
+        self.router = Router(k=cfg.knn, percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
         # peft wraps the model around a first adapter: task 0's, unused until task 0 is learned
         self._add_adapter(0)
         self.prefix = FrozenPrefix(model, min(cfg.layers))
@@ -162,7 +173,8 @@ class RoutedAdapters:
             self._add_adapter(index)
         texts = [e.text for e in task.train]
         frozen = enc.frozen(texts)
-        self.router.add_task(frozen)
+        negatives = self.teacher.embeddings() if self.cfg.negative_quantile is not None else None
+        self.router.add_task(frozen, negatives)
         teacher = dict(zip(texts, frozen, strict=True))
         names = enc.frozen([humanize_intent(i) for i in task.intents]) if self.cfg.frozen_labels else None
         self._activate(self.adapters[index])
