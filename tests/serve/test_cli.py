@@ -52,7 +52,6 @@ def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
         "oracle",
         "cb",
         "cb-sjf",
-        "cb-ljf",
     }
     keys = {
         "samples_per_s",

@@ -44,7 +44,7 @@ class BenchConfig:
     """Global cap on generated tokens."""
     batch_size: int = 16
     """Static batch size (and continuous batching's row limit)."""
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = tuple(p for p in POLICIES if p != "cb-ljf")
     """Policies to run (fcfs always runs first: it records the true lengths)."""
     predictor: str = "self-lora"
     """Length predictor for the predicted policies."""

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 POLICY_NAMES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf", "cb-ljf")
+DEFAULT_BENCH_POLICIES = POLICY_NAMES[:-1]  # cb-ljf on request: `--policies ...,cb-ljf`
 SIM_POLICIES = POLICY_NAMES
 
 
@@ -182,7 +183,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--n", type=int, default=256)
     bench.add_argument("--max-new-tokens", type=int, default=256)
     bench.add_argument("--batch-size", type=int, default=16)
-    bench.add_argument("--policies", default=",".join(POLICY_NAMES))
+    bench.add_argument(
+        "--policies", default=",".join(DEFAULT_BENCH_POLICIES), help=f"any of {', '.join(POLICY_NAMES)}"
+    )
     bench.add_argument(
         "--predictor", choices=("self-lora", "probe", "minilm", "oracle", "constant"), default="self-lora"
     )
