@@ -74,3 +74,26 @@ def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
 def test_bench_rejects_unknown_policy(capsys):
     assert main(["serve", "bench", "--model", "tiny", "--policies", "fcfs,lifo"]) == 1
     assert "lifo" in capsys.readouterr().err
+
+
+def test_bench_runs_cb_ljf_when_asked(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say something about {i}"}) + "\n" for i in range(5)))
+    out = tmp_path / "bench.json"
+    args = [
+        "serve",
+        "bench",
+        "--model",
+        "tiny",
+        "--prompts",
+        str(prompts),
+        "--n",
+        "5",
+        "--max-new-tokens",
+        "6",
+    ]
+    args += ["--batch-size", "2", "--policies", "fcfs,cb,cb-ljf", "--predictor", "oracle", "--json", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert set(result["policies"]) == {"fcfs", "cb", "cb-ljf"}
+    assert all(m["outputs_match_fcfs"] for m in result["policies"].values())
