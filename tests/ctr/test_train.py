@@ -47,6 +47,7 @@ def _ddp_worker(rank: int, world: int, init: str, mode: str, out: str) -> None:
     res = train(TrainConfig(batch_size=200, recipe="cowclip", mode=mode, **SMALL), tr, te)
     if rank == 0:
         torch.save({"auc": res.auc, "losses": res.losses}, out)
+    dist.barrier()  # both ranks tear gloo down together: none exits while its peer is still connected
     dist.destroy_process_group()
 
 

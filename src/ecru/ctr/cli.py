@@ -101,6 +101,16 @@ def _init_distributed(device: str) -> tuple[int, str]:
     return dist.get_rank(), device
 
 
+def _close_distributed() -> None:
+    """Under torchrun: every rank done communicating, then the process group torn down together (a rank that
+    exits while its peer is still connected can abort inside gloo)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _train(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
@@ -134,6 +144,7 @@ def _train(args: argparse.Namespace) -> int:
         device=device,
     )
     res = train(cfg, train_data, test_data)
+    _close_distributed()
     if rank:
         return 0
     out = {
