@@ -20,8 +20,17 @@ import torch
 
 
 def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
-    """The simulator on the bench's own lengths: effective ratio and samples/s ratio per static policy."""
-    from ecru.serve import SMOLLM2_CPU, CostModel, PlanConfig, TraceRequest, simulate
+    """The simulator on the bench's own lengths: effective ratio and samples/s ratio per policy run."""
+    from ecru.serve import (
+        SMOLLM2_CPU,
+        ContinuousConfig,
+        CostModel,
+        PlanConfig,
+        TraceRequest,
+        make_queue,
+        simulate,
+        simulate_continuous,
+    )
 
     setup = result["setup"]
     cost = CostModel.load(cost_path) if cost_path else SMOLLM2_CPU
@@ -37,13 +46,16 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
     fcfs_s = simulate(trace, policy="fcfs", config=config, cost=cost).time_s
     cost = cost.scaled(result["policies"]["fcfs"]["wall_s"] / fcfs_s)
     out = {}
-    for policy in ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle"):
+    continuous = ContinuousConfig(max_batch_size=config.batch_size, max_new_tokens=config.max_new_tokens)
+    for policy in ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf", "cb-ljf"):
         if policy not in result["policies"]:
             continue
-        uses_prediction = policy in ("sorted", "fcr", "fcr+vbs")
-        sim = simulate(
-            trace, policy=policy, config=config, cost=cost, predict_s=predict_s if uses_prediction else 0
-        )
+        charged = predict_s if policy not in ("fcfs", "oracle", "cb") else 0.0
+        if policy.startswith("cb"):
+            queue = make_queue(policy, setup["predicted_lengths"], aging=setup.get("aging", 0.5))
+            sim, _ = simulate_continuous(trace, queue=queue, config=continuous, cost=cost, predict_s=charged)
+        else:
+            sim = simulate(trace, policy=policy, config=config, cost=cost, predict_s=charged)
         out[policy] = {
             "effective_token_ratio": sim.effective_token_ratio,
             "samples_per_s": sim.samples_per_s,

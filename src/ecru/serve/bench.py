@@ -213,6 +213,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
             "batch_size": config.batch_size,
             "threads": torch.get_num_threads(),
             "repeats": config.repeats,
+            "aging": config.aging,
             "orders": orders,
             "train_labels": str(labels_path(config)),
             "true_lengths": true,
