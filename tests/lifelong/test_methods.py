@@ -54,6 +54,30 @@ def test_routed_thresholds_from_reference_negatives_run_a_tiny_stream(tiny_model
     assert method.router.thresholds[0] <= plain.router.thresholds[0]
 
 
+def test_routed_reference_distillation_pulls_reference_texts_back_to_the_frozen_embeddings(
+    tiny_model, tiny_evaluator
+):
+    from ecru.lifelong import RoutedConfig
+    from ecru.lifelong.methods import needs_teacher
+
+    stream = tiny_evaluator.stream
+    teacher = _teacher(stream, tiny_model())
+    cfg = RoutedConfig(reference=5.0, lr=1e-2)
+    assert needs_teacher("ecru", cfg)
+    with pytest.raises(EcruError, match="teacher"):
+        make_method("ecru", tiny_model(), train=TRAIN, config=cfg)
+    drift = {}
+    for weight in (0.0, 5.0):
+        m = make_method(
+            "ecru", tiny_model(), train=TRAIN, teacher=teacher, config=RoutedConfig(reference=weight, lr=1e-2)
+        )
+        m.learn(stream.tasks[0], index=0)
+        m.peft.base_model.set_adapter(m.adapters[0])
+        ref = list(teacher.texts[:16])
+        drift[weight] = (m.student.encode(ref) - teacher.embeddings()[:16]).norm(dim=-1).mean().item()
+    assert drift[5.0] < drift[0.0]  # the adapter moves reference texts less when distilled on them
+
+
 def test_adapter_methods_train_only_adapters(tiny_model, tiny_evaluator):
     stream = tiny_evaluator.stream
     full = sum(p.numel() for p in tiny_model().parameters())

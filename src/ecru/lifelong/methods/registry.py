@@ -92,7 +92,8 @@ def make_method(name: str, model: MiniLM, *, train: TrainConfig, teacher: Teache
 def needs_teacher(name: str, config: Config | None = None) -> bool:
     """Whether method `name` (with `config`, else its preset) uses the reference sentences' teacher cache."""
     if name in ROUTED:
-        return (config or ROUTED[name]).negative_quantile is not None
+        cfg = config or ROUTED[name]
+        return cfg.negative_quantile is not None or cfg.reference > 0
     return name in DISTILLING
 
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import random
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from ecru.lifelong.methods.base import (
     fit,
     intent_batch,
     num_steps,
+    reference_loss,
     seed_task,
     trainable,
 )
@@ -64,6 +66,10 @@ class RoutedConfig:
     negative_quantile: float | None = None
     """If set, a task's threshold may go down to this quantile of the reference sentences' scores (texts of
     no task: CLINC out-of-scope queries, Wikipedia), so more of its own texts reach its adapter."""
+    reference: float = 0.0
+    """Weight of ZSCL's distillation on a batch of reference sentences through the task's adapter (teacher side
+    from the cache): the adapter learns to leave texts of no task as the frozen model embeds them, so a
+    text routed to it by mistake loses little and the router's threshold can be looser."""
     anchor: float = 0.0
     """Weight of distillation towards the frozen model on the batch's own utterances (ZSCL's two-way loss at
     T=2, their frozen embeddings reused from the router's fit: no extra forward pass); keeps the adapter from
@@ -80,6 +86,8 @@ class RoutedConfig:
             raise EcruError(f"anchor must be >= 0; got {self.anchor}")
         if not 0 <= self.percentile <= 100:
             raise EcruError(f"percentile must be in [0, 100]; got {self.percentile}")
+        if self.reference < 0:
+            raise EcruError(f"reference must be >= 0; got {self.reference}")
         if self.negative_quantile is not None and not 0 < self.negative_quantile <= 1:
             raise EcruError(f"negative_quantile must be in (0, 1] or None; got {self.negative_quantile}")
 
@@ -122,9 +130,9 @@ class RoutedAdapters:
 
     def __init__(self, name: str, model: MiniLM, train: TrainConfig, cfg: RoutedConfig,
                  *, teacher: TeacherCache | None = None):  # fmt: skip
-        if cfg.negative_quantile is not None and teacher is None:
+        if (cfg.negative_quantile is not None or cfg.reference > 0) and teacher is None:
             raise EcruError(
-                f"{name} with negative_quantile needs the teacher cache of the reference sentences"
+                f"{name} with negative_quantile or reference needs the teacher cache of the reference sentences"
             )
         self.name, self.model, self.train, self.cfg, self.teacher = name, model, train, cfg, teacher
         self.adapters: list[str] = []
@@ -179,6 +187,7 @@ class RoutedAdapters:
         names = enc.frozen([humanize_intent(i) for i in task.intents]) if self.cfg.frozen_labels else None
         self._activate(self.adapters[index])
         items = [(e, task) for e in task.train]
+        ref_rng = random.Random(self.train.seed * 7_919 + index)  # reference batches: apart from batch order
         self.model.train()
 
         def loss_fn(batch: list, step: int) -> torch.Tensor:
@@ -194,6 +203,15 @@ class RoutedAdapters:
                 t = torch.stack([teacher[e.text] for e, _ in batch])
                 loss = loss + self.cfg.anchor * distill_loss(
                     emb[: len(batch)], t, t, scale=self.train.scale, temperature=2.0
+                )
+            if self.cfg.reference > 0:
+                loss = loss + self.cfg.reference * reference_loss(
+                    self.student,
+                    self.teacher,
+                    ref_rng,
+                    batch=len(batch),
+                    scale=self.train.scale,
+                    temperature=2.0,
                 )
             return loss
 
