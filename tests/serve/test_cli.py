@@ -80,19 +80,8 @@ def test_bench_runs_cb_ljf_when_asked(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"say something about {i}"}) + "\n" for i in range(5)))
     out = tmp_path / "bench.json"
-    args = [
-        "serve",
-        "bench",
-        "--model",
-        "tiny",
-        "--prompts",
-        str(prompts),
-        "--n",
-        "5",
-        "--max-new-tokens",
-        "6",
-    ]
-    args += ["--batch-size", "2", "--policies", "fcfs,cb,cb-ljf", "--predictor", "oracle", "--json", str(out)]
+    args = "serve bench --model tiny --n 5 --max-new-tokens 6 --batch-size 2 --predictor oracle".split()
+    args += ["--prompts", str(prompts), "--policies", "fcfs,cb,cb-ljf", "--json", str(out)]
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert set(result["policies"]) == {"fcfs", "cb", "cb-ljf"}
