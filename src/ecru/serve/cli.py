@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 POLICY_NAMES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf", "cb-ljf")
-DEFAULT_BENCH_POLICIES = POLICY_NAMES[:-1]  # cb-ljf on request: `--policies ...,cb-ljf`
 SIM_POLICIES = POLICY_NAMES
 
 
@@ -99,14 +98,18 @@ def _label(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from ecru.serve.bench import BenchConfig, format_bench, run_bench
 
-    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    chosen = (
+        {}
+        if args.policies is None
+        else {"policies": tuple(p.strip() for p in args.policies.split(",") if p.strip())}
+    )
     config = BenchConfig(
         model=args.model,
         prompts=args.prompts,
         n=args.n,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
-        policies=policies,
+        **chosen,
         predictor=args.predictor,
         labels=args.labels,
         train_n=args.train_n,
@@ -184,7 +187,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=256)
     bench.add_argument("--batch-size", type=int, default=16)
     bench.add_argument(
-        "--policies", default=",".join(DEFAULT_BENCH_POLICIES), help=f"any of {', '.join(POLICY_NAMES)}"
+        "--policies",
+        default=None,
+        help=f"comma-separated, any of {', '.join(POLICY_NAMES)} (default: all but cb-ljf)",
     )
     bench.add_argument(
         "--predictor", choices=("self-lora", "probe", "minilm", "oracle", "constant"), default="self-lora"

@@ -206,7 +206,6 @@ def simulate_continuous(
         running = [i for i in running if done[i] < target[i]]
         step += 1
     useful = sum(target)
-    elapsed = clock
     result = SimResult(
         policy=policy,
         requests=n,
@@ -219,9 +218,9 @@ def simulate_continuous(
         failures=0,
         failure_ratio=0.0,
         avg_padded_length=slots / n,
-        time_s=elapsed,
-        samples_per_s=n / elapsed if elapsed else float("inf"),
-        tokens_per_s=useful / elapsed if elapsed else float("inf"),
+        time_s=clock,
+        samples_per_s=n / clock if clock else float("inf"),
+        tokens_per_s=useful / clock if clock else float("inf"),
         mean_latency_s=sum(f - a for f, a in zip(finished_at, arrived_at, strict=True)) / n,
     )
     return result, order
