@@ -56,3 +56,23 @@ def test_targets_not_met_and_the_two_std_rule(bench):
     assert not t["seqft_loses_5_points_on_one"]["met"]
     assert "ecru_avg_minus_zscl_avg" not in t  # zscl did not run
     assert bench.check_targets({"seqft": methods["seqft"]}) == {}
+
+
+def test_routing_shares_on_separated_clusters():
+    import torch
+    import torch.nn.functional as F
+
+    routing = load_bench_script("lifelong_routing")
+    torch.manual_seed(0)
+    centers = F.normalize(torch.randn(3, 16, dtype=torch.float64), dim=-1) * 3
+
+    def cluster(c, n):
+        return F.normalize(centers[c] + 0.2 * torch.randn(n, 16, dtype=torch.float64), dim=-1)
+
+    keys, own = [cluster(0, 40), cluster(1, 40)], [cluster(0, 20), cluster(1, 20)]
+    s = routing.route_shares(keys, own, {"far": cluster(2, 30)}, k=3, percentile=0.0)
+    assert s["own_to_own"] >= 90 and s["own_to_other"] == 0.0 and s["far_to_adapter"] <= 10
+    assert (
+        routing.route_shares(keys, own, {"far": cluster(2, 30)}, k=3, percentile=50.0)["own_to_own"]
+        < s["own_to_own"]
+    )
