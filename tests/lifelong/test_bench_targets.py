@@ -76,3 +76,14 @@ def test_routing_shares_on_separated_clusters():
         routing.route_shares(keys, own, {"far": cluster(2, 30)}, k=3, percentile=50.0)["own_to_own"]
         < s["own_to_own"]
     )
+
+
+def test_targets_of_a_variant_under_the_same_keys(bench):
+    methods = {
+        "ecru": {"runs": [run(0, tr=0.0)]},
+        "ecru-text": {"runs": [run(0, tr=-3.0)]},
+        "zscl": {"runs": [run(0, avg=81.0)]},
+    }
+    assert bench.check_targets(methods)["ecru_transfer_retention"]["met"]
+    text = bench.check_targets(methods, "ecru-text")
+    assert not text["ecru_transfer_retention"]["met"] and text["ecru_avg_minus_zscl_avg"]["runs"] == [-1.0]

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ecru.datasets import load_clinc, load_wiki_sentences
+from ecru.datasets import humanize_intent, load_clinc, load_wiki_sentences
 from ecru.errors import EcruError
 from ecru.lifelong import RoutedConfig, StreamConfig, TrainConfig, build_clinc_stream, make_method
 from ecru.lifelong.methods.base import snapshot_steps
@@ -144,3 +144,72 @@ def test_negative_quantile_needs_the_teacher(tiny_model):
         make_method("ecru", tiny_model(), train=TRAIN, config=RoutedConfig(negative_quantile=0.99))
     with pytest.raises(EcruError, match="negative_quantile"):
         RoutedConfig(negative_quantile=1.5)
+
+
+def test_router_among_some_tasks_with_and_without_threshold():
+    torch.manual_seed(0)
+    centers = F.normalize(torch.randn(3, 8, dtype=torch.float64), dim=-1)
+    clusters = [F.normalize(c + 0.2 * torch.randn(30, 8, dtype=torch.float64), dim=-1) for c in centers]
+    router = Router(k=3, percentile=10)
+    for emb in clusters[:2]:  # tasks 0 and 1 learned; cluster 2 is an unseen domain
+        router.add_task(emb)
+    unseen = clusters[2]
+    assert router(unseen).eq(FROZEN).all()
+    assert router(unseen, tasks=[1], open_set=False).eq(1).all()  # closed set: the only candidate task
+    assert router(clusters[0], tasks=[1]).eq(FROZEN).all()  # open set among task 1 only: below its threshold
+    assert router(clusters[0], tasks=[0, 1], open_set=False).eq(0).all()
+    assert router(clusters[1], tasks=[]).eq(FROZEN).all()
+    with pytest.raises(ValueError, match="learned"):
+        router(unseen, tasks=[2])
+
+
+def test_labels_decide_the_route_before_the_text(routed):
+    method, stream = routed  # `ecru` routes by labels
+    enc = method.encoder()
+    banking, cards = ([humanize_intent(i) for i in t.intents] for t in stream.tasks)
+    wiki = load_wiki_sentences()[:10]
+    # among one learned task's names: that task's adapter, whatever the text looks like
+    assert enc.routes_among(wiki, banking).eq(0).all() and enc.routes_among(wiki, cards).eq(1).all()
+    # among names of no learned task: the frozen model, whatever the text looks like
+    own = [e.text for e in stream.tasks[0].train]
+    assert enc.routes_among(own, ["book a flight", "weather"]).eq(FROZEN).all()
+    # among learned and unlearned names: the text router with thresholds, over the named tasks only
+    mixed = enc.routes_among(own + wiki, banking + ["book a flight"])
+    assert mixed[: len(own)].eq(0).float().mean() >= 0.9 and mixed[len(own) :].eq(FROZEN).all()
+    # a sub-question of one task (some of its intents): its adapter; a partial overlap with foreign labels
+    # (Banking77's 77 names share one with CLINC's travel domain): the frozen model
+    assert enc.routes_among(wiki, banking[:3]).eq(0).all()
+    assert enc.routes_among(own, banking[:3] + ["book a flight", "weather"]).eq(FROZEN).all()
+    # closed set over both tasks: no text goes to the frozen model
+    assert enc.routes_among(own + wiki, banking + cards).ne(FROZEN).all()
+    torch.testing.assert_close(
+        enc.encode_among(own, ["weather"]), load_minilm().encode(own), rtol=1e-5, atol=1e-6
+    )
+    text_routed = make_method("ecru-text", load_minilm(), train=TRAIN)
+    text_routed.load_state_dict(method.state_dict())
+    assert text_routed.encoder().routes_among(wiki, banking).eq(FROZEN).all()  # "text": labels ignored
+
+
+def test_label_routing_keeps_unseen_tasks_and_held_out_exactly_zero_shot(tiny_model, tiny_evaluator):
+    from ecru.lifelong import run_stream
+
+    train = TrainConfig(epochs=3, batch_size=8, progress=False)
+    # a loose threshold and a large adapter lr: routed by text, unseen and held-out texts reach moved adapters
+    loose = RoutedConfig(percentile=0.0, lr=3e-2, routing="labels")
+    res = run_stream(
+        make_method("ecru", tiny_model(), train=train, config=loose), tiny_evaluator, log=lambda s: None
+    )
+    assert res.R[0][1] == res.R0[1]  # task 2 not yet learned: scored by exactly the pretrained model
+    assert res.heldout == [res.heldout[0]] * len(res.heldout)  # Banking77's labels were never learned
+    assert res.metrics["transfer_retention"] == 0.0
+    assert res.R[1] != res.R0  # learned tasks did change
+
+
+def test_label_routing_needs_the_intent_names_in_a_checkpoint(routed, tiny_model):
+    method, _ = routed
+    state = {k: v for k, v in method.state_dict().items() if k != "names"}
+    with pytest.raises(EcruError, match="intent names"):
+        make_method("ecru", load_minilm(), train=TRAIN).load_state_dict(state)
+    make_method("ecru-text", load_minilm(), train=TRAIN).load_state_dict(state)  # text routing needs none
+    with pytest.raises(EcruError, match="routing"):
+        RoutedConfig(routing="task")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 METHOD_NAMES = ("zeroshot", "seqft", "lwf", "replay", "wise-ft", "zscl", "independent", "joint",
-                "seqlora", "lora-per-task", "ecru-shared", "ecru")  # fmt: skip
+                "seqlora", "lora-per-task", "ecru-shared", "ecru-text", "ecru")  # fmt: skip
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

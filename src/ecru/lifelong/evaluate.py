@@ -2,7 +2,9 @@
 
 Every evaluation encodes each test utterance and each intent name exactly once (one batched pass, sorted
 by length so batches carry little padding), then scores subsets of the cached embeddings. An encoder with
-`encode_labels` (`LabelAwareEncoder`) embeds the intent names with that instead.
+`encode_labels` (`LabelAwareEncoder`) embeds the intent names with that instead; one that also has
+`encode_among` (`CandidateAwareEncoder`) embeds each group of utterances knowing the intent names it is
+classified among (a task's own names; all seen tasks' names; Banking77's).
 """
 
 from __future__ import annotations
@@ -32,6 +34,18 @@ class LabelAwareEncoder(Protocol):
     def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class CandidateAwareEncoder(Protocol):
+    """A `LabelAwareEncoder` whose query embeddings may depend on the class names they are classified among,
+    e.g. `ecru` choosing an adapter by the label set (`routing="labels"`)."""
+
+    def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+
+    def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+
+    def encode_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class EvalRow:
     """Accuracies (percent) of one model: per task, task- and class-incremental, and on the held-out set."""
@@ -41,10 +55,17 @@ class EvalRow:
     heldout: float
 
 
-def encode_sorted(encoder: Encoder, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
-    """`encoder.encode(texts)` in length order (less padding), returned in the original order."""
+def encode_sorted(
+    encoder: Encoder, texts: list[str], *, batch_size: int = 64, labels: list[str] | None = None
+) -> torch.Tensor:
+    """`encoder.encode(texts)` (with `labels`: `encoder.encode_among(texts, labels)`) in length order (less
+    padding), returned in the original order."""
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    emb = encoder.encode([texts[i] for i in order], batch_size=batch_size)
+    ordered = [texts[i] for i in order]
+    if labels is None:
+        emb = encoder.encode(ordered, batch_size=batch_size)
+    else:
+        emb = encoder.encode_among(ordered, labels, batch_size=batch_size)
     out = torch.empty_like(emb)
     out[torch.tensor(order, dtype=torch.long)] = emb
     return out
@@ -74,20 +95,31 @@ class Evaluator:
 
     def evaluate(self, encoder: Encoder, *, seen: int) -> EvalRow:
         """Accuracies after training the first `seen` tasks (0 = before training)."""
-        off = self.offsets
-        if isinstance(encoder, LabelAwareEncoder):
+        off, spans = self.offsets, self.spans
+        among = isinstance(encoder, CandidateAwareEncoder)
+        if among:  # the texts are embedded group by group, knowing their candidate names
+            test, names = None, encoder.encode_labels(self.names)
+        elif isinstance(encoder, LabelAwareEncoder):
             test, names = encode_sorted(encoder, self.texts), encoder.encode_labels(self.names)
         else:
             emb = encode_sorted(encoder, self.texts + self.names)
             test, names = emb[: len(self.texts)], emb[len(self.texts) :]
+
+        def queries(lo: int, hi: int, label_ids: list[int]) -> torch.Tensor:
+            """Embeddings of test texts lo..hi, to be classified among the names `label_ids`."""
+            if not among:
+                return test[lo:hi]
+            return encode_sorted(encoder, self.texts[lo:hi], labels=[self.names[k] for k in label_ids])
+
         ti, ci = [], []
         for j in range(len(self.stream.tasks)):
-            utt = test[self.spans[j] : self.spans[j + 1]]
-            ti.append(_accuracy(utt, names[off[j] : off[j + 1]], self.gold[j]))
+            own = list(range(off[j], off[j + 1]))
+            ti.append(_accuracy(queries(spans[j], spans[j + 1], own), names[own], self.gold[j]))
             # class-incremental: all intents of the tasks seen so far, plus task j's own (zero-shot if unseen)
             cand = sorted(set(range(seen)) | {j})
             shift = sum(off[k + 1] - off[k] for k in cand if k < j)
-            pool = torch.cat([names[off[k] : off[k + 1]] for k in cand])
-            ci.append(_accuracy(utt, pool, self.gold[j] + shift))
-        heldout = _accuracy(test[self.spans[-1] :], names[off[-1] :], self.heldout_gold)
+            pool = [i for k in cand for i in range(off[k], off[k + 1])]
+            ci.append(_accuracy(queries(spans[j], spans[j + 1], pool), names[pool], self.gold[j] + shift))
+        held = list(range(off[-1], len(self.names)))
+        heldout = _accuracy(queries(spans[-1], len(self.texts), held), names[held], self.heldout_gold)
         return EvalRow(ti, ci, heldout)

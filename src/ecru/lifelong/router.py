@@ -8,11 +8,13 @@ to the frozen model otherwise (unseen domains, held-out datasets). Each threshol
 the task's own training utterances' leave-one-out scores, so fitting needs that task's training data only.
 Given negatives (texts of no learned task, e.g. the reference sentences), the threshold may go lower:
 down to a high quantile of the negatives' scores, so that nearly all of the task's own texts pass while
-almost no negative does.
+almost no negative does. A caller that knows more (the text's candidate labels are those of some learned
+tasks only) restricts the choice to those tasks and drops the threshold.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -71,15 +73,31 @@ class Router:
         self.keys.append(train_emb.detach().clone())
         self.thresholds.append(threshold)
 
-    def scores(self, emb: torch.Tensor) -> torch.Tensor:
-        """[Q, T] scores of frozen embeddings `emb` [Q, D] for each learned task."""
-        return torch.stack([knn_scores(emb, keys, k=self.k) for keys in self.keys], dim=-1)
+    def scores(self, emb: torch.Tensor, tasks: Sequence[int]) -> torch.Tensor:
+        """[Q, len(tasks)] scores of frozen embeddings `emb` [Q, D] for the learned `tasks`."""
+        return torch.stack([knn_scores(emb, self.keys[t], k=self.k) for t in tasks], dim=-1)
 
-    def __call__(self, emb: torch.Tensor) -> torch.Tensor:
-        """Route [Q] (a task index or `FROZEN`) of each frozen embedding in `emb` [Q, D]."""
-        if not self.keys:
+    def __call__(
+        self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True
+    ) -> torch.Tensor:
+        """Route [Q] (a task index or `FROZEN`) of each frozen embedding in `emb` [Q, D].
+
+        `tasks`: the learned tasks to choose among (default: all). `open_set=False`: the text is known to
+        belong to one of them, so it goes to the best-scoring one whatever its score (no threshold).
+        """
+        tasks = list(range(len(self.keys))) if tasks is None else list(tasks)
+        if not tasks:
             return torch.full((emb.shape[0],), FROZEN, dtype=torch.long)
-        return route(self.scores(emb), torch.tensor(self.thresholds, dtype=emb.dtype))
+        if not all(0 <= t < len(self.keys) for t in tasks):
+            raise ValueError(f"tasks {tasks} must be learned ones (0..{len(self.keys) - 1})")
+        scores = self.scores(emb, tasks)
+        if open_set:
+            thresholds = torch.tensor([self.thresholds[t] for t in tasks], dtype=emb.dtype)
+        else:
+            thresholds = torch.full((len(tasks),), float("-inf"), dtype=emb.dtype)
+        picked = route(scores, thresholds)
+        index = torch.tensor(tasks, dtype=torch.long)
+        return torch.where(picked == FROZEN, picked, index[picked.clamp(min=0)])
 
     def state_dict(self) -> dict[str, Any]:
         return {"keys": list(self.keys), "thresholds": list(self.thresholds)}

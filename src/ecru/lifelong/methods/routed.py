@@ -7,6 +7,12 @@
 - At inference a text goes through the adapter of the learned task it most resembles, or through the frozen
   model when it resembles none (`ecru.lifelong.router`): unseen domains and held-out datasets are scored by
   exactly the pretrained model, and each learned task by its own adapter.
+- With `routing="labels"` the candidate labels a text is classified among decide first (`encode_among`). The
+  learned tasks that take part are those whose intent names are all among the labels, or that hold all the
+  labels. None -> the frozen model; the labels are those tasks' names only -> the best of their adapters by
+  the text router, no threshold; those tasks' names plus unlearned ones -> the text router among them, with
+  thresholds (the text may belong to an unlearned label). A query about one learned task's intents thus
+  always reaches that task's adapter, and a query about unseen labels gets exactly the pretrained model.
 - Intent names are the classifier's weights and stay frozen (`frozen_labels`): the adapters learn to map
   utterances onto the pretrained model's name embeddings, so a name never depends on where it is routed.
 """
@@ -74,6 +80,9 @@ class RoutedConfig:
     """Weight of distillation towards the frozen model on the batch's own utterances (ZSCL's two-way loss at
     T=2, their frozen embeddings reused from the router's fit: no extra forward pass); keeps the adapter from
     collapsing utterances onto the task's few names, which hurts texts of other label sets routed to it."""
+    routing: str = "text"
+    """"text": every text by the text router alone (task-agnostic); "labels": by the candidate labels a text is
+    classified among first, the text router only to choose among the learned tasks those labels name."""
 
     def __post_init__(self) -> None:
         if self.r < 1 or self.alpha <= 0 or self.lr <= 0 or self.knn < 1:
@@ -88,6 +97,8 @@ class RoutedConfig:
             raise EcruError(f"percentile must be in [0, 100]; got {self.percentile}")
         if self.reference < 0:
             raise EcruError(f"reference must be >= 0; got {self.reference}")
+        if self.routing not in ("text", "labels"):
+            raise EcruError(f"routing must be 'text' or 'labels'; got {self.routing!r}")
         if self.negative_quantile is not None and not 0 < self.negative_quantile <= 1:
             raise EcruError(f"negative_quantile must be in (0, 1] or None; got {self.negative_quantile}")
 
@@ -97,28 +108,59 @@ class RoutedEncoder:
 
     def __init__(self, method: RoutedAdapters):
         self.m = method
+        self._memo: dict[tuple[int, str], torch.Tensor] = {}  # (route, text) -> embedding
 
     @torch.no_grad()
+    def _embed(self, texts: list[str], route: int, *, batch_size: int) -> torch.Tensor:
+        """`texts` through task `route`'s adapter (`FROZEN`: none), from the cached prefix; each (text, route)
+        computed once per encoder, so take a new encoder after the method learns."""
+        todo = list(dict.fromkeys(t for t in texts if (route, t) not in self._memo))
+        if todo:
+            if route == FROZEN:
+                with self.m.peft.disable_adapter():
+                    emb = self.m.student.encode(todo, batch_size=batch_size)
+            else:
+                self.m.peft.base_model.set_adapter(self.m.adapters[route])
+                emb = self.m.student.encode(todo, batch_size=batch_size)
+            self._memo.update(((route, t), e) for t, e in zip(todo, emb, strict=True))
+        if not texts:
+            return self.m.student.encode([])
+        return torch.stack([self._memo[route, t] for t in texts])
+
     def frozen(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
-        """The pretrained model's embeddings (adapters off), from the cached prefix."""
-        with self.m.peft.disable_adapter():
-            return self.m.student.encode(texts, batch_size=batch_size)
+        """The pretrained model's embeddings (adapters off)."""
+        return self._embed(texts, FROZEN, batch_size=batch_size)
 
     def routes(self, texts: list[str]) -> torch.Tensor:
-        """Each text's task index, or `FROZEN`."""
+        """Each text's task index, or `FROZEN`, by the text router alone."""
         return self.m.router(self.frozen(texts))
 
-    @torch.no_grad()
-    def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
+    def routes_among(self, texts: list[str], labels: list[str]) -> torch.Tensor:
+        """Each text's task index, or `FROZEN`, when it is to be classified among the class names `labels`."""
+        if self.m.cfg.routing == "text":
+            return self.routes(texts)
+        wanted = set(labels)
+        # a learned task takes part when the labels cover its whole label space or lie within it; a partial
+        # overlap (one shared name among many foreign ones) is a question its adapter was not trained for
+        tasks = [t for t, names in enumerate(self.m.names) if set(names) <= wanted or wanted <= set(names)]
+        known = {n for t in tasks for n in self.m.names[t]}
+        return self.m.router(self.frozen(texts), tasks=tasks, open_set=not wanted <= known)
+
+    def _through(self, texts: list[str], routes: torch.Tensor, *, batch_size: int) -> torch.Tensor:
         out = self.frozen(texts, batch_size=batch_size)
-        routes = self.m.router(out)
         for task in routes.unique().tolist():
-            if task == FROZEN:
-                continue
-            idx = (routes == task).nonzero().flatten()
-            self.m.peft.base_model.set_adapter(self.m.adapters[task])
-            out[idx] = self.m.student.encode([texts[i] for i in idx.tolist()], batch_size=batch_size)
+            if task != FROZEN:
+                idx = (routes == task).nonzero().flatten()
+                out[idx] = self._embed([texts[i] for i in idx.tolist()], task, batch_size=batch_size)
         return out
+
+    def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
+        """Each text through the adapter the text router picks (or the frozen model)."""
+        return self._through(texts, self.routes(texts), batch_size=batch_size)
+
+    def encode_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor:
+        """Embeddings of `texts` to be classified among the class names `labels` (routing per `routing`)."""
+        return self._through(texts, self.routes_among(texts, labels), batch_size=batch_size)
 
     def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
         """Class names (intent names): frozen, or routed like any text when `frozen_labels` is off."""
@@ -136,6 +178,7 @@ class RoutedAdapters:
             )
         self.name, self.model, self.train, self.cfg, self.teacher = name, model, train, cfg, teacher
         self.adapters: list[str] = []
+        self.names: list[list[str]] = []  # each learned task's intent names, as classified among
         self.router = Router(k=cfg.knn, percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
         # peft wraps the model around a first adapter: task 0's, unused until task 0 is learned
         self._add_adapter(0)
@@ -184,7 +227,8 @@ class RoutedAdapters:
         negatives = self.teacher.embeddings() if self.cfg.negative_quantile is not None else None
         self.router.add_task(frozen, negatives)
         teacher = dict(zip(texts, frozen, strict=True))
-        names = enc.frozen([humanize_intent(i) for i in task.intents]) if self.cfg.frozen_labels else None
+        self.names.append([humanize_intent(i) for i in task.intents])
+        names = enc.frozen(self.names[-1]) if self.cfg.frozen_labels else None
         self._activate(self.adapters[index])
         items = [(e, task) for e in task.train]
         ref_rng = random.Random(self.train.seed * 7_919 + index)  # reference batches: apart from batch order
@@ -225,7 +269,12 @@ class RoutedAdapters:
     def state_dict(self) -> dict[str, Any]:
         learned = self.adapters[: len(self.router.keys)]
         weights = {k: v for k, v in self.peft.state_dict().items() if any(f".{a}." in k for a in learned)}
-        return {"adapters": learned, "weights": weights, "router": self.router.state_dict()}
+        return {
+            "adapters": learned,
+            "weights": weights,
+            "router": self.router.state_dict(),
+            "names": self.names,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for index in range(len(self.adapters), len(state["adapters"])):
@@ -235,3 +284,9 @@ class RoutedAdapters:
             raise EcruError(f"checkpoint holds adapter weights this method lacks: {sorted(missing)[:3]}")
         self.peft.load_state_dict(state["weights"], strict=False)
         self.router.load_state_dict(state["router"])
+        self.names = [list(n) for n in state.get("names", [])]  # checkpoints before label routing have none
+        if self.cfg.routing == "labels" and len(self.names) != len(self.router.keys):
+            raise EcruError(
+                f"{self.name} routes by labels but the checkpoint holds no intent names for its tasks; "
+                "fix: start this method's run again (delete its checkpoint folder)"
+            )

@@ -1,0 +1,47 @@
+from collections import Counter
+
+import torch
+
+from ecru.datasets import humanize_intent
+from ecru.lifelong.evaluate import CandidateAwareEncoder, LabelAwareEncoder
+
+
+class Spy:
+    """A candidate-aware encoder that records which names each group of texts is classified among."""
+
+    def __init__(self, dim: int = 8):
+        self.dim, self.calls = dim, []
+
+    def _emb(self, texts):
+        g = torch.Generator().manual_seed(len(texts))
+        return torch.nn.functional.normalize(torch.randn(len(texts), self.dim, generator=g), dim=-1)
+
+    def encode(self, texts, *, batch_size=64):
+        raise AssertionError("a candidate-aware encoder is asked with encode_among only")
+
+    def encode_labels(self, texts, *, batch_size=64):
+        return self._emb(texts)
+
+    def encode_among(self, texts, labels, *, batch_size=64):
+        self.calls.append((frozenset(texts), tuple(labels)))
+        return self._emb(texts)
+
+
+def test_evaluator_asks_each_group_among_its_own_candidate_names(tiny_evaluator):
+    stream, spy = tiny_evaluator.stream, Spy()
+    assert isinstance(spy, CandidateAwareEncoder) and isinstance(spy, LabelAwareEncoder)
+    tiny_evaluator.evaluate(spy, seen=1)
+    names = [[humanize_intent(i) for i in t.intents] for t in stream.tasks]
+    texts = [frozenset(e.text for e in t.test) for t in stream.tasks]
+    held = (
+        frozenset(e.text for e in stream.heldout),
+        tuple(humanize_intent(x) for x in stream.heldout_labels),
+    )
+    want = [
+        (texts[0], tuple(names[0])),  # task-incremental, task 1
+        (texts[0], tuple(names[0])),  # class-incremental after task 1: task 1's names only
+        (texts[1], tuple(names[1])),  # task-incremental, task 2
+        (texts[1], tuple(names[0] + names[1])),  # class-incremental: seen tasks' names plus task 2's
+        held,
+    ]
+    assert Counter(spy.calls) == Counter(want)  # as multisets: equal sets may print in different orders
