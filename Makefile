@@ -40,7 +40,7 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff format --check src tests bench README.md
 
 clean:
 	rm -rf runs .pytest_cache
