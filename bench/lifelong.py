@@ -116,9 +116,11 @@ def _paired(methods: dict, a: str, b: str, fn) -> list[float]:
     ]
 
 
-def check_targets(methods: dict, method: str = "ecru") -> dict:
+def check_targets(methods: dict, method: str = "ecru", *, by_construction: tuple[str, ...] = ()) -> dict:
     """The issue's targets for `method` (`ecru`; or a variant, e.g. `ecru-text`, under the same keys), per run
-    and as mean / std over runs; those whose methods ran.
+    and as mean / std over runs; those whose methods ran. Targets named in `by_construction` are marked so:
+    met by the method's design, not by a measurement (label-routed `ecru` scores unseen label sets with
+    exactly the pretrained model).
 
     Paired quantities (ecru vs zscl, vs independent) are computed run by run on the same (seed, order).
     `seqft` must lose >= 5 points on transfer retention or the Banking77 probe, by more than twice the std
@@ -165,6 +167,9 @@ def check_targets(methods: dict, method: str = "ecru") -> dict:
             lambda e, z: e["cost"]["trainable_params"] / z["cost"]["trainable_params"],
         )
         add("ecru_trainable_share", share, 0.02, lambda m: m <= 0.02)
+    for name in by_construction:
+        if name in out:
+            out[name]["by_construction"] = True
     if "seqft" in methods:
         for key in ("transfer_retention", "heldout_drop"):
             loss = _paired(methods, "seqft", method, lambda s, e, k=key: s["metrics"][k] - e["metrics"][k])
@@ -187,17 +192,27 @@ def print_targets(targets: dict) -> None:
     for name, t in targets.items():
         if "mean" in t:
             runs = ", ".join(f"{v:.2f}" for v in t["runs"])
+            how = " (by construction)" if t.get("by_construction") else ""
             print(f"{name:<34} {t['mean']:8.3f} ± {t['std']:.3f} (runs {runs}; bound {t['threshold']:.3g}) "
-                  f"{'met' if t['met'] else 'NOT met'}")  # fmt: skip
+                  f"{'met' if t['met'] else 'NOT met'}{how}")  # fmt: skip
         else:
             print(f"{name:<34} {'met' if t['met'] else 'NOT met'}")
 
 
-def print_all_targets(methods: dict) -> None:
-    for name in ("ecru", "ecru-text"):
-        if name in methods:
+def ecru_by_construction() -> tuple[str, ...]:
+    """The `ecru` preset's targets met by design: with label routing, unseen label sets (domains not yet
+    learned, Banking77) get exactly the pretrained model."""
+    if ROUTED["ecru"].routing == "labels":
+        return ("ecru_transfer_retention", "ecru_heldout_drop")
+    return ()
+
+
+def print_all_targets(out: dict) -> None:
+    """The targets blocks of a results JSON (`targets` for ecru, `targets_ecru_text` for ecru-text)."""
+    for key, name in (("targets", "ecru"), ("targets_ecru_text", "ecru-text")):
+        if out.get(key):
             print(f"\ntargets for {name}:")
-            print_targets(check_targets(methods, name))
+            print_targets(out[key])
 
 
 def plot_heatmaps(methods: dict, path: Path) -> str:
@@ -254,9 +269,10 @@ def print_table(methods: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot_only:
-        methods = json.loads(args.json.read_text())["methods"]
+        out = json.loads(args.json.read_text())
+        methods = out["methods"]
         print_table(methods)
-        print_all_targets(methods)
+        print_all_targets(out)
         print("wrote", *plot_all(methods, args.json))
         return 0
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -280,10 +296,11 @@ def main(argv=None) -> int:
             res = exp.run(name, train, checkpoint_dir=ckpt, config=cfg).to_json()
             per_method[label].append({"seed": seed, "order": order, **res})
             write_json(args, kw, batch, start, {n: r for n, r in per_method.items() if r}, partial=True)
-    methods = write_json(args, kw, batch, start, per_method, partial=False)
+    out = write_json(args, kw, batch, start, per_method, partial=False)
+    methods = out["methods"]
     plots = plot_all(methods, args.json)
     print_table(methods)
-    print_all_targets(methods)
+    print_all_targets(out)
     print(f"\nwrote {args.json} and {', '.join(plots)} in {time.perf_counter() - start:.0f} s")
     return 0
 
@@ -295,17 +312,22 @@ def plot_all(methods: dict, json_path: Path) -> list[str]:
 
 
 def write_json(args, kw: dict, batch: int, start: float, per_method: dict, *, partial: bool) -> dict:
-    """Write the results so far (after every method: a long run killed mid-way keeps what it measured)."""
+    """Write the results so far (after every method: a long run killed mid-way keeps what it measured); returns
+    what was written."""
     methods = {n: aggregate(r) for n, r in per_method.items()}
     config = {"stream": kw, "runs": run_pairs(args), "epochs": args.epochs, "batch_size": batch,
               "threads": torch.get_num_threads(), "command": " ".join(["python", *sys.argv]),
               "total_wall_s": time.perf_counter() - start, "units": "percent", "partial": partial}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    out = {"config": config, "targets": check_targets(methods), "methods": methods}
+    out = {
+        "config": config,
+        "targets": check_targets(methods, by_construction=ecru_by_construction()),
+        "methods": methods,
+    }
     if "ecru-text" in methods:  # the task-agnostic variant, against the same bounds
         out["targets_ecru_text"] = check_targets(methods, "ecru-text")
     args.json.write_text(json.dumps(out, indent=1))
-    return methods
+    return out
 
 
 if __name__ == "__main__":

@@ -87,3 +87,10 @@ def test_targets_of_a_variant_under_the_same_keys(bench):
     assert bench.check_targets(methods)["ecru_transfer_retention"]["met"]
     text = bench.check_targets(methods, "ecru-text")
     assert not text["ecru_transfer_retention"]["met"] and text["ecru_avg_minus_zscl_avg"]["runs"] == [-1.0]
+
+
+def test_targets_met_by_design_are_marked(bench):
+    methods = {"ecru": {"runs": [run(0, tr=0.0, drop=0.0)]}}
+    t = bench.check_targets(methods, by_construction=("ecru_transfer_retention",))
+    assert t["ecru_transfer_retention"]["by_construction"] and "by_construction" not in t["ecru_heldout_drop"]
+    assert bench.ecru_by_construction() == ("ecru_transfer_retention", "ecru_heldout_drop")  # the preset

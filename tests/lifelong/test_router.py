@@ -213,3 +213,7 @@ def test_label_routing_needs_the_intent_names_in_a_checkpoint(routed, tiny_model
     make_method("ecru-text", load_minilm(), train=TRAIN).load_state_dict(state)  # text routing needs none
     with pytest.raises(EcruError, match="routing"):
         RoutedConfig(routing="task")
+    with pytest.raises(EcruError, match="frozen_labels"):
+        RoutedConfig(routing="labels", frozen_labels=False)
+    with pytest.raises(EcruError, match="candidate labels"):
+        method.encoder().encode_among(["hello"], [])

@@ -92,11 +92,11 @@ class Router:
             raise ValueError(f"tasks {tasks} must be learned ones (0..{len(self.keys) - 1})")
         scores = self.scores(emb, tasks)
         if open_set:
-            thresholds = torch.tensor([self.thresholds[t] for t in tasks], dtype=emb.dtype)
+            thresholds = torch.tensor([self.thresholds[t] for t in tasks], dtype=emb.dtype, device=emb.device)
         else:
-            thresholds = torch.full((len(tasks),), float("-inf"), dtype=emb.dtype)
+            thresholds = torch.full((len(tasks),), float("-inf"), dtype=emb.dtype, device=emb.device)
         picked = route(scores, thresholds)
-        index = torch.tensor(tasks, dtype=torch.long)
+        index = torch.tensor(tasks, dtype=torch.long, device=emb.device)
         return torch.where(picked == FROZEN, picked, index[picked.clamp(min=0)])
 
     def state_dict(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from peft import get_peft_model
@@ -80,7 +80,7 @@ class RoutedConfig:
     """Weight of distillation towards the frozen model on the batch's own utterances (ZSCL's two-way loss at
     T=2, their frozen embeddings reused from the router's fit: no extra forward pass); keeps the adapter from
     collapsing utterances onto the task's few names, which hurts texts of other label sets routed to it."""
-    routing: str = "text"
+    routing: Literal["text", "labels"] = "text"
     """"text": every text by the text router alone (task-agnostic); "labels": by the candidate labels a text is
     classified among first, the text router only to choose among the learned tasks those labels name."""
 
@@ -99,6 +99,10 @@ class RoutedConfig:
             raise EcruError(f"reference must be >= 0; got {self.reference}")
         if self.routing not in ("text", "labels"):
             raise EcruError(f"routing must be 'text' or 'labels'; got {self.routing!r}")
+        if self.routing == "labels" and not self.frozen_labels:
+            raise EcruError(
+                "routing='labels' needs frozen_labels=True: names routed like texts would not match"
+            )
         if self.negative_quantile is not None and not 0 < self.negative_quantile <= 1:
             raise EcruError(f"negative_quantile must be in (0, 1] or None; got {self.negative_quantile}")
 
@@ -139,6 +143,10 @@ class RoutedEncoder:
         """Each text's task index, or `FROZEN`, when it is to be classified among the class names `labels`."""
         if self.m.cfg.routing == "text":
             return self.routes(texts)
+        if not labels:
+            raise EcruError(
+                "encode_among needs the candidate labels the texts are classified among; got none"
+            )
         wanted = set(labels)
         # a learned task takes part when the labels cover its whole label space or lie within it; a partial
         # overlap (one shared name among many foreign ones) is a question its adapter was not trained for
@@ -273,10 +281,16 @@ class RoutedAdapters:
             "adapters": learned,
             "weights": weights,
             "router": self.router.state_dict(),
-            "names": self.names,
+            "names": [list(n) for n in self.names],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        names = [list(n) for n in state.get("names", [])]  # checkpoints before label routing have none
+        if self.cfg.routing == "labels" and len(names) != len(state["adapters"]):
+            raise EcruError(
+                f"{self.name} routes by labels but the checkpoint holds no intent names for its tasks; "
+                "fix: start this method's run again (delete its checkpoint folder)"
+            )
         for index in range(len(self.adapters), len(state["adapters"])):
             self._add_adapter(index)
         missing = set(state["weights"]) - set(self.peft.state_dict())
@@ -284,9 +298,4 @@ class RoutedAdapters:
             raise EcruError(f"checkpoint holds adapter weights this method lacks: {sorted(missing)[:3]}")
         self.peft.load_state_dict(state["weights"], strict=False)
         self.router.load_state_dict(state["router"])
-        self.names = [list(n) for n in state.get("names", [])]  # checkpoints before label routing have none
-        if self.cfg.routing == "labels" and len(self.names) != len(self.router.keys):
-            raise EcruError(
-                f"{self.name} routes by labels but the checkpoint holds no intent names for its tasks; "
-                "fix: start this method's run again (delete its checkpoint folder)"
-            )
+        self.names = names
