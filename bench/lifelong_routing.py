@@ -1,4 +1,4 @@
-"""Where routed `ecru` loses its own-task accuracy: the router's shares, and routed vs forced adapters.
+"""Where `ecru-text` (text routing) loses own-task accuracy: the router's shares, routed vs forced adapters.
 
     OMP_NUM_THREADS=1 python bench/lifelong_routing.py --json bench/results/lifelong_routing.json
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         "unseen": torch.cat(tests[n:]),
         "banking77": encode_sorted(enc, [e.text for e in stream.heldout]),
     }
-    knn = ROUTED["ecru"].knn
+    knn = ROUTED["ecru-text"].knn
     shares = {
         p: route_shares(keys, tests[:n], foreign, k=knn, percentile=float(p))
         for p in args.percentiles.split(",")
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     gold = torch.tensor([task.intents.index(e.label) for e in task.test])
     adapters = {}
     for anchor in (float(a) for a in args.anchors.split(",")):
-        m = make_method("ecru", load_minilm(), train=TrainConfig(progress=False),
-                        config=dataclasses.replace(ROUTED["ecru"], anchor=anchor))  # fmt: skip
+        m = make_method("ecru-text", load_minilm(), train=TrainConfig(progress=False),
+                        config=dataclasses.replace(ROUTED["ecru-text"], anchor=anchor))  # fmt: skip
         m.learn(task, index=0)
         routed_enc = m.encoder()
         names = routed_enc.frozen([humanize_intent(i) for i in task.intents])
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             f"task {task.name}, anchor {anchor}: "
             + ", ".join(f"{k} {v:.1f}" for k, v in adapters[str(anchor)].items())
         )
-    out = {"config": {"learned": n, "split": "val", "knn": knn, "percentile_preset": ROUTED["ecru"].percentile,
+    out = {"config": {"learned": n, "split": "val", "knn": knn, "percentile_preset": ROUTED["ecru-text"].percentile,
                       "wall_s": time.perf_counter() - start},
            "router_shares_percent": shares, "one_task_accuracy": adapters}  # fmt: skip
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

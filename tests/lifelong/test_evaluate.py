@@ -72,3 +72,15 @@ def test_evaluator_scores_an_oracle_at_100_everywhere(tiny_evaluator):
     for seen in (0, 1, 2):
         row = tiny_evaluator.evaluate(Oracle(tiny_evaluator.stream), seen=seen)
         assert row.ti == [100.0, 100.0] and row.ci == [100.0, 100.0] and row.heldout == 100.0
+
+
+class PredictingOracle(Oracle):
+    def predict_among(self, texts, labels, *, batch_size=64):
+        assert all(self.gold[t] in labels for t in texts), "a text asked among names that exclude its own"
+        return torch.tensor([labels.index(self.gold[t]) for t in texts])
+
+
+def test_evaluator_takes_a_predicting_encoder_s_decisions(tiny_evaluator):
+    for seen in (0, 2):
+        row = tiny_evaluator.evaluate(PredictingOracle(tiny_evaluator.stream), seen=seen)
+        assert row.ti == [100.0, 100.0] and row.ci == [100.0, 100.0] and row.heldout == 100.0

@@ -217,3 +217,25 @@ def test_label_routing_needs_the_intent_names_in_a_checkpoint(routed, tiny_model
         RoutedConfig(routing="labels", frozen_labels=False)
     with pytest.raises(EcruError, match="candidate labels"):
         method.encoder().encode_among(["hello"], [])
+
+
+def test_label_routing_decides_task_then_class(routed):
+    method, stream = routed
+    enc = method.encoder()
+    banking, cards = ([humanize_intent(i) for i in t.intents] for t in stream.tasks)
+    texts = [e.text for t in stream.tasks for e in t.train]
+    labels = banking + cards  # class-incremental over both learned tasks
+    routes, pred = enc.routes_among(texts, labels), enc.predict_among(texts, labels)
+    assert routes.ne(FROZEN).all()
+    # a text routed to a task is classified among that task's labels only
+    assert (pred[routes == 0] < len(banking)).all() and (pred[routes == 1] >= len(banking)).all()
+    # one task's labels: the same decision as scoring the routed embedding against all of them
+    own = [e.text for e in stream.tasks[0].test]
+    want = (enc.encode_among(own, banking) @ enc.encode_labels(banking).T).argmax(-1)
+    assert torch.equal(enc.predict_among(own, banking), want)
+    # text routing keeps one embedding against all labels: a text's class may come from another task
+    text_routed = make_method("ecru-text", load_minilm(), train=TRAIN)
+    text_routed.load_state_dict(method.state_dict())
+    tenc = text_routed.encoder()
+    want = (tenc.encode(texts) @ tenc.encode_labels(labels).T).argmax(-1)
+    assert torch.equal(tenc.predict_among(texts, labels), want)

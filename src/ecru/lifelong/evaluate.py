@@ -4,7 +4,8 @@ Every evaluation encodes each test utterance and each intent name exactly once (
 by length so batches carry little padding), then scores subsets of the cached embeddings. An encoder with
 `encode_labels` (`LabelAwareEncoder`) embeds the intent names with that instead; one that also has
 `encode_among` (`CandidateAwareEncoder`) embeds each group of utterances knowing the intent names it is
-classified among (a task's own names; all seen tasks' names; Banking77's).
+classified among (a task's own names; all seen tasks' names; Banking77's); one with `predict_among`
+(`PredictingEncoder`) returns its predicted classes directly.
 """
 
 from __future__ import annotations
@@ -44,6 +45,21 @@ class CandidateAwareEncoder(Protocol):
     def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
 
     def encode_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class PredictingEncoder(Protocol):
+    """A `CandidateAwareEncoder` that also makes the decision itself: `predict_among` returns, per text, the
+    index into `labels` of its predicted class (e.g. `ecru` with label routing: the routed task's adapter
+    picks among that task's labels only)."""
+
+    def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+
+    def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+
+    def encode_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+
+    def predict_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -105,21 +121,26 @@ class Evaluator:
             emb = encode_sorted(encoder, self.texts + self.names)
             test, names = emb[: len(self.texts)], emb[len(self.texts) :]
 
-        def queries(lo: int, hi: int, label_ids: list[int]) -> torch.Tensor:
-            """Embeddings of test texts lo..hi, to be classified among the names `label_ids`."""
-            if not among:
-                return test[lo:hi]
-            return encode_sorted(encoder, self.texts[lo:hi], labels=[self.names[k] for k in label_ids])
+        def acc(lo: int, hi: int, label_ids: list[int], gold: torch.Tensor) -> float:
+            """Accuracy (percent) on test texts lo..hi classified among the names `label_ids`."""
+            labels = [self.names[k] for k in label_ids]
+            if isinstance(encoder, PredictingEncoder):
+                if hi == lo:
+                    return float("nan")
+                pred = encoder.predict_among(self.texts[lo:hi], labels)
+                return 100.0 * (pred == gold).double().mean().item()
+            emb = encode_sorted(encoder, self.texts[lo:hi], labels=labels) if among else test[lo:hi]
+            return _accuracy(emb, names[label_ids], gold)
 
         ti, ci = [], []
         for j in range(len(self.stream.tasks)):
             own = list(range(off[j], off[j + 1]))
-            ti.append(_accuracy(queries(spans[j], spans[j + 1], own), names[own], self.gold[j]))
+            ti.append(acc(spans[j], spans[j + 1], own, self.gold[j]))
             # class-incremental: all intents of the tasks seen so far, plus task j's own (zero-shot if unseen)
             cand = sorted(set(range(seen)) | {j})
             shift = sum(off[k + 1] - off[k] for k in cand if k < j)
             pool = [i for k in cand for i in range(off[k], off[k + 1])]
-            ci.append(_accuracy(queries(spans[j], spans[j + 1], pool), names[pool], self.gold[j] + shift))
+            ci.append(acc(spans[j], spans[j + 1], pool, self.gold[j] + shift))
         held = list(range(off[-1], len(self.names)))
-        heldout = _accuracy(queries(spans[-1], len(self.texts), held), names[held], self.heldout_gold)
+        heldout = acc(spans[-1], len(self.texts), held, self.heldout_gold)
         return EvalRow(ti, ci, heldout)

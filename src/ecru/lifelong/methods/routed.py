@@ -7,7 +7,8 @@
 - At inference a text goes through the adapter of the learned task it most resembles, or through the frozen
   model when it resembles none (`ecru.lifelong.router`): unseen domains and held-out datasets are scored by
   exactly the pretrained model, and each learned task by its own adapter.
-- With `routing="labels"` the candidate labels a text is classified among decide first (`encode_among`). The
+- With `routing="labels"` the candidate labels a text is classified among decide first (`encode_among`,
+  `predict_among`: a text routed to a task is classified among that task's labels only). The
   learned tasks that take part are those whose intent names are all among the labels, or that hold all the
   labels. None -> the frozen model; the labels are those tasks' names only -> the best of their adapters by
   the text router, no threshold; those tasks' names plus unlearned ones -> the text router among them, with
@@ -169,6 +170,31 @@ class RoutedEncoder:
     def encode_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor:
         """Embeddings of `texts` to be classified among the class names `labels` (routing per `routing`)."""
         return self._through(texts, self.routes_among(texts, labels), batch_size=batch_size)
+
+    @torch.no_grad()
+    def predict_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor:
+        """Per text, the index into `labels` of its predicted class.
+
+        With label routing the decision has two stages, task then class: a text routed to a learned task is
+        classified by that task's adapter among that task's labels only, one routed to the frozen model among
+        all `labels`. (An adapter learned to separate its own task's intents, not to stay clear of other tasks'
+        names, so its embeddings must not be scored against those.) Text routing: each text's embedding
+        against all `labels`.
+        """
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # less padding per batch
+        ordered = [texts[i] for i in order]
+        routes = self.routes_among(ordered, labels)
+        scores = self._through(ordered, routes, batch_size=batch_size) @ self.encode_labels(labels).T
+        if self.m.cfg.routing == "labels":
+            for task in routes.unique().tolist():
+                if task != FROZEN:
+                    own = set(self.m.names[task])
+                    foreign = torch.tensor([label not in own for label in labels])
+                    rows = routes == task
+                    scores[rows] = scores[rows].masked_fill(foreign, float("-inf"))
+        pred = torch.empty(len(texts), dtype=torch.long)
+        pred[torch.tensor(order, dtype=torch.long)] = scores.argmax(-1)
+        return pred
 
     def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
         """Class names (intent names): frozen, or routed like any text when `frozen_labels` is off."""
