@@ -113,7 +113,9 @@ class Evaluator:
         """Accuracies after training the first `seen` tasks (0 = before training)."""
         off, spans = self.offsets, self.spans
         among = isinstance(encoder, CandidateAwareEncoder)
-        if among:  # the texts are embedded group by group, knowing their candidate names
+        if isinstance(encoder, PredictingEncoder):  # it makes each decision itself
+            test, names = None, None
+        elif among:  # the texts are embedded group by group, knowing their candidate names
             test, names = None, encoder.encode_labels(self.names)
         elif isinstance(encoder, LabelAwareEncoder):
             test, names = encode_sorted(encoder, self.texts), encoder.encode_labels(self.names)

@@ -146,7 +146,7 @@ class RoutedEncoder:
             return self.routes(texts)
         if not labels:
             raise EcruError(
-                "encode_among needs the candidate labels the texts are classified among; got none"
+                "routing by labels needs the candidate labels the texts are classified among; got none"
             )
         wanted = set(labels)
         # a learned task takes part when the labels cover its whole label space or lie within it; a partial
