@@ -66,6 +66,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--epochs", type=int, default=2, help="epochs per task")
     p.add_argument("--batch-size", type=int, default=None, help="utterances per step (quick: 16, else 32)")
+    defaults = TrainConfig()
+    p.add_argument("--lr", type=float, default=defaults.lr, help="full fine-tuning learning rate")
+    p.add_argument("--label-smoothing", type=float, default=defaults.label_smoothing, help="of the task loss")
+    p.add_argument("--scale", type=float, default=defaults.scale, help="logit scale of the cosine classifier")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="per-task checkpoints (resumable)")
     p.add_argument(
         "--plot-only", action="store_true", help="redraw the PNGs and table from an existing --json"
@@ -290,7 +294,7 @@ def main(argv=None) -> int:
         exp = Experiment(
             StreamConfig(**kw, order=order, seed=seed), log=lambda s: print(s, file=sys.stderr, flush=True)
         )
-        train = TrainConfig(epochs=args.epochs, batch_size=batch, seed=seed)
+        train = train_config(args, batch, seed)
         for label, (name, cfg) in runs.items():
             ckpt = None if args.checkpoint_dir is None else args.checkpoint_dir / f"{label}-s{seed}-o{order}"
             res = exp.run(name, train, checkpoint_dir=ckpt, config=cfg).to_json()
@@ -305,6 +309,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def train_config(args, batch: int, seed: int) -> TrainConfig:
+    """The training settings shared by every method of a run (validated by TrainConfig)."""
+    return TrainConfig(epochs=args.epochs, batch_size=batch, lr=args.lr, scale=args.scale,
+                       label_smoothing=args.label_smoothing, seed=seed)  # fmt: skip
+
+
 def plot_all(methods: dict, json_path: Path) -> list[str]:
     stem = json_path.with_suffix("")
     return [plot_heatmaps(methods, stem.with_name(stem.name + "_R.png")),
@@ -316,6 +326,7 @@ def write_json(args, kw: dict, batch: int, start: float, per_method: dict, *, pa
     what was written."""
     methods = {n: aggregate(r) for n, r in per_method.items()}
     config = {"stream": kw, "runs": run_pairs(args), "epochs": args.epochs, "batch_size": batch,
+              "lr": args.lr, "label_smoothing": args.label_smoothing, "scale": args.scale,
               "threads": torch.get_num_threads(), "command": " ".join(["python", *sys.argv]),
               "total_wall_s": time.perf_counter() - start, "units": "percent", "partial": partial}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -94,3 +94,18 @@ def test_targets_met_by_design_are_marked(bench):
     t = bench.check_targets(methods, by_construction=("ecru_transfer_retention",))
     assert t["ecru_transfer_retention"]["by_construction"] and "by_construction" not in t["ecru_heldout_drop"]
     assert bench.ecru_by_construction() == ("ecru_transfer_retention", "ecru_heldout_drop")  # the preset
+
+
+def test_training_flags_reach_every_method(bench):
+    from ecru.errors import EcruError
+    from ecru.lifelong.methods import TrainConfig
+
+    args = bench.parse_args(["--json", "x.json", "--epochs", "5", "--lr", "1e-4", "--label-smoothing", "0",
+                             "--scale", "50"])  # fmt: skip
+    assert bench.train_config(args, 32, 3) == TrainConfig(
+        epochs=5, batch_size=32, lr=1e-4, label_smoothing=0.0, scale=50.0, seed=3
+    )
+    defaults = bench.train_config(bench.parse_args(["--json", "x.json"]), 32, 0)
+    assert defaults == TrainConfig(batch_size=32, seed=0)
+    with pytest.raises(EcruError, match="label_smoothing"):
+        bench.train_config(bench.parse_args(["--json", "x.json", "--label-smoothing", "1"]), 32, 0)
