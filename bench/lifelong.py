@@ -67,7 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=2, help="epochs per task")
     p.add_argument("--batch-size", type=int, default=None, help="utterances per step (quick: 16, else 32)")
     defaults = TrainConfig()
-    p.add_argument("--lr", type=float, default=defaults.lr, help="full fine-tuning learning rate")
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=defaults.lr,
+        help="full fine-tuning learning rate (adapter methods keep their own)",
+    )
     p.add_argument("--label-smoothing", type=float, default=defaults.label_smoothing, help="of the task loss")
     p.add_argument("--scale", type=float, default=defaults.scale, help="logit scale of the cosine classifier")
     p.add_argument("--checkpoint-dir", type=Path, default=None, help="per-task checkpoints (resumable)")

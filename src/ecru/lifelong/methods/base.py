@@ -34,7 +34,7 @@ class TrainConfig:
     batch_size: int = 32
     """Utterances per step."""
     lr: float = 2e-5
-    """AdamW learning rate for full fine-tuning (adapter methods scale it by their own `lr_mult`)."""
+    """AdamW learning rate for full fine-tuning (adapter methods use their own config's `lr` instead)."""
     scale: float = 30.0
     """Logit scale applied to cosine similarities (the classifier's inverse temperature)."""
     label_smoothing: float = 0.2
