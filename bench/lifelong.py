@@ -64,9 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="K=V[;K=V]",
         help="also run a variant of the ecru preset (RoutedConfig fields), e.g. 'percentile=2;r=4'",
     )
-    p.add_argument("--epochs", type=int, default=2, help="epochs per task")
-    p.add_argument("--batch-size", type=int, default=None, help="utterances per step (quick: 16, else 32)")
     defaults = TrainConfig()
+    p.add_argument("--epochs", type=int, default=defaults.epochs, help="epochs per task")
+    p.add_argument("--batch-size", type=int, default=None, help="utterances per step (quick: 16, else 32)")
     p.add_argument(
         "--lr",
         type=float,
