@@ -23,7 +23,6 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
     """The simulator on the bench's own lengths: effective ratio and samples/s ratio per policy run."""
     from ecru.serve import (
         SMOLLM2_CPU,
-        ContinuousConfig,
         CostModel,
         PlanConfig,
         TraceRequest,
@@ -31,6 +30,7 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
         simulate,
         simulate_continuous,
     )
+    from ecru.serve.runner import continuous_config
 
     setup = result["setup"]
     cost = CostModel.load(cost_path) if cost_path else SMOLLM2_CPU
@@ -46,14 +46,18 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
     fcfs_s = simulate(trace, policy="fcfs", config=config, cost=cost).time_s
     cost = cost.scaled(result["policies"]["fcfs"]["wall_s"] / fcfs_s)
     out = {}
-    continuous = ContinuousConfig(max_batch_size=config.batch_size, max_new_tokens=config.max_new_tokens)
-    for policy in ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf", "cb-ljf"):
+    for policy in ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf", "cb-ljf", "cb-kv"):
         if policy not in result["policies"]:
             continue
         charged = predict_s if policy not in ("fcfs", "oracle", "cb") else 0.0
         if policy.startswith("cb"):
-            queue = make_queue(policy, setup["predicted_lengths"], aging=setup.get("aging", 0.5))
-            sim, _ = simulate_continuous(trace, queue=queue, config=continuous, cost=cost, predict_s=charged)
+            predicted = setup["predicted_lengths"]
+            queue = make_queue(policy, predicted, aging=setup.get("aging", 0.5))
+            continuous = continuous_config(policy, config, setup["prompt_lens"])
+            reserve = predicted if policy == "cb-kv" else None
+            sim, _ = simulate_continuous(
+                trace, queue=queue, config=continuous, cost=cost, predict_s=charged, reserve=reserve
+            )
         else:
             sim = simulate(trace, policy=policy, config=config, cost=cost, predict_s=charged)
         out[policy] = {

@@ -52,6 +52,7 @@ def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
         "oracle",
         "cb",
         "cb-sjf",
+        "cb-kv",
     }
     keys = {
         "samples_per_s",

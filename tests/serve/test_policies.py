@@ -94,3 +94,16 @@ def test_fcr_zero_cap_batch_is_skipped_then_rerun(model, prompts, reference, gen
     run = run_policy(model, prompts[:4], policy="fcr", predicted=[0.0] * 4, gen=gen, plan=PLAN)
     assert run.failures == 4 and run.tokens == reference[:4]
     assert run.slots == 4 * max(len(r) for r in reference[:4])
+
+
+def test_cb_kv_fits_more_rows_preempts_and_serves_the_same_outputs(model, prompts, reference, gen):
+    true = [len(r) for r in reference]
+    cb = run_policy(model, prompts, policy="cb", predicted=None, gen=gen, plan=PLAN)
+    # every request reserves 1 answer token: many more rows fit the budget, and each that outgrows its
+    # reservation may push the newest out (recomputed later, counted as a failure and in the slots)
+    kv = run_policy(model, prompts, policy="cb-kv", predicted=[1.0] * len(prompts), gen=gen, plan=PLAN)
+    assert kv.tokens == reference and cb.tokens == reference
+    assert kv.failures > 0 and kv.slots > kv.useful == sum(true) == cb.slots
+    # with the cap reserved by everyone it is plain cb: the budget holds batch_size rows
+    capped = run_policy(model, prompts, policy="cb-kv", predicted=[24.0] * len(prompts), gen=gen, plan=PLAN)
+    assert (capped.failures, capped.slots) == (0, cb.slots)

@@ -215,3 +215,47 @@ def test_longest_first_admission_shortens_the_drain():
     )
     assert order[0] == 4 and ljf.batch_steps < fcfs.batch_steps
     assert (fcfs.batch_steps, ljf.batch_steps) == (2 + 9, 9)
+
+
+def test_kv_budget_admission_and_preemption_hand_computed():
+    from ecru.serve import ContinuousConfig, FCFSQueue, simulate_continuous
+
+    # budget 20 KV tokens, prompts of 2, each request reserves 2 answer tokens; true lengths 6, 2, 3 (cap 10)
+    trace = [TraceRequest(2, n) for n in (6, 2, 3)]
+    config = ContinuousConfig(max_batch_size=4, max_new_tokens=10, refill_min=1, kv_budget=20)
+    r, order = simulate_continuous(trace, queue=FCFSQueue(), config=config, reserve=[2, 2, 2])
+    # all three fit (3 x 4 = 12). Decode 1: 1 is done; 0 and 2 reach their 2 reserved tokens and grow to the
+    # cap: 12 + 12 > 20, so the newest (2) is preempted. 2 now needs 2 + 10 and waits while 0 (12) runs
+    # alone 4 more steps; then 2 runs from scratch: prefill and 2 decode steps.
+    assert order == [0, 1, 2, 2]
+    assert (r.batches, r.batch_steps, r.failures) == (2, 1 + 4 + 2, 1)
+    assert (r.padded_slots, r.useful_tokens) == (3 + 3 + 4 + 1 + 2, 6 + 2 + 3)
+    # without a budget nothing is preempted: 3 rows, 5 decode steps
+    free, _ = simulate_continuous(
+        trace, queue=FCFSQueue(), config=ContinuousConfig(4, 10, 1), reserve=[2] * 3
+    )
+    assert (free.failures, free.batch_steps, free.padded_slots) == (0, 5, 11)
+
+
+def test_kv_budget_simulator_equals_the_real_loop(model, prompts, reference, gen):
+    from ecru.serve import FCFSQueue, generate_continuous, kv_budget_config, simulate_continuous
+
+    true = [len(r) for r in reference]
+    predicted = [max(1, (t * 7) % 13) for t in true]  # poor: many rows outgrow their reservation
+    config = kv_budget_config(4, 24, [len(p) for p in prompts], refill_min=2)
+    arrivals = [2 * (i // 3) for i in range(len(prompts))]
+    run = generate_continuous(
+        model, prompts, queue=FCFSQueue(), gen=gen, config=config, arrivals=arrivals, reserve=predicted
+    )
+    assert run.tokens == reference and run.preemptions > 0
+    trace = [TraceRequest(len(p), t) for p, t in zip(prompts, true, strict=True)]
+    sim, order = simulate_continuous(
+        trace, queue=FCFSQueue(), config=config, arrivals=arrivals, reserve=predicted
+    )
+    assert order == run.admitted_order
+    assert (sim.batch_steps, sim.batches, sim.padded_slots, sim.failures) == (
+        run.decode_steps,
+        run.prefills,
+        run.slots,
+        run.preemptions,
+    )

@@ -15,6 +15,7 @@ _LAZY: dict[str, str] = {
     "ConstantPredictor": "ecru.serve.predictors",
     "ContinuousConfig": "ecru.serve.continuous",
     "ContinuousResult": "ecru.serve.continuous",
+    "kv_budget_config": "ecru.serve.continuous",
     "CostModel": "ecru.serve.cost",
     "FCFSQueue": "ecru.serve.queues",
     "GenerationConfig": "ecru.serve.engine",
@@ -54,7 +55,12 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # static analysers see the real imports
-    from ecru.serve.continuous import ContinuousConfig, ContinuousResult, generate_continuous
+    from ecru.serve.continuous import (
+        ContinuousConfig,
+        ContinuousResult,
+        generate_continuous,
+        kv_budget_config,
+    )
     from ecru.serve.cost import SMOLLM2_CPU, CostModel, measure_cost_model
     from ecru.serve.engine import BatchResult, GenerationConfig, generate_static, left_pad
     from ecru.serve.labels import LengthLabel, label_prompts, read_labels
@@ -123,6 +129,7 @@ __all__ = [
     "generate_continuous",
     "generate_static",
     "is_failure",
+    "kv_budget_config",
     "label_prompts",
     "left_pad",
     "length_metrics",

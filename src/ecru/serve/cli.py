@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-POLICY_NAMES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf", "cb-ljf")
+POLICY_NAMES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf", "cb-ljf", "cb-kv")
 SIM_POLICIES = POLICY_NAMES
 
 
@@ -52,22 +52,30 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _simulate_continuous(args: argparse.Namespace, trace, cost):
     from ecru.errors import EcruError
-    from ecru.serve.continuous import ContinuousConfig
+    from ecru.serve.policies import PlanConfig
     from ecru.serve.queues import make_queue
+    from ecru.serve.runner import continuous_config
     from ecru.serve.simulator import simulate_continuous
 
     predicted = [r.predicted_len for r in trace]
     if args.policy != "cb" and any(p is None for p in predicted):
         raise EcruError(f"policy {args.policy!r} needs predicted_len on every trace line")
     try:
-        config = ContinuousConfig(
-            max_batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, refill_min=args.refill_min
+        plan = PlanConfig(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+        config = continuous_config(
+            args.policy, plan, [r.prompt_len for r in trace], refill_min=args.refill_min
         )
         queue = make_queue(args.policy, predicted, aging=args.aging)
     except ValueError as exc:
         raise EcruError(str(exc)) from exc
     result, _ = simulate_continuous(
-        trace, queue=queue, config=config, cost=cost, predict_s=args.predict_s, policy=args.policy
+        trace,
+        queue=queue,
+        config=config,
+        cost=cost,
+        predict_s=args.predict_s,
+        policy=args.policy,
+        reserve=predicted if args.policy == "cb-kv" else None,
     )
     return result
 

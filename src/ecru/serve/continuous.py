@@ -10,6 +10,7 @@ so outputs equal unbatched generation; columns that are padding in every row are
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,10 +32,16 @@ class ContinuousConfig:
     refill_min: int = 4
     """Admit only when at least this many rows are free (or the batch is empty or nothing else waits):
     prefilling several prompts in one forward is cheaper than one at a time."""
+    kv_budget: int | None = None
+    """KV-cache tokens the running requests may reserve, each its prompt plus the answer tokens reserved
+    for it (as a paged cache would hold them; this loop's padded cache holds rows x widest row). None: only
+    `max_batch_size` limits the batch. See `Admitter`."""
 
     def __post_init__(self):
         if min(self.max_batch_size, self.max_new_tokens, self.refill_min) < 1:
             raise ValueError("max_batch_size, max_new_tokens and refill_min must all be >= 1")
+        if self.kv_budget is not None and self.kv_budget < 1:
+            raise ValueError(f"kv_budget must be >= 1 token (or None), got {self.kv_budget}")
 
 
 @dataclass
@@ -49,6 +56,23 @@ class ContinuousResult:
     """Token slots computed: one per row per decode step, plus the prefill's first token per request."""
     prefills: int
     admitted_order: list[int] = field(default_factory=list)
+    """Requests in the order they were admitted (a preempted one appears again when readmitted)."""
+    preemptions: int = 0
+
+
+def kv_budget_config(
+    batch_size: int,
+    max_new_tokens: int,
+    prompt_lens: Sequence[int],
+    *,
+    refill_min: int = 4,
+    row_factor: int = 4,
+) -> ContinuousConfig:
+    """`cb-kv`'s limits: the KV tokens `batch_size` requests hold when each reserves the cap (at the longest
+    prompt), the memory `cb` runs in, and up to `row_factor` times as many rows when reservations are
+    smaller."""
+    budget = batch_size * (max_new_tokens + max(prompt_lens))
+    return ContinuousConfig(batch_size * row_factor, max_new_tokens, refill_min, kv_budget=budget)
 
 
 def admissions(*, free: int, waiting: int, upcoming: int, running: int, refill_min: int) -> int:
@@ -57,6 +81,79 @@ def admissions(*, free: int, waiting: int, upcoming: int, running: int, refill_m
     if waiting and free > 0 and (free >= min(refill_min, waiting + upcoming) or not running):
         return min(free, waiting)
     return 0
+
+
+class Admitter:
+    """Who joins the running batch, and who leaves it early, under a KV budget (S3-style reservations).
+
+    Waiting requests come from `queue` (its policy decides the order), except requests taken out of it
+    and not admitted, or preempted: they wait in `held` and go first. A request is admitted with
+    `reserve[i]` answer tokens reserved (a predicted length, clipped to 1..max_new_tokens; the cap when no
+    prediction is given) if its prompt plus that reservation fits what the running requests leave of
+    `kv_budget`; the first row of an empty batch always runs. When a running request has generated as many
+    tokens as it reserved, its reservation grows to the cap; if the reservations then overflow the
+    budget, the newest requests are preempted (their tokens discarded, recomputed from scratch when
+    admitted again, as vLLM's recompute preemption does, then reserving the cap) until they fit. Greedy
+    outputs are unchanged.
+    The real loop and the simulator share this object, so they decide alike.
+    """
+
+    def __init__(self, queue: RequestQueue, prompt_lens: Sequence[int], config: ContinuousConfig,
+                 reserve: Sequence[float] | None = None):  # fmt: skip
+        cap = config.max_new_tokens
+        if reserve is not None and len(reserve) != len(prompt_lens):
+            raise ValueError(f"reserve has {len(reserve)} entries for {len(prompt_lens)} prompts")
+        self.queue, self.held, self.config = queue, deque(), config
+        self.prompt_lens = list(prompt_lens)
+        self.initial = (
+            [cap] * len(prompt_lens) if reserve is None else [min(cap, max(1, int(r))) for r in reserve]
+        )
+        self.reserved: dict[int, int] = {}
+        self.preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.queue) + len(self.held)
+
+    def _left(self) -> float:
+        if self.config.kv_budget is None:
+            return float("inf")
+        return self.config.kv_budget - sum(self.prompt_lens[i] + r for i, r in self.reserved.items())
+
+    def admit(self, n: int) -> list[int]:
+        """Up to `n` requests that fit the budget, in order (reserved as they are returned)."""
+        picked, left = [], self._left()
+        while len(picked) < n and len(self):
+            i = self.held.popleft() if self.held else self.queue.pop()
+            need = self.prompt_lens[i] + self.initial[i]
+            if need > left and (picked or self.reserved):
+                self.held.appendleft(i)
+                break
+            picked.append(i)
+            left -= need
+            self.reserved[i] = self.initial[i]
+        return picked
+
+    def leave(self, i: int) -> None:
+        """Request `i` finished: its reservation is freed."""
+        del self.reserved[i]
+
+    def preempt(self, running: Sequence[int], generated: Sequence[int]) -> list[int]:
+        """After a decode step (`generated[k]` tokens so far for `running[k]`, oldest first): grow exhausted
+        reservations to the cap, then preempt the newest requests until the reservations fit the budget.
+        Returns the preempted ones; they wait first in line, in their admission order."""
+        for i, g in zip(running, generated, strict=True):
+            if g >= self.reserved[i]:
+                self.reserved[i] = self.config.max_new_tokens
+        out = []
+        for i in reversed(running):
+            if self._left() >= 0 or len(self.reserved) == 1:
+                break
+            del self.reserved[i]
+            self.initial[i] = self.config.max_new_tokens  # its prediction proved short: readmit at the cap
+            self.held.appendleft(i)
+            out.append(i)
+        self.preemptions += len(out)
+        return out
 
 
 def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -112,8 +209,10 @@ def generate_continuous(
     gen: GenerationConfig,
     config: ContinuousConfig,
     arrivals: Sequence[int] | None = None,
+    reserve: Sequence[float] | None = None,
 ) -> ContinuousResult:
-    """Serve every prompt; request i joins `queue` at decode step `arrivals[i]` (all at 0 by default)."""
+    """Serve every prompt; request i joins `queue` at decode step `arrivals[i]` (all at 0 by default).
+    With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the cap; see `Admitter`)."""
     if gen.temperature != 0:
         raise ValueError("continuous batching here is greedy only (temperature=0)")
     n = len(prompts)
@@ -123,6 +222,7 @@ def generate_continuous(
     out: list[list[int]] = [[] for _ in range(n)]
     finish = [0.0] * n
     run, step, slots, prefills, order, start = _Running(model), 0, 0, 0, [], time.perf_counter()
+    admitter = Admitter(queue, [len(p) for p in prompts], config, reserve)
 
     def record(ids: list[int], tok: torch.Tensor) -> torch.Tensor:
         for i, t in zip(ids, tok.tolist(), strict=True):
@@ -134,30 +234,33 @@ def generate_continuous(
                 finish[i] = now
         return alive
 
-    while incoming or len(queue) or run.ids:
+    while incoming or len(admitter) or run.ids:
         while incoming and arrivals[incoming[0]] <= step:
             queue.push(incoming.pop(0), now=step)
         n_admit = admissions(
             free=config.max_batch_size - len(run.ids),
-            waiting=len(queue),
+            waiting=len(admitter),
             upcoming=len(incoming),
             running=len(run.ids),
             refill_min=config.refill_min,
         )
-        if n_admit:
-            admit = [queue.pop() for _ in range(n_admit)]
+        admit = admitter.admit(n_admit)
+        if admit:
             order += admit
             ids, mask = left_pad([prompts[i] for i in admit], gen.pad_token_id)
             cache = new_cache(model)
             tok = next_tokens(forward(model, ids, mask, cache), temperature=0.0, generator=None)
             prefills, slots = prefills + 1, slots + len(admit)
             alive = record(admit, tok)
+            for i, a in zip(admit, alive.tolist(), strict=True):
+                if not a:
+                    admitter.leave(i)
             if alive.any():
                 index = alive.nonzero().flatten()
                 cache.batch_select_indices(index)
                 run.merge([admit[i] for i in index.tolist()], tok[index], mask[index], cache)
         if not run.ids:
-            if incoming and not len(queue):
+            if incoming and not len(admitter):
                 step = max(step + 1, arrivals[incoming[0]])
             continue
         run.mask = torch.cat([run.mask, torch.ones_like(run.mask[:, :1])], dim=1)
@@ -166,7 +269,15 @@ def generate_continuous(
         )
         slots += len(run.ids)
         alive = record(run.ids, tok)
+        for i, a in zip(run.ids, alive.tolist(), strict=True):
+            if not a:
+                admitter.leave(i)
         run.pending = tok
         run.keep(alive)
+        preempted = admitter.preempt(run.ids, [len(out[i]) for i in run.ids])
+        if preempted:
+            for i in preempted:
+                out[i] = []  # recomputed from scratch when readmitted
+            run.keep(torch.tensor([i not in preempted for i in run.ids]))
         step += 1
-    return ContinuousResult(out, finish, step, slots, prefills, order)
+    return ContinuousResult(out, finish, step, slots, prefills, order, admitter.preemptions)

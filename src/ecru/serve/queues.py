@@ -7,7 +7,8 @@ A request arriving at step t has key >= aging x t, so one waiting since step a w
 admitted by step a + p / aging at the latest, however many short requests keep arriving: no starvation
 (`cb-sjf`, for mean latency). The same queue on negated predictions admits the longest predicted first
 (`cb-ljf`, for throughput): with every request waiting, starting the long ones first leaves no long
-answer running alone at the end while the batch drains (longest-processing-time-first list scheduling).
+answer running alone at the end while the batch drains (longest-processing-time-first list scheduling). `cb-kv` admits in FCFS order but reserves KV memory by
+predicted length instead of the cap (`continuous.Admitter`), so more rows fit the same memory.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class SJFQueue:
         return len(self._heap)
 
 
-CONTINUOUS_POLICIES = ("cb", "cb-sjf", "cb-ljf")
+CONTINUOUS_POLICIES = ("cb", "cb-sjf", "cb-ljf", "cb-kv")
 
 
 def make_queue(policy: str, predicted: Sequence[float] | None = None, *, aging: float = 0.5) -> RequestQueue:
@@ -75,7 +76,7 @@ def make_queue(policy: str, predicted: Sequence[float] | None = None, *, aging: 
         raise ValueError(
             f"unknown continuous policy {policy!r}; choose from {', '.join(CONTINUOUS_POLICIES)}"
         )
-    if policy == "cb":
+    if policy in ("cb", "cb-kv"):  # cb-kv: FCFS order, KV reserved by predicted length (runner)
         return FCFSQueue()
     if predicted is None:
         raise ValueError(f"policy {policy!r} needs a predicted length per request")

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ecru.serve.continuous import ContinuousConfig, generate_continuous
+from ecru.serve.continuous import ContinuousConfig, generate_continuous, kv_budget_config
 from ecru.serve.engine import GenerationConfig, generate_static
 from ecru.serve.policies import STATIC_POLICIES, PlanConfig, plan_batches, rerun_batches
 from ecru.serve.queues import CONTINUOUS_POLICIES, make_queue
@@ -28,7 +28,7 @@ class PolicyRun:
     slots: int
     """Token slots computed, first attempts and reruns included."""
     failures: int
-    """FCR rows cut at their batch's cap and recomputed."""
+    """Rows recomputed from scratch: FCR rows cut at their batch's cap, cb-kv rows preempted."""
 
     @property
     def useful(self) -> int:
@@ -103,12 +103,27 @@ def run_continuous(
     aging: float = 0.5,
     predict_s: float = 0.0,
 ) -> PolicyRun:
-    """`cb` (FCFS admission), `cb-sjf` (shortest predicted first) or `cb-ljf` (longest first), aged."""
+    """`cb` (FCFS admission), `cb-sjf` (shortest predicted first) or `cb-ljf` (longest first), aged;
+    `cb-kv` (FCFS, KV reserved by predicted length under `config.kv_budget`; preemptions count as failures)."""
     queue = make_queue(policy, predicted, aging=aging)
+    reserve = predicted if policy == "cb-kv" else None
     start = time.perf_counter()
-    result = generate_continuous(model, prompts, queue=queue, gen=gen, config=config)
+    result = generate_continuous(model, prompts, queue=queue, gen=gen, config=config, reserve=reserve)
     wall = predict_s + time.perf_counter() - start
-    return PolicyRun(policy, result.tokens, [predict_s + t for t in result.finish_s], wall, result.slots, 0)
+    finish = [predict_s + t for t in result.finish_s]
+    return PolicyRun(policy, result.tokens, finish, wall, result.slots, result.preemptions)
+
+
+def continuous_config(
+    policy: str, plan: PlanConfig, prompt_lens: Sequence[int], *, refill_min: int = 4
+) -> ContinuousConfig:
+    """Rows of `plan.batch_size` for cb, cb-sjf and cb-ljf; for cb-kv the KV memory those rows hold
+    reserving the cap, shared by as many rows as their predicted reservations allow."""
+    if policy == "cb-kv":
+        return kv_budget_config(plan.batch_size, plan.max_new_tokens, prompt_lens, refill_min=refill_min)
+    return ContinuousConfig(
+        max_batch_size=plan.batch_size, max_new_tokens=plan.max_new_tokens, refill_min=refill_min
+    )
 
 
 def run_policy(
@@ -128,9 +143,7 @@ def run_policy(
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if policy in CONTINUOUS_POLICIES:
-        config = ContinuousConfig(
-            max_batch_size=plan.batch_size, max_new_tokens=plan.max_new_tokens, refill_min=refill_min
-        )
+        config = continuous_config(policy, plan, [len(p) for p in prompts], refill_min=refill_min)
         return run_continuous(
             model,
             prompts,

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
-from ecru.serve.continuous import ContinuousConfig, admissions
+from ecru.serve.continuous import Admitter, ContinuousConfig, admissions
 from ecru.serve.cost import SMOLLM2_CPU, CostModel
 from ecru.serve.policies import Batch, PlanConfig, is_failure, plan_batches, rerun_batches
 from ecru.serve.queues import RequestQueue
@@ -153,6 +153,7 @@ def simulate_continuous(
     arrivals: Sequence[int] | None = None,
     predict_s: float = 0.0,
     policy: str = "cb",
+    reserve: Sequence[float] | None = None,
 ) -> tuple[SimResult, list[int]]:
     """Continuous batching over the true lengths of `trace`; returns the result and the admission order.
 
@@ -161,6 +162,9 @@ def simulate_continuous(
     prefilled together (one token each) and join the batch; every decode step gives each running row
     one token; a row leaves when it has min(output_len, max_new_tokens) tokens. Time: one prefill per
     admission, cost.step_time(rows, widest row) per decode step. Latency: finish minus arrival clock.
+    With `config.kv_budget`, the same `Admitter` reserves `reserve[i]` answer tokens per request and
+    preempts as the real loop does; a preempted request's tokens are computed again (slots count both
+    attempts) and `failures` counts preemptions.
     """
     n = len(trace)
     arrivals = list(arrivals) if arrivals is not None else [0] * n
@@ -170,20 +174,21 @@ def simulate_continuous(
     arrived_at, finished_at = [0.0] * n, [0.0] * n
     running: list[int] = []
     clock, step, slots, prefills, order = predict_s, 0, 0, 0, []
-    while incoming or len(queue) or running:
+    admitter = Admitter(queue, [r.prompt_len for r in trace], config, reserve)
+    while incoming or len(admitter) or running:
         while incoming and arrivals[incoming[0]] <= step:
             i = incoming.pop(0)
             queue.push(i, now=step)
             arrived_at[i] = clock
         n_admit = admissions(
             free=config.max_batch_size - len(running),
-            waiting=len(queue),
+            waiting=len(admitter),
             upcoming=len(incoming),
             running=len(running),
             refill_min=config.refill_min,
         )
-        if n_admit:
-            admit = [queue.pop() for _ in range(n_admit)]
+        admit = admitter.admit(n_admit)
+        if admit:
             order += admit
             clock += cost.prefill_time(len(admit), max(trace[i].prompt_len for i in admit))
             prefills, slots = prefills + 1, slots + len(admit)
@@ -191,10 +196,11 @@ def simulate_continuous(
                 done[i] = 1
                 if done[i] >= target[i]:
                     finished_at[i] = clock
+                    admitter.leave(i)
                 else:
                     running.append(i)
         if not running:
-            if incoming and not len(queue):
+            if incoming and not len(admitter):
                 step = max(step + 1, arrivals[incoming[0]])
             continue
         clock += cost.step_time(len(running), max(trace[i].prompt_len + done[i] for i in running))
@@ -203,7 +209,10 @@ def simulate_continuous(
             done[i] += 1
             if done[i] >= target[i]:
                 finished_at[i] = clock
+                admitter.leave(i)
         running = [i for i in running if done[i] < target[i]]
+        preempted = admitter.preempt(running, [done[i] for i in running])
+        running = [i for i in running if i not in preempted]
         step += 1
     useful = sum(target)
     result = SimResult(
@@ -215,8 +224,8 @@ def simulate_continuous(
         padded_slots=slots,
         useful_tokens=useful,
         effective_token_ratio=useful / slots if slots else 1.0,
-        failures=0,
-        failure_ratio=0.0,
+        failures=admitter.preemptions,
+        failure_ratio=admitter.preemptions / n,
         avg_padded_length=slots / n,
         time_s=clock,
         samples_per_s=n / clock if clock else float("inf"),
