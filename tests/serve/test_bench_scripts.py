@@ -1,5 +1,7 @@
 """bench/serve_predictors.py's cap study helpers: the mixture median, out-of-fold CV, prefix features."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -104,3 +106,24 @@ def test_bench_serve_simulates_every_policy_it_ran():
     assert sim["fcfs"]["speedup"] == 1.0
     assert sim["cb"]["effective_token_ratio"] == sim["cb-ljf"]["effective_token_ratio"] == 1.0
     assert sim["oracle"]["effective_token_ratio"] > sim["fcfs"]["effective_token_ratio"]
+
+
+def test_serve_kv_replays_a_bench_setup(tmp_path):
+    kv = load_bench_script("serve_kv")
+    # 6 short answers and 2 at the cap, prompts of 4 tokens, batch 2, cap 32
+    setup = {"prompt_lens": [4] * 8, "true_lengths": [3, 4, 32, 5, 3, 32, 4, 6], "batch_size": 2,
+             "max_new_tokens": 32, "predicted_lengths": [4.0] * 8, "n": 8}  # fmt: skip
+    from ecru.serve import CostModel
+
+    rows = kv.replay(setup, kv.reservation_rules(setup, [8]), CostModel(1.0, 0.0, 0.0, 0.0, 0.0))
+    assert set(rows) == {"cb", "cb-kv predictor", "cb-kv true lengths", "cb-kv constant 8", "cb-kv cap 32"}
+    assert rows["cb-kv true lengths"]["preemptions"] == 0 and rows["cb-kv cap 32"]["preemptions"] == 0
+    # exact reservations fit more rows into the same memory than cb's batch of 2: fewer decode steps
+    assert rows["cb-kv true lengths"]["x_fcfs"] > rows["cb"]["x_fcfs"]
+    bench = tmp_path / "b.json"
+    bench.write_text(json.dumps({"setup": setup}))
+    kv.main(["--bench", str(bench), "--constants", "8", "--json", str(tmp_path / "kv.json")])
+    from ecru.serve import SMOLLM2_CPU  # the script's default cost model
+
+    written = json.loads((tmp_path / "kv.json").read_text())["rows"]
+    assert written == kv.replay(setup, kv.reservation_rules(setup, [8]), SMOLLM2_CPU)

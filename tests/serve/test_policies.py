@@ -104,6 +104,6 @@ def test_cb_kv_fits_more_rows_preempts_and_serves_the_same_outputs(model, prompt
     kv = run_policy(model, prompts, policy="cb-kv", predicted=[1.0] * len(prompts), gen=gen, plan=PLAN)
     assert kv.tokens == reference and cb.tokens == reference
     assert kv.failures > 0 and kv.slots > kv.useful == sum(true) == cb.slots
-    # with the cap reserved by everyone it is plain cb: the budget holds batch_size rows
+    # with the cap reserved by everyone nothing outgrows its reservation: no preemption, no wasted slot
     capped = run_policy(model, prompts, policy="cb-kv", predicted=[24.0] * len(prompts), gen=gen, plan=PLAN)
     assert (capped.failures, capped.slots) == (0, cb.slots)
