@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -34,6 +35,14 @@ def replay(setup: dict, reservations: dict[str, list[float]], cost) -> dict[str,
         trace, queue=make_queue("cb"), config=continuous_config("cb", plan, setup["prompt_lens"]), cost=cost
     )
     out = {"cb": {"x_fcfs": fcfs.time_s / cb.time_s, "latency_x_cb": 1.0, "preemptions": 0}}
+    # the same rows without any reservation: cb with twice the batch size (what unbounded memory allows)
+    wide = replace(continuous_config("cb", plan, setup["prompt_lens"]), max_batch_size=2 * plan.batch_size)
+    r, _ = simulate_continuous(trace, queue=make_queue("cb"), config=wide, cost=cost)
+    out[f"cb, {2 * plan.batch_size} rows"] = {
+        "x_fcfs": fcfs.time_s / r.time_s,
+        "latency_x_cb": r.mean_latency_s / cb.mean_latency_s,
+        "preemptions": 0,
+    }
     config = continuous_config("cb-kv", plan, setup["prompt_lens"])
     for name, reserve in reservations.items():
         r, _ = simulate_continuous(

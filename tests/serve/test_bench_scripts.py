@@ -116,7 +116,8 @@ def test_serve_kv_replays_a_bench_setup(tmp_path):
     from ecru.serve import CostModel
 
     rows = kv.replay(setup, kv.reservation_rules(setup, [8]), CostModel(1.0, 0.0, 0.0, 0.0, 0.0))
-    assert set(rows) == {"cb", "cb-kv predictor", "cb-kv true lengths", "cb-kv constant 8", "cb-kv cap 32"}
+    assert set(rows) == {"cb", "cb, 4 rows", "cb-kv predictor", "cb-kv true lengths", "cb-kv constant 8",
+                         "cb-kv cap 32"}  # fmt: skip
     assert rows["cb-kv true lengths"]["preemptions"] == 0 and rows["cb-kv cap 32"]["preemptions"] == 0
     # exact reservations fit more rows into the same memory than cb's batch of 2: fewer decode steps
     assert rows["cb-kv true lengths"]["x_fcfs"] > rows["cb"]["x_fcfs"]
