@@ -73,7 +73,7 @@ def write_trace(path, rows):
     )
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "sorted", "fcr", "fcr+vbs", "cb", "cb-sjf"])
+@pytest.mark.parametrize("policy", ["fcfs", "sorted", "fcr", "fcr+vbs", "cb", "cb-sjf", "cb-kv"])
 def test_cli_simulate_writes_json(tmp_path, policy):
     write_trace(tmp_path / "t.jsonl", ROWS)
     code = main(
@@ -97,8 +97,20 @@ def test_cli_simulate_writes_json(tmp_path, policy):
     assert out["effective_token_ratio"] == pytest.approx(USEFUL / out["padded_slots"])
     if policy == "fcr":
         assert out["padded_slots"] == 35 and out["failure_ratio"] == 0.2
-    if policy.startswith("cb"):  # refill at 4 free rows never triggers with 2 rows: each pair runs alone
+    if policy in ("cb", "cb-sjf"):  # refill at 4 free rows never triggers with 2 rows: each pair runs alone
         assert out["padded_slots"] == USEFUL and out["batches"] == 3
+    if policy == "cb-kv":  # the memory of 2 cap-length rows, shared by the predicted reservations
+        from ecru.serve import ContinuousConfig, FCFSQueue, kv_budget_config, simulate_continuous
+
+        config = kv_budget_config(2, 10, [10] * len(ROWS))
+        ref, _ = simulate_continuous(TRACE, queue=FCFSQueue(), config=config, reserve=[p for _, p in ROWS])
+        assert (out["padded_slots"], out["batches"], out["failures"]) == (
+            ref.padded_slots,
+            ref.batches,
+            ref.failures,
+        )
+        cb, _ = simulate_continuous(TRACE, queue=FCFSQueue(), config=ContinuousConfig(2, 10))
+        assert (ref.batch_steps, cb.batch_steps) == (13, 15)  # more rows decode together in the same memory
 
 
 def test_cli_simulate_bad_trace_is_one_line_error(tmp_path, capsys):
