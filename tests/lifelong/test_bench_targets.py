@@ -39,7 +39,7 @@ def test_targets_pair_runs_by_seed_and_order(bench):
         t["ecru_last_minus_independent_diag"]["mean"] == -2.0 and t["ecru_last_minus_independent_diag"]["met"]
     )
     assert t["ecru_trainable_share"]["mean"] == 0.01 and t["ecru_trainable_share"]["met"]
-    # seqft drops 6 and 8 points (ecru 0): mean difference 7 > 2 x std 1 -> shown
+    # seqft drops 6 and 8 points (ecru 0): mean difference 7 > 2 x sample std 1.41 -> shown
     assert t["seqft_heldout_drop"]["met"] and not t["seqft_transfer_retention"]["met"]
     assert t["seqft_loses_5_points_on_one"]["met"]
 
@@ -56,6 +56,22 @@ def test_targets_not_met_and_the_two_std_rule(bench):
     assert not t["seqft_loses_5_points_on_one"]["met"]
     assert "ecru_avg_minus_zscl_avg" not in t  # zscl did not run
     assert bench.check_targets({"seqft": methods["seqft"]}) == {}
+
+
+def test_two_std_rule_needs_two_paired_runs(bench):
+    # one run has no spread to compare with: a 9-point loss is not "shown"
+    one = {"ecru": {"runs": [run(0)]}, "seqft": {"runs": [run(0, drop=-9.0)]}}
+    t = bench.check_targets(one)["seqft_heldout_drop"]
+    assert t["mean"] == -9.0 and not t["met"] and "2 (seed, order) runs" in t["why_not"]
+    # seqft's runs do not pair with ecru's: nothing to compare, nothing shown
+    apart = {"ecru": {"runs": [run(0), run(1)]}, "seqft": {"runs": [run(2, drop=-9.0), run(3, drop=-9.0)]}}
+    t = bench.check_targets(apart)
+    assert "seqft_heldout_drop" not in t and not t["seqft_loses_5_points_on_one"]["met"]
+    # seqft's own loss is averaged over the paired runs only
+    extra = {"ecru": {"runs": [run(0), run(1)]},
+             "seqft": {"runs": [run(0, drop=-6.0), run(1, drop=-8.0), run(2, drop=0.0)]}}  # fmt: skip
+    t = bench.check_targets(extra)["seqft_heldout_drop"]
+    assert t["runs"] == [-6.0, -8.0] and t["met"]
 
 
 def test_routing_shares_on_separated_clusters():
@@ -96,7 +112,7 @@ def test_targets_met_by_design_are_marked(bench):
     assert bench.ecru_by_construction() == ("ecru_transfer_retention", "ecru_heldout_drop")  # the preset
 
 
-def test_training_flags_reach_every_method(bench):
+def test_training_flags_build_the_train_config(bench):
     from ecru.errors import EcruError
     from ecru.lifelong.methods import TrainConfig
 
