@@ -30,7 +30,7 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
         simulate,
         simulate_continuous,
     )
-    from ecru.serve.runner import continuous_config
+    from ecru.serve.runner import continuous_config, reservations
 
     setup = result["setup"]
     cost = CostModel.load(cost_path) if cost_path else SMOLLM2_CPU
@@ -54,9 +54,13 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
             predicted = setup["predicted_lengths"]
             queue = make_queue(policy, predicted, aging=setup.get("aging", 0.5))
             continuous = continuous_config(policy, config, setup["prompt_lens"])
-            reserve = predicted if policy == "cb-kv" else None
             sim, _ = simulate_continuous(
-                trace, queue=queue, config=continuous, cost=cost, predict_s=charged, reserve=reserve
+                trace,
+                queue=queue,
+                config=continuous,
+                cost=cost,
+                predict_s=charged,
+                reserve=reservations(policy, predicted),
             )
         else:
             sim = simulate(trace, policy=policy, config=config, cost=cost, predict_s=charged)

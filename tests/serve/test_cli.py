@@ -87,10 +87,3 @@ def test_bench_runs_cb_ljf_when_asked(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["policies"]) == {"fcfs", "cb", "cb-ljf"}
     assert all(m["outputs_match_fcfs"] for m in result["policies"].values())
-
-
-def test_cli_policy_names_are_the_runners():
-    from ecru.serve import POLICIES
-    from ecru.serve.cli import POLICY_NAMES  # kept free of heavy imports, so it is a copy
-
-    assert set(POLICY_NAMES) == set(POLICIES)

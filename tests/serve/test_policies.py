@@ -8,9 +8,12 @@ from ecru.serve import (
     FCFSQueue,
     PlanConfig,
     generate_continuous,
+    kv_budget_config,
+    make_queue,
     plan_batches,
     run_policy,
 )
+from ecru.serve.runner import continuous_config
 
 PLAN = PlanConfig(batch_size=4, max_new_tokens=24)  # conftest's MAX_NEW
 
@@ -107,3 +110,25 @@ def test_cb_kv_fits_more_rows_preempts_and_serves_the_same_outputs(model, prompt
     # with the cap reserved by everyone nothing outgrows its reservation: no preemption, no wasted slot
     capped = run_policy(model, prompts, policy="cb-kv", predicted=[24.0] * len(prompts), gen=gen, plan=PLAN)
     assert (capped.failures, capped.slots) == (0, cb.slots)
+    with pytest.raises(ValueError, match="prediction for every request"):
+        run_policy(model, prompts, policy="cb-kv", predicted=None, gen=gen, plan=PLAN)
+
+
+def test_cb_kv_with_cap_reservations_and_cb_rows_is_cb(model, prompts, reference, gen):
+    # the budget of PLAN.batch_size cap-reserving rows and no more rows than that: cb's schedule exactly
+    cap = PLAN.max_new_tokens
+    lens = [len(p) for p in prompts]
+    runs = [
+        generate_continuous(
+            model, prompts, queue=make_queue("cb", None), gen=gen, config=config, reserve=reserve
+        )
+        for config, reserve in (
+            (continuous_config("cb", PLAN, lens), None),
+            (kv_budget_config(PLAN.batch_size, cap, lens, row_factor=1), [float(cap)] * len(prompts)),
+        )
+    ]
+    cb, kv = runs
+    assert kv.tokens == cb.tokens == reference and kv.preemptions == 0
+    assert (kv.admitted_order, kv.decode_steps, kv.prefills, kv.slots) == (
+        cb.admitted_order, cb.decode_steps, cb.prefills, cb.slots
+    )  # fmt: skip

@@ -7,8 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-POLICY_NAMES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle", "cb", "cb-sjf", "cb-ljf", "cb-kv")
-SIM_POLICIES = POLICY_NAMES
+from ecru.serve.policies import STATIC_POLICIES
+from ecru.serve.queues import CONTINUOUS_POLICIES
+
+POLICY_NAMES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
 
 
 def _write_json(data: dict, path: str | None) -> None:
@@ -54,7 +56,7 @@ def _simulate_continuous(args: argparse.Namespace, trace, cost):
     from ecru.errors import EcruError
     from ecru.serve.policies import PlanConfig
     from ecru.serve.queues import make_queue
-    from ecru.serve.runner import continuous_config
+    from ecru.serve.runner import continuous_config, reservations
     from ecru.serve.simulator import simulate_continuous
 
     predicted = [r.predicted_len for r in trace]
@@ -75,7 +77,7 @@ def _simulate_continuous(args: argparse.Namespace, trace, cost):
         cost=cost,
         predict_s=args.predict_s,
         policy=args.policy,
-        reserve=predicted if args.policy == "cb-kv" else None,
+        reserve=reservations(args.policy, predicted),
     )
     return result
 
@@ -153,7 +155,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sim.add_argument(
         "--trace", required=True, help='JSONL lines {"prompt_len", "output_len", "predicted_len"}'
     )
-    sim.add_argument("--policy", choices=SIM_POLICIES, default="fcfs")
+    sim.add_argument("--policy", choices=POLICY_NAMES, default="fcfs")
     sim.add_argument("--batch-size", type=int, default=16)
     sim.add_argument("--max-new-tokens", type=int, default=512)
     sim.add_argument(

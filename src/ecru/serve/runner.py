@@ -106,12 +106,22 @@ def run_continuous(
     """`cb` (FCFS admission), `cb-sjf` (shortest predicted first) or `cb-ljf` (longest first), aged;
     `cb-kv` (FCFS, KV reserved by predicted length under `config.kv_budget`; preemptions count as failures)."""
     queue = make_queue(policy, predicted, aging=aging)
-    reserve = predicted if policy == "cb-kv" else None
+    reserve = reservations(policy, predicted)
     start = time.perf_counter()
     result = generate_continuous(model, prompts, queue=queue, gen=gen, config=config, reserve=reserve)
     wall = predict_s + time.perf_counter() - start
     finish = [predict_s + t for t in result.finish_s]
     return PolicyRun(policy, result.tokens, finish, wall, result.slots, result.preemptions)
+
+
+def reservations(policy: str, predicted: Sequence[float] | None) -> Sequence[float] | None:
+    """The answer tokens each request reserves: its predicted length under `cb-kv`, none (the cap) under
+    the other continuous policies."""
+    if policy != "cb-kv":
+        return None
+    if predicted is None or any(p is None for p in predicted):
+        raise ValueError("cb-kv reserves KV memory by predicted length: give a prediction for every request")
+    return predicted
 
 
 def continuous_config(
