@@ -19,6 +19,14 @@ CV AUC over 5 splits; its length prediction is the median of the predicted mixtu
 probability p, else the train non-cap lengths), scored by MAE / Acc-50 / Acc-100 against the train
 median. The out-of-fold predictions (split 0) are replayed through the simulator (cost model: SmolLM2 on
 one CPU thread, prediction charged as the forward passes it needs).
+
+    OMP_NUM_THREADS=1 python bench/serve_predictors.py --learning-curve \
+        --labels bench/results/serve_labels_smollm2.jsonl --bench bench/results/serve_bench_target.json \
+        --json bench/results/serve_learning_curve.json
+
+`--learning-curve` asks whether more labels would help: the train labels plus the bench run's held-out
+true lengths (same cap) pooled, then the cap-hit AUC of the main feature sets on random subsets of
+growing size (5 draws x 3 CV splits per size; the whole pool 3 splits).
 """
 
 from __future__ import annotations
@@ -285,6 +293,50 @@ def cap_study(args) -> None:
     print(f"wrote {args.json}")
 
 
+CURVE_FEATURES = (
+    "minilm embedding",
+    "probe: last-token hidden",
+    "prefix 16: hidden state",
+    "prefix 32: hidden state",
+    "prefix 32: entropy, distinct, EOS",
+)
+
+
+def learning_curve(args) -> None:
+    import tempfile
+
+    from sklearn.metrics import roc_auc_score
+
+    from ecru.serve.prompts import load_prompts
+
+    setup = json.loads(Path(args.bench).read_text())["setup"]
+    texts = load_prompts(setup["prompts"], n=setup["n"], split="test")
+    with tempfile.TemporaryDirectory() as tmp:  # the pooled labels, in the labels file's format
+        pooled = Path(tmp) / "pooled.jsonl"
+        held = [{"prompt": t, "lengths": [int(n)], "max_new_tokens": setup["max_new_tokens"]}
+                for t, n in zip(texts, setup["true_lengths"], strict=True)]  # fmt: skip
+        pooled.write_text(Path(args.labels).read_text() + "".join(json.dumps(r) + "\n" for r in held))
+        f, lengths, cap = study_features(str(pooled), cache=args.features_cache)
+    sets, rng, total = feature_sets(f), np.random.default_rng(0), len(lengths)
+    sizes = sorted({n for n in (96, 192, 320, total) if n <= total})
+    out = {"setup": {"labels": args.labels, "bench": args.bench, "n": total, "cap": cap,
+                     "cap_hitters": int((lengths >= cap).sum())}}  # fmt: skip
+    for name in CURVE_FEATURES:
+        x, _ = sets[name]
+        out[name] = {}
+        for n in sizes:
+            aucs = []
+            for _ in range(5 if n < total else 1):
+                idx = rng.permutation(total)[:n]
+                for seed in range(3):
+                    p, _, _ = cross_validate(x[idx], lengths[idx], cap=cap, seed=seed)
+                    aucs.append(roc_auc_score(lengths[idx] >= cap, p))
+            out[name][n] = {"auc": float(np.mean(aucs)), "auc_sd": float(np.std(aucs))}
+            print(f"{name:>34} n={n:>4}: cap-hit AUC {np.mean(aucs):.3f} +- {np.std(aucs):.3f}", flush=True)
+    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
 def main() -> None:
     from ecru.serve import PlanConfig, TraceRequest, length_metrics, simulate, timed_predict
     from ecru.serve.bench import BenchConfig, build_predictor
@@ -298,14 +350,17 @@ def main() -> None:
     p.add_argument("--lora-epochs", type=int, default=2)
     p.add_argument("--json", default="bench/results/serve_predictors.json")
     p.add_argument("--cap-study", action="store_true", help="which cheap features separate cap-hitters")
+    p.add_argument("--learning-curve", action="store_true", help="cap-hit AUC against the labels' number")
     p.add_argument("--cost-model", default=None, help="--cap-study: cost model JSON (default: spec SmolLM2)")
     p.add_argument(
-        "--features-cache", default=None, help="--cap-study: .npz of the features (reused if present)"
+        "--features-cache", default=None, help="--cap-study, --learning-curve: .npz of the features (reused)"
     )
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.cap_study:
         return cap_study(args)
+    if args.learning_curve:
+        return learning_curve(args)
     bench = json.loads(Path(args.bench).read_text())
     setup = bench["setup"]
     texts = load_prompts(setup["prompts"], n=setup["n"], split="test")
