@@ -105,11 +105,27 @@ def test_targets_of_a_variant_under_the_same_keys(bench):
     assert not text["ecru_transfer_retention"]["met"] and text["ecru_avg_minus_zscl_avg"]["runs"] == [-1.0]
 
 
+def test_ecru_heldout_target_takes_the_worst_task(bench):
+    low = run(0, drop=-0.5)
+    low["metrics"]["heldout_worst_drop"] = -3.0  # recovered by the last task, lost 3 points on the way
+    t = bench.check_targets({"ecru": {"runs": [low]}})["ecru_heldout_drop"]
+    assert t["mean"] == -3.0 and not t["met"]
+
+
+def test_aggregate_leaves_unrecorded_costs_empty(bench):
+    runs = [run(0), run(1)]
+    for r, rss in zip(runs, (500.0, None), strict=True):
+        r |= {"R": [[1.0]], "R0": [1.0], "R_ci": [[1.0]], "metrics_ci": r["metrics"], "heldout": [1.0, 1.0]}
+        r["cost"]["peak_rss_mb"] = rss
+    cost = bench.aggregate(runs)["cost"]
+    assert cost["peak_rss_mb"] is None and cost["wall_s"] == 10.0
+
+
 def test_targets_met_by_design_are_marked(bench):
     methods = {"ecru": {"runs": [run(0, tr=0.0, drop=0.0)]}}
     t = bench.check_targets(methods, by_construction=("ecru_transfer_retention",))
     assert t["ecru_transfer_retention"]["by_construction"] and "by_construction" not in t["ecru_heldout_drop"]
-    assert bench.ecru_by_construction() == ("ecru_transfer_retention", "ecru_heldout_drop")  # the preset
+    assert bench.ecru_by_construction() == ("ecru_transfer_retention", "ecru_heldout_drop", "ecru_bwt")
 
 
 def test_training_flags_build_the_train_config(bench):

@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -123,6 +124,8 @@ def test_resume_from_task_checkpoint_equals_uninterrupted_run(name, tiny_model, 
     resumed, resumed_model = method()
     got = run_stream(resumed, tiny_evaluator, checkpoint_dir=tmp_path / "b", log=lambda s: None)
     assert (got.R, got.R_ci, got.heldout) == (ref.R, ref.R_ci, ref.heldout)
+    # the first task's cost comes from the checkpoint, memory and CPU time included
+    assert got.cost["peak_rss_mb"] > 0 and got.cost["cpu_s"] > 0
     want = whole_model.encoder.state_dict()
     for k, v in resumed_model.encoder.state_dict().items():
         torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
@@ -141,6 +144,37 @@ def test_resume_refuses_a_checkpoint_of_another_run(tiny_model, tiny_evaluator, 
     ):
         with pytest.raises(EcruError, match="different run"):
             run_stream(other, tiny_evaluator, checkpoint_dir=tmp_path, log=lambda s: None)
+
+
+def test_resume_checks_the_stream_texts_not_only_their_sizes(tiny_model, tiny_evaluator, tmp_path):
+    from ecru.lifelong import Evaluator, StreamConfig, build_clinc_stream
+    from ecru.lifelong.runner import stream_digest
+
+    run_stream(make_method("seqft", tiny_model(), train=TRAIN), tiny_evaluator, checkpoint_dir=tmp_path,
+               stop_after=1, log=lambda s: None)  # fmt: skip
+    # another sampling seed: the same domains and sizes, other utterances
+    other = Evaluator(build_clinc_stream(replace(StreamConfig(tasks=2, train_per_intent=2, test_per_intent=1,
+                      heldout_per_class=1, reference_size=24), seed=1)))  # fmt: skip
+    assert stream_digest(other.stream) != stream_digest(tiny_evaluator.stream)
+    with pytest.raises(EcruError, match="texts differ"):
+        run_stream(
+            make_method("seqft", tiny_model(), train=TRAIN),
+            other,
+            checkpoint_dir=tmp_path,
+            log=lambda s: None,
+        )
+    # a checkpoint written before the texts were signed resumes, and says so
+    ckpt = torch.load(tmp_path / "last.pt", weights_only=False)
+    del ckpt["signature"]["texts"]
+    torch.save(ckpt, tmp_path / "last.pt")
+    said = []
+    run_stream(
+        make_method("seqft", tiny_model(), train=TRAIN),
+        tiny_evaluator,
+        checkpoint_dir=tmp_path,
+        log=said.append,
+    )
+    assert any("predates the texts check" in line for line in said)
 
 
 def test_wise_ft_interpolates_the_fine_tuned_weights_with_the_initial_ones(tiny_model, tiny_evaluator):

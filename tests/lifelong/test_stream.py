@@ -23,6 +23,20 @@ def test_stream_is_deterministic_and_sized():
     assert not {e.text for t in a.tasks for e in t.train} & set(a.reference)
 
 
+@pytest.mark.parametrize("split", ["test", "val"])
+def test_evaluation_texts_are_never_trained_on(split):
+    from ecru.datasets import load_clinc
+
+    s = build_clinc_stream(StreamConfig(split=split))  # the full configuration's sizes
+    train = {e.text for t in s.tasks for e in t.train}
+    test = {e.text for t in s.tasks for e in t.test}
+    heldout, reference = {e.text for e in s.heldout}, set(s.reference)
+    clinc = load_clinc()  # strings the dataset itself has in both splits are the only overlap allowed
+    native = {e.text for e in clinc["train"]} & {e.text for e in clinc[split]}
+    assert test & train <= native and len(native) <= 5
+    assert not test & reference and not heldout & (train | reference | test)
+
+
 @pytest.mark.parametrize("bad", [dict(tasks=0), dict(tasks=11), dict(order=3), dict(train_per_intent=0),
                                  dict(heldout_per_class=41), dict(reference_size=0)])  # fmt: skip
 def test_bad_config_raises(bad):
