@@ -271,3 +271,43 @@ def test_kv_budget_simulator_equals_the_real_loop(model, prompts, reference, gen
         run.slots,
         run.preemptions,
     )
+
+
+def _accounting_from_the_spec(rows, policy, batch_size, cap):
+    """The issue's accounting, written out plainly: (padded slots, useful tokens, failures)."""
+    out = [o for o, _ in rows]
+    order = list(range(len(rows)))
+    if policy in ("sorted", "fcr"):
+        order.sort(key=lambda i: rows[i][1])  # stable: ties keep trace order
+    elif policy == "oracle":
+        order.sort(key=lambda i: out[i])
+    slots, failed = 0, []
+    for b in range(0, len(order), batch_size):
+        batch = order[b : b + batch_size]
+        batch_cap = min(cap, max(rows[i][1] for i in batch)) if policy == "fcr" else cap
+        slots += len(batch) * min(batch_cap, max(out[i] for i in batch))
+        failed += [i for i in batch if batch_cap < cap and out[i] > batch_cap]
+    for b in range(0, len(failed), batch_size):
+        batch = failed[b : b + batch_size]
+        slots += len(batch) * min(cap, max(out[i] for i in batch))
+    return slots, sum(min(o, cap) for o in out), len(failed)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_traces_follow_the_spec_accounting(seed):
+    import random
+
+    rng = random.Random(seed)
+    cap, batch_size = rng.choice([8, 16, 64]), rng.randint(1, 5)
+    rows = [
+        (rng.randint(0, 2 * cap), rng.choice([0, rng.randint(1, 2 * cap)])) for _ in range(rng.randint(1, 23))
+    ]
+    trace = [TraceRequest(rng.randint(1, 30), o, p) for o, p in rows]
+    config = PlanConfig(batch_size=batch_size, max_new_tokens=cap)
+    for policy in ("fcfs", "sorted", "fcr", "oracle"):
+        r = simulate(trace, policy=policy, config=config)
+        slots, useful, failures = _accounting_from_the_spec(rows, policy, batch_size, cap)
+        assert (r.padded_slots, r.useful_tokens, r.failures) == (slots, useful, failures), policy
+        if slots:
+            assert r.effective_token_ratio == pytest.approx(useful / slots)
+        assert r.failure_ratio == failures / len(rows)
