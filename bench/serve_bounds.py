@@ -33,7 +33,11 @@ import numpy as np
 
 
 def load_trace(args) -> tuple[list[int], list[int], str]:
-    """(prompt_lens, output_lens, source) from a trace JSONL or from a labels file (tokenised here)."""
+    """(prompt_lens, output_lens, source) from a bench run's JSON, a trace JSONL or a labels file (tokenised
+    here)."""
+    if args.bench:
+        setup = json.loads(Path(args.bench).read_text())["setup"]
+        return list(setup["prompt_lens"]), list(setup["true_lengths"]), args.bench
     if args.trace:
         from ecru.serve import read_trace
 
@@ -107,11 +111,49 @@ def run_all(
     return out
 
 
+def online_study(prompt_lens, lengths, *, loads, rhos, seeds: int, batch_size: int, cap: int, cost,
+                 agings) -> dict:  # fmt: skip
+    """Requests arriving over time (Poisson, in decode steps) at `load` x what `batch_size` full rows serve
+    (batch_size / mean length per step): cb-sjf's mean latency over cb's, median over `seeds` arrival draws,
+    per aging, load and predictor rank correlation rho. Every free row is refilled at once (refill_min 1)."""
+    from ecru.serve import ContinuousConfig, FCFSQueue, SJFQueue, TraceRequest, simulate_continuous
+
+    arr = np.asarray(lengths, dtype=float)
+    config = ContinuousConfig(max_batch_size=batch_size, max_new_tokens=cap, refill_min=1)
+    out: dict = {}
+    for aging in agings:
+        for load in loads:
+            row = {}
+            for rho in rhos:
+                ratios = []
+                for seed in range(seeds):
+                    rng = np.random.default_rng([seed, int(load * 1000), int(rho * 1000)])
+                    gaps = rng.exponential(arr.mean() / (load * batch_size), len(arr))
+                    arrivals = np.floor(np.cumsum(gaps)).astype(int).tolist()
+                    pred = calibrated_predictions(arr, rho, rng)
+                    trace = [
+                        TraceRequest(p, int(t), float(q))
+                        for p, t, q in zip(prompt_lens, arr, pred, strict=True)
+                    ]
+                    cb, _ = simulate_continuous(
+                        trace, queue=FCFSQueue(), config=config, cost=cost, arrivals=arrivals
+                    )
+                    sjf, _ = simulate_continuous(trace, queue=SJFQueue(list(pred), aging=aging), config=config,
+                                                 cost=cost, arrivals=arrivals)  # fmt: skip
+                    ratios.append(sjf.mean_latency_s / cb.mean_latency_s)
+                row[str(rho)] = statistics.median(ratios)
+            out.setdefault(str(aging), {})[str(load)] = row
+            print(f"online, aging {aging:g}, load {load:g}: cb-sjf mean latency x cb by rho "
+                  + "  ".join(f"{k}: {v:.2f}" for k, v in row.items()), flush=True)  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--labels", default="bench/results/serve_labels_smollm2.jsonl")
     src.add_argument("--trace", default=None, help="JSONL lines {prompt_len, output_len} instead of labels")
+    src.add_argument("--bench", default=None, help="a bench/serve.py JSON: its prompt and true lengths")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument(
@@ -125,6 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rhos", default="0,0.2,0.4,0.6,0.7,0.8,0.9,0.95,1")
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--json", default="bench/results/serve_bounds.json")
+    ap.add_argument(
+        "--loads",
+        default=None,
+        help="also requests arriving over time at these loads (x the rows' capacity), e.g. 0.9,1,1.2,1.5,2",
+    )
     args = ap.parse_args(argv)
 
     from ecru.serve import SMOLLM2_CPU, CostModel
@@ -230,6 +277,12 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['cb_sjf_latency_x_cb']:.2f} |"
         )
     print("rho needed:", json.dumps(result["rho_needed"]))
+    if args.loads:
+        result["online"] = online_study(
+            prompt_lens, lengths, loads=[float(x) for x in args.loads.split(",")], rhos=[1.0, 0.7, 0.0],
+            seeds=min(args.seeds, 5), batch_size=args.batch_size, cap=cap, cost=cost, agings=sorted({args.aging, 0.0}),
+        )  # fmt: skip
+        result["config"]["wall_s"] = time.perf_counter() - t0
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")

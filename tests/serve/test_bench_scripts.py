@@ -91,6 +91,20 @@ def test_serve_bounds_on_a_small_trace(bounds, tmp_path):
     assert out.with_suffix(".png").is_file()
 
 
+def test_online_study_light_and_heavy_load(bounds):
+    from ecru.serve import CostModel
+
+    rng = np.random.default_rng(0)
+    lengths = np.where(rng.random(96) < 0.3, 64, rng.integers(2, 40, 96)).astype(float)
+    unit = CostModel(1.0, 0.0, 0.0, 0.0, 0.0, source="unit")
+    out = bounds.online_study([20] * 96, lengths, loads=[0.1, 3.0], rhos=[1.0, 0.0], seeds=2, batch_size=8,
+                              cap=64, cost=unit, agings=[0.0])["0.0"]  # fmt: skip
+    # nearly empty system: nobody waits, the order of admission cannot matter
+    assert out["0.1"]["1.0"] == pytest.approx(1.0, abs=0.02)
+    # a growing queue: shortest-first with perfect lengths cuts the mean latency; a blind order does not
+    assert out["3.0"]["1.0"] < 0.85 and out["3.0"]["1.0"] < out["3.0"]["0.0"]
+
+
 def test_bench_serve_simulates_every_policy_it_ran():
     serve = load_bench_script("serve")
     true = [3.0, 12.0, 2.0, 7.0, 5.0, 9.0]
