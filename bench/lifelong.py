@@ -130,6 +130,10 @@ def _paired(methods: dict, a: str, b: str, fn) -> list[float]:
     ]
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
 def check_targets(methods: dict, method: str = "ecru", *, by_construction: tuple[str, ...] = ()) -> dict:
     """The issue's targets for `method` (`ecru`; or a variant, e.g. `ecru-text`, under the same keys), per run
     and as mean / std over runs; those whose methods ran. Targets named in `by_construction` are marked so:
@@ -177,6 +181,11 @@ def check_targets(methods: dict, method: str = "ecru", *, by_construction: tuple
         add("ecru_avg_minus_zscl_avg", diff, -0.5, lambda m: m >= -0.5)
         ratio = _paired(methods, method, "zscl", lambda e, z: e["cost"]["wall_s"] / z["cost"]["wall_s"])
         add("ecru_wall_over_zscl_wall", ratio, 1 / 3, lambda m: m <= 1 / 3)
+        # CPU seconds are steadier than wall time on a shared machine; runs whose checkpoints recorded them
+        cpu = _paired(
+            methods, method, "zscl", lambda e, z: _ratio(e["cost"].get("cpu_s"), z["cost"].get("cpu_s"))
+        )
+        add("ecru_cpu_over_zscl_cpu", [x for x in cpu if x is not None], 1 / 3, lambda m: m <= 1 / 3)
         share = _paired(
             methods,
             method,

@@ -105,6 +105,16 @@ def test_targets_of_a_variant_under_the_same_keys(bench):
     assert not text["ecru_transfer_retention"]["met"] and text["ecru_avg_minus_zscl_avg"]["runs"] == [-1.0]
 
 
+def test_cpu_ratio_over_the_runs_that_recorded_it(bench):
+    ecru, zscl = [run(0), run(1)], [run(0), run(1)]
+    ecru[1]["cost"]["cpu_s"], zscl[1]["cost"]["cpu_s"] = 30.0, 120.0  # run 0 predates cpu_s
+    t = bench.check_targets({"ecru": {"runs": ecru}, "zscl": {"runs": zscl}})
+    assert t["ecru_cpu_over_zscl_cpu"]["runs"] == [0.25] and t["ecru_cpu_over_zscl_cpu"]["met"]
+    assert "ecru_cpu_over_zscl_cpu" not in bench.check_targets(
+        {"ecru": {"runs": [run(0)]}, "zscl": {"runs": [run(0)]}}
+    )
+
+
 def test_ecru_heldout_target_takes_the_worst_task(bench):
     low = run(0, drop=-0.5)
     low["metrics"]["heldout_worst_drop"] = -3.0  # recovered by the last task, lost 3 points on the way
