@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--loads",
         default=None,
-        help="also requests arriving over time at these loads (x the rows' capacity), e.g. 0.9,1,1.2,1.5,2",
+        help="also requests arriving over time at these loads (x the rows' capacity), e.g. 0.9,1,1.2,1.5,2; "
+        "rho 1, 0.7 and 0, at most 5 arrival draws each",
     )
     args = ap.parse_args(argv)
 
