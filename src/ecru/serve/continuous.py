@@ -95,9 +95,10 @@ class Admitter:
     budget, the newest requests are preempted (their tokens discarded, recomputed from scratch when
     admitted again, as vLLM's recompute preemption does, then reserving the cap) until they fit. Greedy
     outputs are unchanged.
-    Units: a reservation of r counts r answer tokens, the last of which never enters the cache (a row
-    that ends at token r + 1 holds prompt + r), and the budget counts the cap per row the same way: one
-    token of slack per row, on both sides. Predictions are rounded down. With `kv_budget_config`'s
+    Units: a reservation of r counts r answer tokens, although the last token never enters the cache; the
+    budget counts the cap per row the same way. So a row reaching r tokens unfinished grows to the cap even
+    when it will end at token r + 1 (which prompt + r would hold): one token of slack per row, on both
+    sides. Predictions are rounded down. With `kv_budget_config`'s
     extra rows, `refill_min` rarely holds admission back (free rows abound): memory decides when
     requests join, often one prompt per prefill.
     The real loop and the simulator share this object, so they decide alike.
