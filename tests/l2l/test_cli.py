@@ -67,7 +67,7 @@ def test_train_writes_numbers_checkpoint_and_hf_export(tmp_path, capsys):
 
 @pytest.mark.parametrize("bad", [["--micro-batch-size", "0"], ["--steps", "0"]])
 def test_bad_arguments_fail_with_one_line(bad, capsys):
-    assert main(["l2l", "train", "--model", "tiny-llama", *bad]) == 1
+    assert main(["l2l", "train", "--model", "tiny-llama", *bad]) == 2
     assert "must be >= 1" in capsys.readouterr().err
 
 
@@ -134,5 +134,5 @@ def test_keep_graph_blocks_flag_trains_the_same_losses(tmp_path):
 
 
 def test_negative_keep_graph_blocks_fails_with_one_line(capsys):
-    assert main(["l2l", "train", "--model", "tiny-llama", "--keep-graph-blocks", "-1"]) == 1
+    assert main(["l2l", "train", "--model", "tiny-llama", "--keep-graph-blocks", "-1"]) == 2
     assert "keep_graph_blocks must be an integer >= 0" in capsys.readouterr().err

@@ -20,7 +20,7 @@ def test_run_writes_the_result_json(tmp_path, capsys):
 
 
 def test_bad_arguments_fail_cleanly(capsys):
-    assert main(["lifelong", "run", "--tasks", "11", "--method", "zeroshot"]) == 1
+    assert main(["lifelong", "run", "--tasks", "11", "--method", "zeroshot"]) == 2
     assert "tasks must be in 1..10" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["lifelong", "run", "--method", "nope"])

@@ -73,7 +73,7 @@ def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
 
 
 def test_bench_rejects_unknown_policy(capsys):
-    assert main(["serve", "bench", "--model", "tiny", "--policies", "fcfs,lifo"]) == 1
+    assert main(["serve", "bench", "--model", "tiny", "--policies", "fcfs,lifo"]) == 2
     assert "lifo" in capsys.readouterr().err
 
 

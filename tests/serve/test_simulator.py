@@ -115,10 +115,10 @@ def test_cli_simulate_writes_json(tmp_path, policy):
 
 def test_cli_simulate_bad_trace_is_one_line_error(tmp_path, capsys):
     (tmp_path / "t.jsonl").write_text('{"prompt_len": 3}\n')
-    assert main(["serve", "simulate", "--trace", str(tmp_path / "t.jsonl")]) == 1
+    assert main(["serve", "simulate", "--trace", str(tmp_path / "t.jsonl")]) == 2
     assert "output_len" in capsys.readouterr().err
     write_trace(tmp_path / "u.jsonl", [(3, None)])
-    assert main(["serve", "simulate", "--trace", str(tmp_path / "u.jsonl"), "--policy", "sorted"]) == 1
+    assert main(["serve", "simulate", "--trace", str(tmp_path / "u.jsonl"), "--policy", "sorted"]) == 2
 
 
 def test_measure_cost_model_on_tiny_model(model):

@@ -51,8 +51,8 @@ def _print_summary(sections: list[Section]) -> None:
         print(f"{s.title[:12]:<12} {s.status:<10} {s.wall_s:>7.1f}  {headline}")
 
 
-def run_demo(out: str | Path = "runs/demo", *, only: list[str] | None = None) -> Path:
-    """Run the sections (all, or those named in `only`) and write `out/report.html`."""
+def run_demo(out: str | Path = "runs/demo", *, only: list[str] | None = None) -> list[str]:
+    """Run the sections (all, or those named in `only`), write `out/report.html`; the failed sections."""
     unknown = set(only or []) - set(SECTIONS)
     if unknown:
         raise EcruError(f"unknown demo section(s) {sorted(unknown)}; choose from {list(SECTIONS)}")
@@ -66,4 +66,4 @@ def run_demo(out: str | Path = "runs/demo", *, only: list[str] | None = None) ->
     path = write_report(ctx.out, sections, _meta(sys.argv[1:]))
     _print_summary(sections)
     print(f"\nreport: {path}")
-    return path
+    return [s.title for s in sections if s.status == "failed"]

@@ -1,0 +1,165 @@
+"""One command-line convention for every `ecru` command.
+
+- Every parser is an `ArgumentParser` from here: `--help` shows defaults, and a bad argument is one line
+  on stderr (``ecru ctr train: error: argument --rows: must be > 0, got -10``) with exit status 2.
+- Numeric flags are validated when parsed (`positive_int`, `non_negative_float`, `fraction`, ...).
+- A run's artifacts go to `--out DIR` (`add_out_dir`), created if missing and checked writable before any
+  work (`prepare_out_dir`); `--resume` continues from what that folder holds. A single output file
+  (`--out answers.jsonl`, `--json F`) goes through `prepare_out_file` and `atomic_write_text`.
+- Anything a handler raises as `EcruError` is printed by `ecru.cli.main` as one line, exit status 2.
+
+Nothing here imports torch: `ecru --help` imports every pillar's `cli.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+from ecru.errors import EcruError
+
+EXIT_USAGE = 2  # bad arguments and bad inputs alike: one line on stderr, this status
+T = TypeVar("T")
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help unless X is None/False or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            action.default in (None, False, argparse.SUPPRESS)
+            or "default" in text
+            or not action.option_strings
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with defaults in `--help` and one-line errors (no usage block) with exit status 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind: Callable[[str], T], name: str, ok: Callable[[T], bool], rule: str):
+    def parse(text: str) -> T:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {name}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, "an integer", lambda v: v > 0, "> 0")
+non_negative_int = _number(int, "an integer", lambda v: v >= 0, ">= 0")
+positive_float = _number(float, "a number", lambda v: v > 0 and v != float("inf"), "> 0 and finite")
+non_negative_float = _number(float, "a number", lambda v: 0 <= v < float("inf"), ">= 0 and finite")
+fraction = _number(float, "a number", lambda v: 0 < v < 1, "strictly between 0 and 1")
+probability = _number(float, "a number", lambda v: 0 <= v <= 1, "between 0 and 1")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """`--mlp 400,400,400` -> (400, 400, 400); every entry a positive integer."""
+    try:
+        values = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}")
+    return values
+
+
+def existing_file(text: str) -> Path:
+    """An input file that must exist now: checked when parsed, before any work."""
+    path = Path(text).expanduser()
+    if not path.is_file():
+        what = "a folder" if path.is_dir() else "not found"
+        raise argparse.ArgumentTypeError(f"{text}: {what}; give the path of an existing file")
+    return path
+
+
+def add_out_dir(parser: argparse.ArgumentParser, *, default: str | None = None, required: bool = False):
+    """`--out DIR` (the run's artifacts) and `--resume` (continue from what DIR holds)."""
+    parser.add_argument(
+        "--out",
+        default=default,
+        required=required,
+        metavar="DIR",
+        help="folder for the run's artifacts (JSON, checkpoints, plots); created if missing",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+
+
+def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
+    """Create `path` if missing and check that it is a writable folder, before any work is done."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise EcruError(f"--out {out}: is a file, not a folder; give a folder path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".ecru-write-check-"):
+            pass
+    except OSError as exc:
+        raise EcruError(f"--out {out}: cannot write there ({exc.strerror}); choose another folder") from None
+    return out
+
+
+def prepare_out_file(path: str | os.PathLike[str], *, flag: str = "--out") -> Path:
+    """Check that `path` can be written as a file (its folder created if missing), before any work."""
+    out = Path(path).expanduser()
+    if out.is_dir():
+        raise EcruError(f"{flag} {out}: is a folder; give a file path")
+    prepare_out_dir(out.parent)
+    return out
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write `text` to `path` through a temporary file in the same folder and `os.replace`: a reader (or a
+    crash) sees the old file or the new one, never half of it."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def atomic_write_json(path: str | os.PathLike[str], data: Any) -> Path:
+    return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def config_from(cls: Callable[..., T], **kwargs: Any) -> T:
+    """Build a validated config, turning its `ValueError` into a one-line `EcruError`."""
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise EcruError(str(exc)) from None
+
+
+def note_long_run(estimate: str) -> None:
+    """Say on stderr, before starting, that the defaults run long and how long."""
+    print(
+        f"note: {estimate}; Ctrl-C stops it (progress so far is kept where the command says)", file=sys.stderr
+    )

@@ -1,0 +1,108 @@
+import argparse
+import os
+
+import pytest
+
+from ecru.cliargs import (
+    ArgumentParser,
+    atomic_write_json,
+    config_from,
+    existing_file,
+    fraction,
+    int_list,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    prepare_out_dir,
+    prepare_out_file,
+)
+from ecru.errors import EcruError
+
+
+@pytest.mark.parametrize(
+    ("parse", "good", "bad"),
+    [
+        (positive_int, {"3": 3}, ["0", "-10", "1.5", "x"]),
+        (non_negative_int, {"0": 0, "7": 7}, ["-1", "a"]),
+        (positive_float, {"1e-4": 1e-4}, ["0", "-1", "inf", "nan?"]),
+        (fraction, {"0.1": 0.1}, ["0", "1", "1.5", "-0.2"]),
+        (int_list, {"400,400": (400, 400), "8,": (8,)}, ["", "4,-1", "a,b"]),
+    ],
+)
+def test_numeric_types_accept_and_refuse(parse, good, bad):
+    for text, value in good.items():
+        assert parse(text) == value
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+
+
+def test_parser_error_is_one_line_exit_2(capsys):
+    parser = ArgumentParser(prog="ecru x")
+    parser.add_argument("--rows", type=positive_int, default=5)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--rows", "-10"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err == "ecru x: error: argument --rows: must be > 0, got -10 (see ecru x --help)\n"
+
+
+def test_subparsers_inherit_the_convention(capsys):
+    parser = ArgumentParser(prog="ecru")
+    sub = parser.add_subparsers(dest="cmd", required=True).add_parser("train")
+    sub.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate")
+    assert "(default: 0.001)" in sub.format_help()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--lr", "-1"])
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_out_dir_created_and_checked(tmp_path):
+    out = prepare_out_dir(tmp_path / "a" / "b")
+    assert out.is_dir() and list(out.iterdir()) == []  # the write check leaves nothing behind
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(EcruError, match="is a file"):
+        prepare_out_dir(tmp_path / "f")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_out_dir_not_writable(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(EcruError, match="cannot write there"):
+            prepare_out_dir(tmp_path / "sub")
+    finally:
+        tmp_path.chmod(0o700)
+
+
+def test_out_file_and_atomic_json(tmp_path):
+    with pytest.raises(EcruError, match="is a folder"):
+        prepare_out_file(tmp_path, flag="--json")
+    path = prepare_out_file(tmp_path / "missing" / "x.json")
+    atomic_write_json(path, {"a": 1})
+    assert path.read_text() == '{\n  "a": 1\n}\n'
+    assert sorted(p.name for p in path.parent.iterdir()) == ["x.json"]
+
+
+def test_existing_file(tmp_path):
+    (tmp_path / "in.jsonl").write_text("{}")
+    assert existing_file(str(tmp_path / "in.jsonl")).name == "in.jsonl"
+    for missing in (tmp_path / "nope", tmp_path):
+        with pytest.raises(argparse.ArgumentTypeError):
+            existing_file(str(missing))
+
+
+def test_config_from_turns_value_error_into_one_line():
+    from dataclasses import dataclass
+
+    @dataclass
+    class C:
+        n: int
+
+        def __post_init__(self):
+            if self.n <= 0:
+                raise ValueError("n must be > 0")
+
+    assert config_from(C, n=1).n == 1
+    with pytest.raises(EcruError, match="n must be > 0"):
+        config_from(C, n=0)
