@@ -82,6 +82,9 @@ def test_out_file_and_atomic_json(tmp_path):
     atomic_write_json(path, {"a": 1})
     assert path.read_text() == '{\n  "a": 1\n}\n'
     assert sorted(p.name for p in path.parent.iterdir()) == ["x.json"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_existing_file(tmp_path):

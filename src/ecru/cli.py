@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from ecru import __version__
-from ecru.cliargs import EXIT_USAGE, ArgumentParser, prepare_out_dir
+from ecru.cliargs import EXIT_USAGE, ArgumentParser, note_long_run, prepare_out_dir
 from ecru.errors import EcruError
 from ecru.plugins import module_available
 
@@ -62,6 +62,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     from ecru.demo import run_demo
 
     only = [s.strip() for s in args.only.split(",")] if args.only else None
+    if only is None:
+        note_long_run("ecru demo runs every pillar's section: about 7 minutes on 2 CPU cores")
     failed = run_demo(prepare_out_dir(args.out), only=only)
     if failed:
         raise EcruError(f"demo section(s) failed: {', '.join(failed)} (the report still holds the others)")

@@ -87,4 +87,8 @@ def section(ctx: DemoContext) -> Section:
         ),
         plots=[plot],
         rows=rows,
+        takeaway=(
+            f"The bundled models run offline: MiniLM classifies {DOMAIN} queries zero-shot at {acc:.0%} "
+            f"(chance {1 / len(per_intent):.0%}); SmolLM2 generates {tokens / sum(r['s'] for r in rows):.0f} tokens/s."
+        ),
     )
