@@ -13,7 +13,8 @@ from ecru.ctr import (
     load_ctr_file,
     write_criteo_tsv,
 )
-from ecru.ctr.data import read_ctr_file
+from ecru.ctr.data import concat
+from ecru.ctr.reader import read_ctr_file
 from ecru.errors import MissingAssetError
 
 
@@ -68,9 +69,27 @@ def test_vocabulary_threshold_and_hashing(criteo_file):
     assert hashed.cats[0, 25] == 0 and 0 < hashed.cats.max() < 1000
 
 
-def test_streaming_chunks(criteo_file):
-    chunks = list(read_ctr_file(criteo_file, "criteo", cfg=ReaderConfig(skip_malformed=True, chunk_rows=2)))
-    assert [len(c) for c in chunks] == [2, 1]
+def test_streaming_blocks_with_a_fitted_encoder(tmp_path):
+    path = write_criteo_tsv(generate(SyntheticConfig(n_rows=400, scale=1e-4, seed=1)), tmp_path / "s.tsv")
+    whole, _ = load_ctr_file(path, "criteo")
+    cfg = ReaderConfig(block_bytes=4096)
+    blocks = list(read_ctr_file(path, "criteo", encoder=whole.info["encoder"], cfg=cfg))
+    assert len(blocks) > 5 and sum(len(b) for b in blocks) == 400
+    again = concat(blocks)
+    assert torch.equal(again.cats, whole.cats) and torch.equal(again.labels, whole.labels)
+    torch.testing.assert_close(again.dense, whole.dense, rtol=0, atol=0)
+    # the single-pass vocabulary does not depend on the block size
+    small, _ = load_ctr_file(path, "criteo", cfg=cfg)
+    assert torch.equal(small.cats, whole.cats) and small.cardinalities == whole.cardinalities
+
+
+def test_unlabelled_criteo_file(tmp_path, criteo_file):
+    data, _ = load_ctr_file(criteo_file, "criteo", cfg=ReaderConfig(skip_malformed=True))
+    path = tmp_path / "nolabel.tsv"
+    path.write_text("".join(line.split("\t", 1)[1] for line in GOOD))
+    scored, skipped = load_ctr_file(path, "criteo", encoder=data.info["encoder"])
+    assert skipped == 0 and torch.isnan(scored.labels).all()
+    assert torch.equal(scored.cats, data.cats) and torch.equal(scored.dense, data.dense)
 
 
 def test_avazu_reader(tmp_path):

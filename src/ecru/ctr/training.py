@@ -13,7 +13,7 @@ trajectory as one process on the same global batch.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -61,6 +61,9 @@ class TrainConfig:
     """File written at the end of every epoch (rank 0); None: no checkpoints."""
     resume: bool = False
     """Continue from `checkpoint` if it exists."""
+    data_id: str = ""
+    """Content hash of the training data (file digest and how it was read and split): saved in the
+    checkpoint, and a resume on other data is refused."""
     progress: bool = True
     """Show a tqdm progress bar (rank 0)."""
     device: str = "cpu"
@@ -91,9 +94,12 @@ class TrainResult:
     recipe: Recipe
     history: list[dict] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    model: CTRModel | None = field(default=None, repr=False, compare=False)
+    """The trained model (left out of `as_dict`)."""
 
     def as_dict(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        d["clip"], d["recipe"] = asdict(self.clip), asdict(self.recipe)
         d["clipped_fraction"] = self.clip.clipped_fraction
         return d
 
@@ -114,14 +120,29 @@ def _world() -> tuple[int, int]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: CTRData, *, batch_size: int = 65536) -> tuple[float, float]:
-    """Held-out AUC and logloss."""
+def predict_probs(model: nn.Module, data: CTRData, *, batch_size: int = 65536) -> torch.Tensor:
+    """Click probabilities [N] of the rows, in order (the model is left in training mode)."""
     model.eval()
     device = next(model.parameters()).device
     probs = torch.cat(
         [torch.sigmoid(model(d.to(device), c.to(device))).cpu() for d, c, _ in data.batches(batch_size)]
     )
     model.train()
+    return probs
+
+
+def _check_both_classes(data: CTRData) -> None:
+    if not (data.labels == 1).any() or not (data.labels == 0).any():
+        raise EcruError(
+            f"the {len(data)} held-out rows are all one class, so AUC is undefined; "
+            "raise --test-fraction or use more data"
+        )
+
+
+def evaluate(model: nn.Module, data: CTRData, *, batch_size: int = 65536) -> tuple[float, float]:
+    """Held-out AUC and logloss."""
+    _check_both_classes(data)
+    probs = predict_probs(model, data, batch_size=batch_size)
     return auc(data.labels, probs), logloss(data.labels, probs)
 
 
@@ -189,6 +210,7 @@ def train(
     recipe = recipe or scaled_recipe(
         cfg.recipe, cfg.batch_size, base_batch=cfg.base_batch, dataset=cfg.dataset
     )
+    _check_both_classes(test_data)  # before any work, not after an epoch
     steps_per_epoch = len(train_data) // cfg.batch_size
     if steps_per_epoch < 1:
         raise EcruError(f"batch size {cfg.batch_size} exceeds the {len(train_data)} training rows")
@@ -249,6 +271,7 @@ def train(
         recipe,
         history,
         losses,
+        model,
     )
 
 
@@ -265,6 +288,7 @@ def _save(cfg: TrainConfig, rank: int, model, embed_opt, dense_opt, sched, epoch
         "epoch": epoch,
         "history": history,
         "config": asdict(cfg),
+        "data_id": cfg.data_id,
     }
     torch.save(state, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)  # never leave a half-written checkpoint
@@ -274,17 +298,37 @@ def _plain(value):
     return list(value) if isinstance(value, tuple | list) else value
 
 
+def _load_checkpoint(cfg: TrainConfig) -> dict:
+    try:
+        state = torch.load(cfg.checkpoint, weights_only=True, map_location=cfg.device)
+        state["config"], state["model"]  # noqa: B018 - a file without these is not a checkpoint
+    except Exception as exc:  # torch raises many types on a damaged file (pickle, zip, runtime errors)
+        raise EcruError(
+            f"checkpoint {cfg.checkpoint} is unreadable ({type(exc).__name__}); delete it to start over"
+        ) from None
+    return state
+
+
 def _resume(cfg: TrainConfig, model, embed_opt, dense_opt, sched) -> tuple[int, list]:
     if not (cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).is_file()):
         return 0, []
-    state = torch.load(cfg.checkpoint, weights_only=True, map_location=cfg.device)
+    state = _load_checkpoint(cfg)
+    if state.get("data_id", "") != cfg.data_id:
+        raise EcruError(
+            f"checkpoint {cfg.checkpoint} was made on other data (content hash {state.get('data_id') or '?'}, "
+            f"this run's {cfg.data_id or '?'}: another file or another split); give the same --data and "
+            "split flags, or a new --out"
+        )
     saved = state["config"]
     for key in ("model", "batch_size", "recipe", "mode", "mlp", "embed_dim", "seed"):
         if _plain(saved[key]) != _plain(getattr(cfg, key)):
             raise EcruError(
                 f"checkpoint {cfg.checkpoint} was made with {key}={saved[key]!r}, not {getattr(cfg, key)!r}"
             )
-    model.load_state_dict(state["model"])
-    embed_opt.load_state_dict(state["embed_opt"]), dense_opt.load_state_dict(state["dense_opt"])
-    sched.load_state_dict(state["sched"])
+    try:
+        model.load_state_dict(state["model"])
+        embed_opt.load_state_dict(state["embed_opt"]), dense_opt.load_state_dict(state["dense_opt"])
+        sched.load_state_dict(state["sched"])
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise EcruError(f"checkpoint {cfg.checkpoint} does not fit this model ({exc})"[:300]) from None
     return state["epoch"] + 1, state["history"]
