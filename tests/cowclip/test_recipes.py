@@ -13,7 +13,7 @@ from ecru.cowclip import cowclip_recipe, scaled_recipe
 )
 def test_criteo_table(batch, dense_lr, l2):
     r = cowclip_recipe(batch)
-    assert r.embed_lr == 1e-4 and r.r == 1.0 and r.zeta == 1e-5 and r.clip and r.threshold == "code"
+    assert r.embed_lr == 1e-4 and r.r == 1.0 and r.zeta == 1e-5 and r.clip
     assert r.dense_lr == pytest.approx(dense_lr, rel=1e-3)
     assert r.l2 == pytest.approx(l2) and r.weight_decay == pytest.approx(2 * l2)
     assert r.warmup_epochs == 1.0 and r.eps == 1e-7
@@ -37,7 +37,9 @@ def test_avazu_table(batch, dense_lr, l2, zeta):
 
 def test_baseline_recipes():
     s = 32
-    adam, sq, lin, tempered = (scaled_recipe(n, 1024 * s) for n in ("adam", "adam-sqrt", "linear", "tempered"))
+    adam, sq, lin, tempered = (
+        scaled_recipe(n, 1024 * s) for n in ("adam", "adam-sqrt", "linear", "tempered")
+    )
     assert (adam.embed_lr, adam.dense_lr, adam.l2, adam.clip) == (1e-4, 8e-4, 1e-5, False)
     assert (sq.embed_lr, sq.clip) == (1e-4, False) and sq.dense_lr == pytest.approx(8e-4 * math.sqrt(s))
     assert lin.embed_lr == pytest.approx(1e-4 * s) and lin.dense_lr == pytest.approx(8e-4 * s)

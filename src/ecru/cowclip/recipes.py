@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ecru.cowclip.clip import Threshold
-
 RECIPES = ("adam", "adam-sqrt", "linear", "cowclip", "tempered")
 _ALIASES = {"ecru": "tempered"}  # the name "tempered" had before (kept so old scripts still run)
 _BASE = {  # 1K settings of the reference runs: (embedding LR, dense LR, L2 lambda)
@@ -39,9 +37,7 @@ class Recipe:
     r: float = 1.0
     """CowClip threshold ratio to the row's weight norm."""
     zeta: float = 1e-5
-    """CowClip lower bound of the threshold."""
-    threshold: Threshold = "code"
-    """Threshold form of zeta: the recipe table gives zeta in the reference code's form."""
+    """CowClip per-coordinate floor of the threshold (ecru.cowclip.clip: the reference code's form)."""
     warmup_epochs: float = 1.0
     """Linear warm-up of the dense learning rate over this many epochs (then constant)."""
     eps: float = 1e-7

@@ -182,8 +182,8 @@ def _batches(path: Path, fmt: str, layout: Layout, cfg: ReaderConfig, bad: list)
     )
     types = {n: pa.string() if n in layout.dense or n == "hour" else pa.binary() for n in layout.names}
     convert = pacsv.ConvertOptions(
-        column_types=types, strings_can_be_null=True, include_columns=[c for c in layout.names if c != "id"]
-    )
+        column_types=types, include_columns=[c for c in layout.names if c != "id"]
+    )  # empty cells stay "" (strings_can_be_null costs ~40% of the parse): counts pad them to "0"
     with pa.input_stream(str(path), compression="detect") as raw:
         yield from pacsv.open_csv(raw, read_options=read, parse_options=parse, convert_options=convert)
 
@@ -204,7 +204,7 @@ def _counts(batch: pa.RecordBatch, layout: Layout, ok: np.ndarray) -> np.ndarray
     """log(1 + max(x, 0)) of the counts (empty -> 0) [n, n_dense] float32; clears `ok` where one is not an int."""
     out = np.zeros((batch.num_rows, len(layout.dense)), np.float32)
     for j, name in enumerate(layout.dense):
-        col = batch.column(name)
+        col = pc.utf8_lpad(batch.column(name), width=1, padding="0")  # "" -> "0"
         try:  # the common case: every count parses; the regex runs only on a column where one does not
             x = pc.cast(col, pa.int64())
         except pa.ArrowInvalid:
@@ -292,7 +292,7 @@ def read_ctr_file(
     """
     source = _Source(path, fmt, cfg)
     for labels, dense, cats in source.blocks():
-        ids = np.stack([encoder.encode(f, c) for f, c in enumerate(cats)], 1)
+        ids = _rows([encoder.encode(f, c) for f, c in enumerate(cats)])
         yield _block(labels, dense, ids, encoder.cardinalities, source)
         if skipped is not None:
             skipped["lines"] = source.skipped
@@ -328,22 +328,31 @@ def load_ctr_file(
         hashed = Encoder(n_fields(fmt), cfg.hash_buckets)
         return load_ctr_file(path, fmt, cfg=cfg, encoder=hashed)
     builders = [VocabularyBuilder() for _ in range(n_fields(fmt))]
-    labels, dense, pids = [], [], []
+    labels, dense, pids = [], [], [[] for _ in builders]
     for y, d, cats in source.blocks():
         labels.append(y), dense.append(d)
-        pids.append(np.stack([b.add(c) for b, c in zip(builders, cats, strict=True)], 1))
+        for b, c, out in zip(builders, cats, pids, strict=True):
+            out.append(b.add(c))
     if not dense:
         raise EcruError(f"{path}: no rows were read")
-    keys, ids, cats = [], [], np.concatenate(pids)
-    for f, b in enumerate(builders):
+    keys, ids, columns = [], [], []
+    for b, field_pids in zip(builders, pids, strict=True):
         k, i, final = b.finish(cfg.min_count)
-        keys.append(k), ids.append(i)
-        cats[:, f] = final[cats[:, f]]
+        keys.append(k), ids.append(i), columns.append(final[np.concatenate(field_pids)])
     encoder = Encoder(n_fields(fmt), 0, keys, ids, tuple(len(k) + 1 for k in keys))
     y = None if labels[0] is None else np.concatenate(labels)
-    data = _block(y, torch.cat(dense), cats, encoder.cardinalities, source)
+    data = _block(y, torch.cat(dense), _rows(columns), encoder.cardinalities, source)
     data.info.update(encoder=encoder, skipped_lines=source.skipped)
     return data, source.skipped
+
+
+def _rows(columns: list[np.ndarray]) -> np.ndarray:
+    """Per-field id columns -> [n, F] int32, row-major (training gathers rows); column writes into one
+    buffer measured faster than numpy's or torch's stack-and-transpose."""
+    out = np.empty((len(columns[0]), len(columns)), np.int32)
+    for f, col in enumerate(columns):
+        out[:, f] = col
+    return out
 
 
 __all__ = [

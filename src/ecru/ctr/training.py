@@ -177,7 +177,6 @@ def make_optimizers(model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_ep
         weight_decay=recipe.weight_decay,
         r=recipe.r,
         zeta=recipe.zeta,
-        threshold=recipe.threshold,
         mode=mode,
         clip=recipe.clip,
     )
