@@ -42,21 +42,21 @@ def write_file(path: Path, rows: int) -> int:
     return 3
 
 
-def raw_parse(path: Path) -> float:
-    start = time.perf_counter()
+def raw_parse(path: Path) -> tuple[float, float]:
+    start, cpu = time.perf_counter(), time.process_time()
     pacsv.read_csv(
         path,
         read_options=pacsv.ReadOptions(column_names=NAMES, use_threads=False),
         parse_options=pacsv.ParseOptions(delimiter="\t", invalid_row_handler=lambda row: "skip"),
         convert_options=pacsv.ConvertOptions(column_types=dict.fromkeys(NAMES, pyarrow.string())),
     )
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
-def ecru_load(path: Path, cfg: ReaderConfig) -> tuple[float, int, int]:
-    start = time.perf_counter()
+def ecru_load(path: Path, cfg: ReaderConfig) -> tuple[tuple[float, float], int, int]:
+    start, cpu = time.perf_counter(), time.process_time()
     data, skipped = load_ctr_file(path, "criteo", cfg=cfg)
-    return time.perf_counter() - start, len(data), skipped
+    return (time.perf_counter() - start, time.process_time() - cpu), len(data), skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,23 +74,25 @@ def main(argv: list[str] | None = None) -> int:
             "hashing": ReaderConfig(skip_malformed=True, hash_buckets=1 << 20),
         }
         times: dict[str, list[float]] = {"raw": [], **{k: [] for k in configs}}
+        cpu: dict[str, list[float]] = {k: [] for k in times}
         peak = psutil.Process().memory_info().rss
         for rep in range(args.reps + 1):  # the first repetition warms the page cache and is dropped
             t_raw = raw_parse(path)
             runs = {k: ecru_load(path, cfg) for k, cfg in configs.items()}
             peak = max(peak, psutil.Process().memory_info().rss)
-            for k, (t, rows, skipped) in runs.items():
-                assert rows == args.rows and skipped == bad, (rows, skipped)
+            for k, ((t, c), rows, skipped) in [("raw", (t_raw, args.rows, bad)), *runs.items()]:
+                assert rows == args.rows and skipped == bad, (k, rows, skipped)
                 if rep:
-                    times[k].append(t)
-            if rep:
-                times["raw"].append(t_raw)
+                    times[k].append(t), cpu[k].append(c)
             print(
-                f"rep {rep}: raw {t_raw:.2f}s " + " ".join(f"{k} {t:.2f}s" for k, (t, _, _) in runs.items()),
+                f"rep {rep}: raw {t_raw[0]:.2f}s "
+                + " ".join(f"{k} {t[0]:.2f}s" for k, (t, _, _) in runs.items()),
                 file=sys.stderr,
             )
     med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     ratios = {k: med[k] / med["raw"] for k in configs}
+    cpu_ratios = {k: med_cpu[k] / med_cpu["raw"] for k in configs}
     result = {
         "command": " ".join(["python", "bench/ctr_reader.py", *(argv if argv is not None else sys.argv[1:])]),
         "rows": args.rows,
@@ -100,10 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         "median_s": med,
         "times_s": times,
         "ratio_to_raw_parse": ratios,
+        "median_cpu_s": med_cpu,
+        "cpu_s": cpu,
+        "cpu_ratio_to_raw_parse": cpu_ratios,
+        "note": "wall ratios on a 2-core machine shared with other jobs; CPU (process) time is less disturbed",
         "rows_per_s": {k: args.rows / v for k, v in med.items()},
         "mb_per_s": {k: size / 1e6 / v for k, v in med.items()},
         "target_ratio": TARGET,
-        "targets": {f"{k}_within_{TARGET:g}x": r <= TARGET for k, r in ratios.items()},
+        "targets": {
+            **{f"{k}_within_{TARGET:g}x_wall": r <= TARGET for k, r in ratios.items()},
+            **{f"{k}_within_{TARGET:g}x_cpu": r <= TARGET for k, r in cpu_ratios.items()},
+        },
         "peak_rss_bytes": peak,
         "pyarrow": pyarrow.__version__,
         "platform": platform.platform(),
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"{args.rows:,} rows ({size / 1e6:.0f} MB): raw parse {med['raw']:.2f}s, load_ctr_file "
-        + ", ".join(f"{k} {med[k]:.2f}s ({ratios[k]:.2f}x)" for k in configs)
+        + ", ".join(f"{k} {med[k]:.2f}s ({ratios[k]:.2f}x wall, {cpu_ratios[k]:.2f}x CPU)" for k in configs)
         + f" -> {args.json}"
     )
     return 0

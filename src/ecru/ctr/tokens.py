@@ -70,20 +70,13 @@ def dictionary(column: pa.Array | pa.ChunkedArray) -> pa.DictionaryArray:
 
 
 def distinct(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """(keys of the distinct non-empty tokens [u], row -> index into them [n], -1 for empty/null)."""
+    """(keys of the distinct tokens [u] (0: the empty token), row -> index into them [n]); a null row
+    points at an extra key 0 at the end. The indices are pyarrow's, not copied when there are no nulls."""
     enc = dictionary(column)
-    keys = token_keys(enc.dictionary)
-    index = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
-    empty = keys == 0
-    if empty.any():  # the empty token (when not read as null) is the same as a missing one
-        index = np.where(index >= 0, np.where(empty[np.maximum(index, 0)], -1, index), -1)
-    return keys, index
-
-
-def gather(values: np.ndarray, index: np.ndarray, *, missing: int = 0) -> np.ndarray:
-    """values[index] with `missing` where index is -1, as int32."""
-    out = np.append(values.astype(np.int32, copy=False), np.int32(missing))
-    return out[index]
+    keys, indices = token_keys(enc.dictionary), enc.indices
+    if indices.null_count:
+        indices, keys = indices.fill_null(len(keys)), np.append(keys, np.uint64(0))
+    return keys, indices.to_numpy(zero_copy_only=False)
 
 
 @dataclass
@@ -112,8 +105,9 @@ class Encoder:
     def encode_distinct(self, field: int, keys: np.ndarray) -> np.ndarray:
         """Ids (int32) of a field's distinct keys."""
         if self.hash_buckets:
-            return (splitmix64(keys) % np.uint64(self.hash_buckets - 1) + np.uint64(1)).astype(np.int32)
-        vocab, ids = self.keys[field], self.ids[field]
+            ids = (splitmix64(keys) % np.uint64(self.hash_buckets - 1) + np.uint64(1)).astype(np.int32)
+            return np.where(keys == 0, np.int32(0), ids)
+        vocab, ids = self.keys[field], self.ids[field]  # key 0 (empty) is never in a vocabulary
         if not len(vocab):
             return np.zeros(len(keys), np.int32)
         pos = np.minimum(np.searchsorted(vocab, keys), len(vocab) - 1)
@@ -122,7 +116,7 @@ class Encoder:
     def encode(self, field: int, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
         """Ids [n] (int32) of one field's column; empty and unknown tokens -> 0."""
         keys, index = distinct(column)
-        return gather(self.encode_distinct(field, keys), index)
+        return self.encode_distinct(field, keys)[index]
 
     def restricted(self, live: list[np.ndarray]) -> Encoder:
         """A copy whose vocabularies keep only the ids with `live[field][id]` (the others map to id 0)."""
@@ -165,6 +159,15 @@ class VocabularyBuilder:
     def add(self, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
         """Provisional ids [n] (int32, -1 for empty) of a chunk, counting its tokens."""
         keys, index = distinct(column)
+        occurrences = np.bincount(index, minlength=len(keys))
+        real = keys != 0
+        pids = np.full(len(keys), -1, np.int64)
+        pids[real] = self._provisional(keys[real])
+        np.add.at(self.counts, pids[real], occurrences[real])
+        return pids.astype(np.int32)[index]
+
+    def _provisional(self, keys: np.ndarray) -> np.ndarray:
+        """Provisional ids of distinct keys, new keys getting the next ids (inserted in sorted order)."""
         pos = np.searchsorted(self.keys, keys)
         known = np.zeros(len(keys), bool)
         inside = pos < len(self.keys)
@@ -172,16 +175,15 @@ class VocabularyBuilder:
         pids = np.empty(len(keys), np.int64)
         pids[known] = self.pids[pos[known]]
         fresh = ~known
-        pids[fresh] = np.arange(len(self.counts), len(self.counts) + int(fresh.sum()))
-        if fresh.any():
+        n_new = int(fresh.sum())
+        pids[fresh] = np.arange(len(self.counts), len(self.counts) + n_new)
+        if n_new:
             order = np.argsort(keys[fresh], kind="stable")
             at = pos[fresh][order]
             self.keys = np.insert(self.keys, at, keys[fresh][order])
             self.pids = np.insert(self.pids, at, pids[fresh][order])
-            self.counts = np.concatenate([self.counts, np.zeros(int(fresh.sum()), np.int64)])
-        used = index[index >= 0]
-        self.counts += np.bincount(pids[used], minlength=len(self.counts)) if len(used) else 0
-        return gather(pids, index, missing=-1)
+            self.counts = np.concatenate([self.counts, np.zeros(n_new, np.int64)])
+        return pids
 
     def finish(self, min_count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(sorted kept keys, their ids 1.., provisional id -> final id map with -1 -> 0 at the end)."""
