@@ -5,7 +5,8 @@ may be empty (-> 0) and become log(1 + max(x, 0)); categoricals are 8-hex-digit 
 CSV with a header, `id,click,hour,C1,banner_pos,...,C21` (`click` may be absent); the 21 categorical
 columns plus the hour of day become 22 fields.
 
-`pyarrow.csv.open_csv` parses blocks of `block_bytes`; every check and conversion is a columnar operation
+`pyarrow.csv.open_csv` parses 1 MB blocks (cache-sized: measured ~2x less CPU than 16 MB ones), gathered
+into blocks of about `block_bytes` of text; every check and conversion is a columnar operation
 on the block (labels in {0, 1}, integer counts, hexadecimal tokens, the Avazu hour), and tokens become ids
 through `ecru.ctr.tokens` on each block's distinct values. A malformed line is either skipped and counted or
 reported by file and line: the (slow) line-by-line parser below then locates the first bad line.
@@ -32,6 +33,7 @@ from ecru.errors import EcruError, MissingAssetError
 CRITEO_FIELDS, CRITEO_DENSE = 26, 13
 AVAZU_FIELDS = 22
 FORMATS = ("criteo", "avazu")
+_PARSE_BLOCK = 1 << 20
 _INT, _HEX = re.compile(r"-?[0-9]+"), re.compile(r"[0-9a-fA-F]*")
 
 
@@ -50,7 +52,7 @@ class ReaderConfig:
     skip_malformed: bool = False
     """Skip and count malformed lines instead of raising an error naming the line."""
     block_bytes: int = 16 << 20
-    """Bytes of text parsed per block (each block is checked and encoded as columns)."""
+    """About this many bytes of text are checked and encoded together (the parse itself runs in 1 MB blocks)."""
 
     def __post_init__(self) -> None:
         if self.hash_buckets < 0 or self.hash_buckets == 1:
@@ -175,7 +177,9 @@ def _batches(path: Path, fmt: str, layout: Layout, cfg: ReaderConfig, bad: list)
         return "skip"
 
     read = pacsv.ReadOptions(
-        column_names=None if layout.header else layout.names, block_size=cfg.block_bytes, use_threads=False
+        column_names=None if layout.header else layout.names,
+        block_size=min(_PARSE_BLOCK, cfg.block_bytes),
+        use_threads=False,
     )
     parse = pacsv.ParseOptions(
         delimiter="\t" if fmt == "criteo" else ",", quote_char=False, invalid_row_handler=invalid
@@ -185,7 +189,22 @@ def _batches(path: Path, fmt: str, layout: Layout, cfg: ReaderConfig, bad: list)
         column_types=types, include_columns=[c for c in layout.names if c != "id"]
     )  # empty cells stay "" (strings_can_be_null costs ~40% of the parse): counts pad them to "0"
     with pa.input_stream(str(path), compression="detect") as raw:
-        yield from pacsv.open_csv(raw, read_options=read, parse_options=parse, convert_options=convert)
+        group, size = [], 0
+        for batch in pacsv.open_csv(raw, read_options=read, parse_options=parse, convert_options=convert):
+            group.append(batch)
+            size += batch.nbytes
+            if size >= cfg.block_bytes:
+                yield _combine(group)
+                group, size = [], 0
+        if group:
+            yield _combine(group)
+
+
+def _combine(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    """One record batch of contiguous columns (per-column work then runs once per group, not per batch)."""
+    if len(batches) == 1:
+        return batches[0]
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
 
 
 def _valid_rows(batch: pa.RecordBatch, fmt: str, layout: Layout) -> np.ndarray:
