@@ -76,7 +76,9 @@ def test_quick_schema_on_a_tiny_setting(bench, tmp_path, monkeypatch):
 def test_partial_plan(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "QUICK", _tiny_setting(bench, rows=4000))
     out = tmp_path / "p.json"
-    assert bench.main(["--recipes", "cowclip,tempered", "--no-sparse", "--epochs", "2", "--json", str(out)]) == 0
+    assert (
+        bench.main(["--recipes", "cowclip,tempered", "--no-sparse", "--epochs", "2", "--json", str(out)]) == 0
+    )
     result = json.loads(out.read_text())
     got = [(r["recipe"], r["mode"], r["batch_size"], r["epochs"]) for r in result["runs"]]
     assert got == [
@@ -131,3 +133,27 @@ def test_recipe_search_on_a_tiny_setting(bench, tmp_path, monkeypatch):
     # the candidate labelled as the tempered rule is the library's tempered recipe
     rule = next(r for r in result["runs"] if r["label"] == "e1-d.75-l.5-w1/s")["settings"]
     assert rule == pytest.approx(asdict(scaled_recipe("tempered", 512, base_batch=128)))
+
+
+def test_decisive_on_a_tiny_setting(tmp_path, monkeypatch):
+    path = BENCH.parent / "ctr_decisive.py"
+    spec = importlib.util.spec_from_file_location("ctr_decisive", path)
+    decisive = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ctr_decisive", decisive)  # dataclasses look their module up
+    spec.loader.exec_module(decisive)
+    tiny = decisive.Setting(
+        rows=3000, test_fraction=0.25, scale=1e-3, mlp=(8,), epochs=1, base=64, large=512, seeds=(0, 1)
+    )
+    monkeypatch.setattr(decisive, "QUICK", tiny)
+    out = tmp_path / "d.json"
+    assert decisive.main(["--quick", "--variants", "cowclip,no-clip,summed-loss", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["runs"]] == ["reference", "cowclip", "no-clip", "summed-loss"] * 2
+    summary = result["summary"]
+    ref = {r["seed"]: r["auc"] for r in result["runs"] if r["variant"] == "reference"}
+    gaps = [ref[r["seed"]] - r["auc"] for r in result["runs"] if r["variant"] == "no-clip"]
+    assert summary["no-clip"]["gap_to_reference_mean"] == pytest.approx(sum(gaps) / 2)
+    assert summary["cowclip"]["steps"] == 2250 // 512 and "2 seeds" in result["verdict"]
+    # the summed loss makes the clip fire where the mean loss leaves it inert
+    assert summary["summed-loss"]["clipped_fraction_mean"] > summary["cowclip"]["clipped_fraction_mean"]
+    assert out.with_suffix(".png").stat().st_size > 0

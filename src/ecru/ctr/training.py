@@ -53,6 +53,11 @@ class TrainConfig:
     """Hidden widths of the deep part."""
     embed_dim: int = 10
     """Embedding dimension."""
+    init_std: float = 0.01
+    """Std of the N(0, std^2) embedding initialisation (the CowClip paper discusses 1e-2 and 1e-4)."""
+    summed_loss: bool = False
+    """Optimise the batch's summed BCE (and L2 x batch size, the same objective up to a constant) instead of
+    its mean: Adam is unchanged up to eps, but CowClip's threshold, which does not scale with the loss, fires."""
     seed: int = 0
     """Seed of the model initialisation and of the per-epoch shuffles."""
     eval_batch: int = 65536
@@ -76,6 +81,8 @@ class TrainConfig:
             raise EcruError("batch sizes and epochs must be >= 1")
         if self.mode not in ("full", "sparse"):
             raise EcruError(f"mode must be 'full' or 'sparse', got {self.mode!r}")
+        if self.init_std <= 0:
+            raise EcruError(f"init_std must be > 0, got {self.init_std}")
         if self.resume and not self.checkpoint:
             raise EcruError("--resume needs --checkpoint PATH")
 
@@ -157,6 +164,7 @@ def make_model(cfg: TrainConfig, data: CTRData) -> CTRModel:
         data.cardinalities,
         n_dense=data.dense.shape[1],
         embed_dim=cfg.embed_dim,
+        init_std=cfg.init_std,
         mlp=cfg.mlp,
         sparse=cfg.mode == "sparse",
         base_rate=_base_rate(data),
@@ -165,7 +173,10 @@ def make_model(cfg: TrainConfig, data: CTRData) -> CTRModel:
     return build_model(cfg.model, ctr)
 
 
-def make_optimizers(model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_epoch: int):
+def make_optimizers(
+    model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_epoch: int, loss_scale: float = 1.0
+):
+    """The two Adams, the dense warm-up and CowClip; `loss_scale` multiplies the L2 term with the loss."""
     tables = model.embedding_tables()
     embed_cls = RowSparseAdam if mode == "sparse" else torch.optim.Adam
     embed_opt = embed_cls(tables, lr=recipe.embed_lr, eps=recipe.eps)
@@ -174,7 +185,7 @@ def make_optimizers(model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_ep
     sched = torch.optim.lr_scheduler.LambdaLR(dense_opt, lambda step: min(1.0, (step + 1) / warmup))
     clipper = CowClip(
         tables,
-        weight_decay=recipe.weight_decay,
+        weight_decay=recipe.weight_decay * loss_scale,
         r=recipe.r,
         zeta=recipe.zeta,
         mode=mode,
@@ -184,16 +195,23 @@ def make_optimizers(model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_ep
 
 
 def _step(
-    net: nn.Module, model: CTRModel, batch: list, mine: slice, opts: tuple, clipper: CowClip
+    net: nn.Module,
+    model: CTRModel,
+    batch: list,
+    mine: slice,
+    opts: tuple,
+    clipper: CowClip,
+    loss_scale: float = 1.0,
 ) -> torch.Tensor:
-    """One optimizer step on this rank's shard `mine` of the global batch; returns the shard's mean loss."""
+    """One optimizer step on this rank's shard `mine` of the global batch (the mean loss x `loss_scale`
+    differentiated); returns the shard's mean loss."""
     dense, cats, labels = batch
     embed_opt, dense_opt, sched = opts
     if isinstance(embed_opt, RowSparseAdam):  # absent rows' missed Adam steps, before the forward reads them
         embed_opt.catch_up(model.tables.global_ids(cats))
     loss = F.binary_cross_entropy_with_logits(net(dense[mine], cats[mine]), labels[mine])
     embed_opt.zero_grad(set_to_none=True), dense_opt.zero_grad(set_to_none=True)
-    loss.backward()  # under DDP the gradients are now the global batch's mean
+    (loss * loss_scale if loss_scale != 1.0 else loss).backward()  # DDP: the global batch's mean, x scale
     clipper.clip_(model.tables.global_ids(cats))  # counts over the whole global batch, as one process would
     embed_opt.step(), dense_opt.step(), sched.step()
     return loss
@@ -214,8 +232,9 @@ def train(
     if steps_per_epoch < 1:
         raise EcruError(f"batch size {cfg.batch_size} exceeds the {len(train_data)} training rows")
     model = make_model(cfg, train_data).to(cfg.device)
+    loss_scale = float(cfg.batch_size) if cfg.summed_loss else 1.0  # the global batch's sum, not mean
     embed_opt, dense_opt, sched, clipper = make_optimizers(
-        model, recipe, mode=cfg.mode, steps_per_epoch=steps_per_epoch
+        model, recipe, mode=cfg.mode, steps_per_epoch=steps_per_epoch, loss_scale=loss_scale
     )
     net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     start_epoch, history = _resume(cfg, model, embed_opt, dense_opt, sched)
@@ -240,6 +259,7 @@ def train(
                 slice(rank * shard, (rank + 1) * shard),
                 (embed_opt, dense_opt, sched),
                 clipper,
+                loss_scale,
             )
             steps += 1
             if len(losses) < 1000:
@@ -319,10 +339,21 @@ def _resume(cfg: TrainConfig, model, embed_opt, dense_opt, sched) -> tuple[int, 
             "split flags, or a new --out"
         )
     saved = state["config"]
-    for key in ("model", "batch_size", "recipe", "mode", "mlp", "embed_dim", "seed"):
-        if _plain(saved[key]) != _plain(getattr(cfg, key)):
+    for key in (
+        "model",
+        "batch_size",
+        "recipe",
+        "mode",
+        "mlp",
+        "embed_dim",
+        "seed",
+        "init_std",
+        "summed_loss",
+    ):
+        was = saved.get(key, getattr(TrainConfig(), key))  # a key added later: its default
+        if _plain(was) != _plain(getattr(cfg, key)):
             raise EcruError(
-                f"checkpoint {cfg.checkpoint} was made with {key}={saved[key]!r}, not {getattr(cfg, key)!r}"
+                f"checkpoint {cfg.checkpoint} was made with {key}={was!r}, not {getattr(cfg, key)!r}"
             )
     try:
         model.load_state_dict(state["model"])
