@@ -122,5 +122,5 @@ def test_bad_input_errors():
         cowclip(grad[:, :2], weight, torch.tensor([1]))
     with pytest.raises(TypeError, match="integer"):
         cowclip(grad, weight, torch.tensor([1.0]))
-    with pytest.raises(TypeError, match="threshold"):  # one form of zeta: no switch between forms
+    with pytest.raises(ValueError, match="zeta_from_paper"):  # one form of zeta, named at call sites
         cowclip(grad, weight, torch.tensor([1]), threshold="paper")

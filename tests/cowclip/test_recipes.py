@@ -13,7 +13,7 @@ from ecru.cowclip import cowclip_recipe, scaled_recipe
 )
 def test_criteo_table(batch, dense_lr, l2):
     r = cowclip_recipe(batch)
-    assert r.embed_lr == 1e-4 and r.r == 1.0 and r.zeta == 1e-5 and r.clip
+    assert r.embed_lr == 1e-4 and r.r == 1.0 and r.zeta == 1e-5 and r.clip and r.threshold == "code"
     assert r.dense_lr == pytest.approx(dense_lr, rel=1e-3)
     assert r.l2 == pytest.approx(l2) and r.weight_decay == pytest.approx(2 * l2)
     assert r.warmup_epochs == 1.0 and r.eps == 1e-7

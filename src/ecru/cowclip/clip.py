@@ -13,14 +13,26 @@ agree for zeta_paper = r^2 sqrt(d) zeta (`zeta_from_paper` converts).
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from torch import Tensor
+
+Threshold = Literal["code"]
+"""The one form of zeta (named at call sites, `threshold="code"`, so that the form is never implicit)."""
 
 
 def zeta_from_paper(zeta_paper: float, *, r: float, dim: int) -> float:
     """The zeta of ecru's (the reference code's) form for a floor given in the paper's form."""
     return zeta_paper / (r * r * math.sqrt(dim))
+
+
+def check_threshold(threshold: str) -> None:
+    if threshold != "code":
+        raise ValueError(
+            f"threshold {threshold!r}: zeta is given in the reference code's form only (threshold='code'); "
+            "convert a floor in the paper's form with zeta_from_paper(zeta, r=r, dim=d)"
+        )
 
 
 def id_counts(ids: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
@@ -86,6 +98,7 @@ def cowclip(
     *,
     r: float = 1.0,
     zeta: float = 1e-5,
+    threshold: Threshold = "code",
 ) -> Tensor:
     """The CowClip-clipped gradient of one embedding table (a new tensor).
 
@@ -96,9 +109,11 @@ def cowclip(
         ids: the ids looked up in this batch for this table, `[B]` or `[B, L]` padded with -1.
         r: the ratio of the threshold to the row's weight norm.
         zeta: the per-coordinate floor: clip = cnt * r * max(||w||, r sqrt(d) zeta) (module docstring).
+        threshold: the form of zeta; "code" is the only one (the paper's converts with `zeta_from_paper`).
 
     Rows of ids absent from `ids` are returned unchanged; a zero row stays zero.
     """
+    check_threshold(threshold)
     if grad.shape != weight.shape or grad.dim() != 2:
         raise ValueError(f"grad {tuple(grad.shape)} and weight {tuple(weight.shape)} must both be [V, d]")
     uniq, counts = id_counts(ids.to(weight.device), weight.shape[0])

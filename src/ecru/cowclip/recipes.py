@@ -50,6 +50,11 @@ class Recipe:
             raise ValueError("warmup_epochs must be >= 0")
 
     @property
+    def threshold(self) -> str:
+        """The form of `zeta`: always the reference code's (see ecru.cowclip.clip)."""
+        return "code"
+
+    @property
     def weight_decay(self) -> float:
         """PyTorch weight decay equivalent to Keras l2(lambda): the gradient of lambda ||w||^2."""
         return 2 * self.l2

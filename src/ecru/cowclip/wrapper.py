@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from ecru.cowclip.clip import _row_counts, clip_scale, id_counts
+from ecru.cowclip.clip import Threshold, _row_counts, check_threshold, clip_scale, id_counts
 
 Mode = Literal["full", "sparse"]
 # log10(||g|| / threshold) histogram: the clip fires above 0
@@ -60,9 +60,11 @@ class CowClip:
         zeta: float = 1e-5,
         mode: Mode = "full",
         clip: bool = True,
+        threshold: Threshold = "code",
     ) -> None:
         """`weight_decay` is PyTorch's (Keras `l2(lambda)` is `weight_decay = 2 * lambda`); `clip=False` keeps
         only the L2 term (the unclipped baseline through the same code path)."""
+        check_threshold(threshold)  # zeta has one form (ecru.cowclip.clip)
         self.tables = list(tables)
         if not self.tables or any(t.dim() != 2 for t in self.tables):
             raise ValueError("CowClip needs one or more embedding tables of shape [V, d]")
