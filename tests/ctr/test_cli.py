@@ -160,8 +160,22 @@ def test_outputs_checked_before_work(files, capsys, tmp_path):
     rc, _, err = run(["ctr", "synth", "--rows", "5", "--out", str(tmp_path)], capsys)
     assert rc == 2 and "is a folder" in err
     out = tmp_path / "missing" / "x.json"
-    rc, _, _ = run(["ctr", "train", "--rows", "2000", "--scale", "1e-3", "--json", str(out), *FAST], capsys)
-    assert rc == 0 and json.loads(out.read_text())["steps"] > 0
+    argv = [
+        "ctr",
+        "train",
+        "--rows",
+        "2000",
+        "--scale",
+        "1e-3",
+        "--json",
+        str(out),
+        "--group-field",
+        "2",
+        *FAST,
+    ]
+    rc, stdout, _ = run(argv, capsys)
+    metrics = json.loads(out.read_text())
+    assert rc == 0 and metrics["steps"] > 0 and 0 < metrics["group_auc"] < 1 and "group AUC" in stdout
 
 
 def test_one_class_test_split_is_one_line(tmp_path, capsys):
