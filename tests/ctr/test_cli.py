@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ecru.cli import main
-from ecru.ctr import load_model
+from ecru.ctr import auc, load_model
 
 FAST = ["--mlp", "8", "--batch-size", "256", "--base-batch", "256", "--min-count", "1"]
 
@@ -184,3 +184,52 @@ def test_one_class_test_split_is_one_line(tmp_path, capsys):
     path.write_text(row * 300)
     rc, _, err = run(["ctr", "train", "--data", f"criteo:{path}", *FAST], capsys)
     assert rc == 2 and "one class" in err and len(err.strip().splitlines()) == 1
+
+
+def test_hashing_folder_and_avazu_round_trip(tmp_path, capsys):
+    head = "id,click,hour," + ",".join(f"C{i}" for i in range(21)) + "\n"
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(1200):
+        toks = [f"{int(t):x}" for t in torch.randint(0, 6, (21,), generator=gen)]
+        click = int(toks[0] in ("0", "1")) if i % 7 else 1 - int(toks[0] in ("0", "1"))
+        rows.append(f"{i},{click},141021{i % 24:02d}," + ",".join(toks) + "\n")
+    rows[3] = rows[3].replace(",141021", ",1410", 1)  # a bad hour
+    (tmp_path / "train.csv").write_text(head + "".join(rows))
+    (tmp_path / "score.csv").write_text(
+        "id,hour,"
+        + ",".join(f"C{i}" for i in range(21))
+        + "\n"
+        + "".join(r.split(",", 2)[0] + "," + r.split(",", 2)[2] for r in rows[1000:])
+    )
+    out = tmp_path / "m"
+    argv = [
+        "ctr",
+        "train",
+        "--data",
+        f"avazu:{tmp_path / 'train.csv'}",
+        "--hash-buckets",
+        "64",
+        "--skip-malformed",
+    ]
+    rc, _, err = run([*argv, "--out", str(out), *FAST, "--epochs", "3"], capsys)
+    assert rc == 0 and "skipped 1 malformed" in err and not (out / "vocab.safetensors").exists()
+    model = load_model(out)
+    assert model.data_format == "avazu" and model.encoder.hash_buckets == 64
+    probs = model.predict(tmp_path / "score.csv")
+    labels = torch.tensor([float(r.split(",")[1]) for r in rows[1000:]])
+    assert len(probs) == 200 and auc(labels, probs) > 0.7  # the click follows C0: learnable
+    rc, _, err = run(
+        [
+            "ctr",
+            "predict",
+            "--model",
+            str(out),
+            "--data",
+            f"criteo:{tmp_path / 'score.csv'}",
+            "--out",
+            str(tmp_path / "s.txt"),
+        ],
+        capsys,
+    )
+    assert rc == 2 and "reads avazu files" in err
