@@ -29,16 +29,18 @@ class CTRData:
     """Number of ids of each field."""
     info: dict = field(default_factory=dict)
     """Provenance and extra facts (e.g. the synthetic teacher's click probabilities)."""
+    sequence_fields: int = 0
+    """How many of the last fields are multi-hot: each takes `sequence_length` columns of `cats` (-1 = padding)."""
+    sequence_length: int = 0
+    """Id columns per sequence field."""
 
     def __post_init__(self) -> None:
         n = self.labels.shape[0]
-        if (
-            self.dense.shape[0] != n
-            or self.cats.shape[0] != n
-            or self.cats.shape[1] != len(self.cardinalities)
-        ):
+        columns = len(self.cardinalities) + self.sequence_fields * (self.sequence_length - 1)
+        if self.dense.shape[0] != n or self.cats.shape[0] != n or self.cats.shape[1] != columns:
             raise ValueError(
-                f"inconsistent shapes: dense {tuple(self.dense.shape)}, cats {tuple(self.cats.shape)}, "
+                f"inconsistent shapes: dense {tuple(self.dense.shape)}, cats {tuple(self.cats.shape)} "
+                f"({self.sequence_fields} sequence fields of {self.sequence_length}), "
                 f"labels {tuple(self.labels.shape)}, {len(self.cardinalities)} fields"
             )
 
@@ -50,7 +52,15 @@ class CTRData:
             k: (v[idx] if isinstance(v, Tensor) and v.shape[:1] == self.labels.shape else v)
             for k, v in self.info.items()
         }
-        return CTRData(self.dense[idx], self.cats[idx], self.labels[idx], self.cardinalities, info)
+        return CTRData(
+            self.dense[idx],
+            self.cats[idx],
+            self.labels[idx],
+            self.cardinalities,
+            info,
+            self.sequence_fields,
+            self.sequence_length,
+        )
 
     def split_random(self, test_fraction: float, *, seed: int = 0) -> tuple[CTRData, CTRData]:
         """A seeded random (train, test) split, as the CowClip paper's 90/10 Criteo split."""
@@ -91,6 +101,8 @@ def concat(parts: list[CTRData]) -> CTRData:
         torch.cat([p.labels for p in parts]),
         parts[0].cardinalities,
         dict(parts[0].info),
+        parts[0].sequence_fields,
+        parts[0].sequence_length,
     )
 
 
@@ -101,6 +113,8 @@ def restrict_vocabulary_to_train(train: CTRData, test: CTRData, *, min_count: in
     would decide which training ids get their own embedding row, and test-only ids would get rows that
     are never trained. Cardinalities are unchanged (the freed rows are simply never looked up).
     """
+    if train.sequence_fields:
+        raise ValueError("restrict_vocabulary_to_train handles single-hot fields only")
     train_cats, test_cats, live = train.cats.clone(), test.cats.clone(), []
     for f, card in enumerate(train.cardinalities):
         rare = torch.bincount(train.cats[:, f].long(), minlength=card) < min_count

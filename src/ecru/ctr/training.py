@@ -167,6 +167,8 @@ def make_model(cfg: TrainConfig, data: CTRData) -> CTRModel:
         init_std=cfg.init_std,
         mlp=cfg.mlp,
         sparse=cfg.mode == "sparse",
+        sequence_fields=data.sequence_fields,
+        sequence_length=data.sequence_length,
         base_rate=_base_rate(data),
     )
     torch.manual_seed(cfg.seed)
