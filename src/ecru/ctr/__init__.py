@@ -1,5 +1,6 @@
-"""CTR prediction: DeepFM / Wide&Deep / DCN / DCN-v2, Criteo and Avazu readers, a synthetic data set with
-a known optimum, and a training loop with CowClip and large-batch scaling rules.
+"""CTR prediction: DeepFM / Wide&Deep / DCN / DCN-v2 (with multi-hot fields), columnar Criteo and Avazu
+readers, a synthetic data set with a known optimum, a training loop with CowClip and large-batch scaling
+rules, and model folders (`save_model` / `load_model`) that score new files.
 
 The public names load lazily (PEP 562), so `ecru --help`, which imports `ecru.ctr.cli`, does not import torch.
 """

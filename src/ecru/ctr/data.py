@@ -24,7 +24,7 @@ class CTRData:
     cats: Tensor
     """Per-field local categorical ids [N, F] int32 (field f's ids in [0, cardinalities[f]))."""
     labels: Tensor
-    """Clicks [N] float32 in {0, 1}."""
+    """Clicks [N] float32 in {0, 1} (NaN for a file read without its label column)."""
     cardinalities: tuple[int, ...]
     """Number of ids of each field."""
     info: dict = field(default_factory=dict)
