@@ -233,3 +233,17 @@ def test_hashing_folder_and_avazu_round_trip(tmp_path, capsys):
         capsys,
     )
     assert rc == 2 and "reads avazu files" in err
+
+
+def test_missing_inputs_are_one_line(tmp_path, capsys):
+    rc, _, err = run(["ctr", "train", "--data", f"criteo:{tmp_path / 'nope.tsv'}"], capsys)
+    assert rc == 2 and "not found" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = run(["ctr", "train", "--data", "parquet:x"], capsys)
+    assert rc == 2 and "criteo:FILE" in err
+    out = tmp_path / "s.txt"
+    rc, _, err = run(
+        ["ctr", "predict", "--model", str(tmp_path), "--data", "criteo:x", "--out", str(out)], capsys
+    )
+    assert rc == 2 and "config.json" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = run(["ctr", "train", "--resume", "--rows", "100"], capsys)
+    assert rc == 2 and "--resume" in err

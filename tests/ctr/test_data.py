@@ -158,3 +158,13 @@ def test_vocabulary_is_restricted_to_the_training_split():
     tr1, te1 = restrict_vocabulary_to_train(train, test, min_count=1)
     assert tr1.cats[:, 0].tolist() == [1, 1, 2, 5, 0] and te1.cats[:, 0].tolist() == [2, 0, 1, 0]
     assert train.cats[:, 0].tolist() == [1, 1, 2, 5, 0]  # inputs untouched
+
+
+def test_gzip_file_reads_like_the_plain_one(tmp_path, criteo_file):
+    import gzip
+
+    gz = tmp_path / "day_0.tsv.gz"
+    gz.write_bytes(gzip.compress(criteo_file.read_bytes()))
+    plain, _ = load_ctr_file(criteo_file, "criteo", cfg=ReaderConfig(skip_malformed=True))
+    packed, skipped = load_ctr_file(gz, "criteo", cfg=ReaderConfig(skip_malformed=True))
+    assert skipped == 4 and torch.equal(packed.cats, plain.cats) and torch.equal(packed.dense, plain.dense)
