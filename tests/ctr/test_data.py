@@ -168,3 +168,15 @@ def test_gzip_file_reads_like_the_plain_one(tmp_path, criteo_file):
     plain, _ = load_ctr_file(criteo_file, "criteo", cfg=ReaderConfig(skip_malformed=True))
     packed, skipped = load_ctr_file(gz, "criteo", cfg=ReaderConfig(skip_malformed=True))
     assert skipped == 4 and torch.equal(packed.cats, plain.cats) and torch.equal(packed.dense, plain.dense)
+
+
+def test_a_malformed_first_line_does_not_decide_the_layout(tmp_path):
+    path = tmp_path / "first_bad.tsv"
+    path.write_text(BAD[1] + GOOD[0] + GOOD[1])
+    with pytest.raises(MalformedLineError, match=r"first_bad\.tsv:1: .*expected 40"):
+        load_ctr_file(path, "criteo")
+    data, skipped = load_ctr_file(path, "criteo", cfg=ReaderConfig(skip_malformed=True))
+    assert skipped == 1 and data.labels.tolist() == [1.0, 0.0]
+    (tmp_path / "junk.tsv").write_text("a,b\n")
+    with pytest.raises(MalformedLineError, match="no line among"):
+        load_ctr_file(tmp_path / "junk.tsv", "criteo")

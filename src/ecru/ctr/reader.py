@@ -143,25 +143,32 @@ class Layout:
     """The first line names the columns (Avazu)."""
 
 
+def _criteo_width(path: Path, *, lines: int = 1000) -> int:
+    """39 or 40: the column count of the first of the first `lines` lines that has one of them (a malformed
+    first line does not decide the layout; it is then reported or skipped like any other)."""
+    with pa.input_stream(str(path), compression="detect") as raw, open_text(raw) as f:
+        for _, line in zip(range(lines), f, strict=False):
+            width = line.rstrip("\r\n").count("\t") + 1
+            if width in (39, 40):
+                return width
+    raise MalformedLineError(
+        f"{path}: no line among the first {lines} has Criteo's 40 tab-separated columns (39 without the label)"
+    )
+
+
 def sniff_layout(path: Path, fmt: str) -> Layout:
-    """The layout from the first line: Criteo with (40 columns) or without (39) the label; Avazu's header."""
+    """Criteo with (40 columns) or without (39) the label; Avazu's columns from its header."""
     if fmt not in FORMATS:
         raise EcruError(f"unknown data format {fmt!r}; choose from {', '.join(FORMATS)}")
     if not path.is_file():
         raise MissingAssetError(f"data file {path} not found")
-    with pa.input_stream(str(path), compression="detect") as raw, open_text(raw) as f:
-        first = f.readline().rstrip("\r\n")
     if fmt == "criteo":
-        width = first.count("\t") + 1
-        if width not in (39, 40):
-            raise MalformedLineError(
-                f"{path}:1: a Criteo line has 40 tab-separated columns (39 without the label), got {width}"
-            )
-        labelled = width == 40
+        labelled = _criteo_width(path) == 40
         dense = [f"I{i}" for i in range(1, CRITEO_DENSE + 1)]
         cats = [f"C{i}" for i in range(1, CRITEO_FIELDS + 1)]
         return Layout(["label"] * labelled + dense + cats, "label" if labelled else None, dense, cats, False)
-    names = first.split(",")
+    with pa.input_stream(str(path), compression="detect") as raw, open_text(raw) as f:
+        names = f.readline().rstrip("\r\n").split(",")
     labelled = "click" in names
     if len(names) != AVAZU_FIELDS + 1 + labelled or "hour" not in names:
         raise MalformedLineError(
