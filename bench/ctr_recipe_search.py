@@ -34,7 +34,7 @@ def candidates(batch: int, base: int) -> dict[str, Recipe]:
     def rule(a, b, c, warm):
         return replace(
             ref,
-            name="ecru",
+            name="tempered",
             embed_lr=ref.embed_lr * s**a,
             dense_lr=ref.dense_lr * s**b,
             l2=ref.l2 * s**c,
@@ -42,7 +42,7 @@ def candidates(batch: int, base: int) -> dict[str, Recipe]:
         )
 
     return {
-        "e1-d.75-l.5-w1/s": rule(1, 0.75, 0.5, 1 / s),  # ecru's rule
+        "e1-d.75-l.5-w1/s": rule(1, 0.75, 0.5, 1 / s),  # the tempered rule
         "e1-d.5-l.5-w1/s": rule(1, 0.5, 0.5, 1 / s),
         "e1-d.75-l.5-w.25": rule(1, 0.75, 0.5, 0.25),
         "e1-d1-l1-w1": rule(1, 1.0, 1.0, 1.0),  # = linear

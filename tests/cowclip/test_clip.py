@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from ecru.cowclip import cowclip, id_counts
+from ecru.cowclip import cowclip, id_counts, zeta_from_paper
 
 
-def reference(grad, weight, ids, *, r=1.0, zeta=1e-5, threshold="paper"):
+def reference(grad, weight, ids, *, r=1.0, zeta=1e-5, threshold="code"):
     """Loop over ids: cnt = samples containing k; scale row k by min(1, clip / ||g_k||)."""
     out = grad.clone()
     rows = ids.reshape(ids.shape[0], -1).tolist()
@@ -38,7 +38,8 @@ def make(v=50, d=4, seed=0):
 def test_single_hot_with_duplicates(threshold, r, zeta):
     grad, weight = make()
     ids = torch.tensor([1, 1, 1, 3, 5, 7, 7, 9, 20, 1, 3])
-    out = cowclip(grad, weight, ids, r=r, zeta=zeta, threshold=threshold)
+    lib_zeta = zeta if threshold == "code" else zeta_from_paper(zeta, r=r, dim=weight.shape[1])
+    out = cowclip(grad, weight, ids, r=r, zeta=lib_zeta)
     torch.testing.assert_close(
         out, reference(grad, weight, ids, r=r, zeta=zeta, threshold=threshold), rtol=1e-12, atol=0
     )
@@ -101,8 +102,8 @@ def test_random_cases_against_reference():
             if trial % 2
             else torch.randint(0, v, (16,), generator=gen)
         )
-        out = cowclip(grad, weight, ids, r=0.5, zeta=0.01, threshold="code" if trial % 3 else "paper")
-        ref = reference(grad, weight, ids, r=0.5, zeta=0.01, threshold="code" if trial % 3 else "paper")
+        out = cowclip(grad, weight, ids, r=0.5, zeta=0.01)
+        ref = reference(grad, weight, ids, r=0.5, zeta=0.01)
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=0)
 
 
@@ -121,5 +122,5 @@ def test_bad_input_errors():
         cowclip(grad[:, :2], weight, torch.tensor([1]))
     with pytest.raises(TypeError, match="integer"):
         cowclip(grad, weight, torch.tensor([1.0]))
-    with pytest.raises(ValueError, match="threshold"):
-        cowclip(grad, weight, torch.tensor([1]), threshold="nope")
+    with pytest.raises(ValueError, match="zeta_from_paper"):  # one form of zeta, named at call sites
+        cowclip(grad, weight, torch.tensor([1]), threshold="paper")

@@ -37,18 +37,21 @@ def test_avazu_table(batch, dense_lr, l2, zeta):
 
 def test_baseline_recipes():
     s = 32
-    adam, sq, lin, ecru = (scaled_recipe(n, 1024 * s) for n in ("adam", "adam-sqrt", "linear", "ecru"))
+    adam, sq, lin, tempered = (
+        scaled_recipe(n, 1024 * s) for n in ("adam", "adam-sqrt", "linear", "tempered")
+    )
     assert (adam.embed_lr, adam.dense_lr, adam.l2, adam.clip) == (1e-4, 8e-4, 1e-5, False)
     assert (sq.embed_lr, sq.clip) == (1e-4, False) and sq.dense_lr == pytest.approx(8e-4 * math.sqrt(s))
     assert lin.embed_lr == pytest.approx(1e-4 * s) and lin.dense_lr == pytest.approx(8e-4 * s)
     assert (
-        ecru.l2 == pytest.approx(1e-5 * math.sqrt(s))
-        and not ecru.clip
-        and ecru.warmup_epochs == pytest.approx(1 / s)
+        tempered.l2 == pytest.approx(1e-5 * math.sqrt(s))
+        and not tempered.clip
+        and tempered.warmup_epochs == pytest.approx(1 / s)
     )
-    assert ecru.embed_lr == pytest.approx(1e-4 * s) and ecru.dense_lr == pytest.approx(8e-4 * s**0.75)
+    assert tempered.embed_lr == pytest.approx(1e-4 * s) and tempered.dense_lr == pytest.approx(8e-4 * s**0.75)
+    assert scaled_recipe("ecru", 1024 * s) == tempered  # the former name still selects it
     base = scaled_recipe("adam", 1024)
-    assert all(scaled_recipe(n, 1024) == replace(base, name=n) for n in ("adam-sqrt", "linear", "ecru"))
+    assert all(scaled_recipe(n, 1024) == replace(base, name=n) for n in ("adam-sqrt", "linear", "tempered"))
     assert scaled_recipe("cowclip", 2048) == cowclip_recipe(2048)
 
 

@@ -61,12 +61,12 @@ def test_quick_schema_on_a_tiny_setting(bench, tmp_path, monkeypatch):
     got = {(r["recipe"], r["mode"], r["batch_size"]) for r in runs}
     for b in (128, 512):
         assert {("adam", "full", b), ("adam-sqrt", "full", b), ("linear", "full", b)} <= got
-        assert {(n, m, b) for n in ("cowclip", "ecru") for m in ("full", "sparse")} <= got
+        assert {(n, m, b) for n in ("cowclip", "tempered") for m in ("full", "sparse")} <= got
     same = [r for r in runs if r.get("same_run_as")]
-    assert {r["recipe"] for r in same if r["batch_size"] == 128} == {"adam-sqrt", "linear", "ecru"}
+    assert {r["recipe"] for r in same if r["batch_size"] == 128} == {"adam-sqrt", "linear", "tempered"}
     assert all(r["batch_size"] == 128 for r in same)  # at s = 1 every rule is the 1K recipe
     assert set(result["targets"]) >= {
-        "ecru_gap_to_1k",
+        "tempered_gap_to_1k",
         "sparse_vs_full_speedup_1k",
         "clip_fired_at_large_batch",
     }
@@ -76,31 +76,33 @@ def test_quick_schema_on_a_tiny_setting(bench, tmp_path, monkeypatch):
 def test_partial_plan(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "QUICK", _tiny_setting(bench, rows=4000))
     out = tmp_path / "p.json"
-    assert bench.main(["--recipes", "cowclip,ecru", "--no-sparse", "--epochs", "2", "--json", str(out)]) == 0
+    assert (
+        bench.main(["--recipes", "cowclip,tempered", "--no-sparse", "--epochs", "2", "--json", str(out)]) == 0
+    )
     result = json.loads(out.read_text())
     got = [(r["recipe"], r["mode"], r["batch_size"], r["epochs"]) for r in result["runs"]]
     assert got == [
         ("adam", "full", 128, 2),
         ("cowclip", "full", 128, 2),
-        ("ecru", "full", 128, 2),
+        ("tempered", "full", 128, 2),
         ("cowclip", "full", 512, 2),
-        ("ecru", "full", 512, 2),
+        ("tempered", "full", 512, 2),
     ]
-    assert result["timing_1k"] is None and "ecru_full_512_gap_to_1k" in result["targets"]
+    assert result["timing_1k"] is None and "tempered_full_512_gap_to_1k" in result["targets"]
 
 
 def test_sparse_only_plan(bench, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "FULL", _tiny_setting(bench, rows=4000))
     out = tmp_path / "s.json"
-    argv = ["--full", "--sparse-only", "--recipes", "linear,ecru", "--json", str(out)]
+    argv = ["--full", "--sparse-only", "--recipes", "linear,tempered", "--json", str(out)]
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     got = [(r["recipe"], r["mode"], r["batch_size"]) for r in result["runs"]]
-    assert got == [("adam", "sparse", 128), ("linear", "sparse", 512), ("ecru", "sparse", 512)]
-    assert result["timing_1k"] is None and "ecru_sparse_512_gap_to_1k" in result["targets"]
+    assert got == [("adam", "sparse", 128), ("linear", "sparse", 512), ("tempered", "sparse", 512)]
+    assert result["timing_1k"] is None and "tempered_sparse_512_gap_to_1k" in result["targets"]
     ref = result["runs"][0]
     best_gap = max(h["auc"] for h in ref["history"]) - max(h["auc"] for h in result["runs"][2]["history"])
-    assert result["targets"]["ecru_sparse_512_best_epoch_gap_to_1k_best"] == pytest.approx(best_gap)
+    assert result["targets"]["tempered_sparse_512_best_epoch_gap_to_1k_best"] == pytest.approx(best_gap)
     # --summarize re-derives the targets from the recorded runs and stores the note; it trains nothing
     result["targets"] = {}
     out.write_text(json.dumps(result))
@@ -108,7 +110,7 @@ def test_sparse_only_plan(bench, tmp_path, monkeypatch):
     assert bench.main(["--summarize", str(out), "--note", "why"]) == 0
     again = json.loads(out.read_text())
     assert again["note"] == "why" and again["runs"] == result["runs"]
-    assert again["targets"]["ecru_sparse_512_gap_to_1k"] == pytest.approx(
+    assert again["targets"]["tempered_sparse_512_gap_to_1k"] == pytest.approx(
         ref["auc"] - result["runs"][2]["auc"]
     )
     with pytest.raises(SystemExit):  # the two mode filters exclude each other
@@ -128,6 +130,30 @@ def test_recipe_search_on_a_tiny_setting(bench, tmp_path, monkeypatch):
         assert row["max_gap"] == max(row["gaps"])
     best = result["best_by_max_gap"]
     assert result["gaps_to_1k"][best]["max_gap"] == min(r["max_gap"] for r in result["gaps_to_1k"].values())
-    # the candidate labelled as ecru's rule is the library's ecru recipe
-    ecru = next(r for r in result["runs"] if r["label"] == "e1-d.75-l.5-w1/s")["settings"]
-    assert ecru == pytest.approx(asdict(scaled_recipe("ecru", 512, base_batch=128)))
+    # the candidate labelled as the tempered rule is the library's tempered recipe
+    rule = next(r for r in result["runs"] if r["label"] == "e1-d.75-l.5-w1/s")["settings"]
+    assert rule == pytest.approx(asdict(scaled_recipe("tempered", 512, base_batch=128)))
+
+
+def test_decisive_on_a_tiny_setting(tmp_path, monkeypatch):
+    path = BENCH.parent / "ctr_decisive.py"
+    spec = importlib.util.spec_from_file_location("ctr_decisive", path)
+    decisive = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ctr_decisive", decisive)  # dataclasses look their module up
+    spec.loader.exec_module(decisive)
+    tiny = decisive.Setting(
+        rows=3000, test_fraction=0.25, scale=1e-3, mlp=(8,), epochs=1, base=64, large=512, seeds=(0, 1)
+    )
+    monkeypatch.setattr(decisive, "QUICK", tiny)
+    out = tmp_path / "d.json"
+    assert decisive.main(["--quick", "--variants", "cowclip,no-clip,summed-loss", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["runs"]] == ["reference", "cowclip", "no-clip", "summed-loss"] * 2
+    summary = result["summary"]
+    ref = {r["seed"]: r["auc"] for r in result["runs"] if r["variant"] == "reference"}
+    gaps = [ref[r["seed"]] - r["auc"] for r in result["runs"] if r["variant"] == "no-clip"]
+    assert summary["no-clip"]["gap_to_reference_mean"] == pytest.approx(sum(gaps) / 2)
+    assert summary["cowclip"]["steps"] == 2250 // 512 and "2 seeds" in result["verdict"]
+    # the summed loss makes the clip fire where the mean loss leaves it inert
+    assert summary["summed-loss"]["clipped_fraction_mean"] > summary["cowclip"]["clipped_fraction_mean"]
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -13,7 +13,8 @@ from ecru.ctr import (
     load_ctr_file,
     write_criteo_tsv,
 )
-from ecru.ctr.data import read_ctr_file
+from ecru.ctr.data import concat
+from ecru.ctr.reader import read_ctr_file
 from ecru.errors import MissingAssetError
 
 
@@ -68,9 +69,27 @@ def test_vocabulary_threshold_and_hashing(criteo_file):
     assert hashed.cats[0, 25] == 0 and 0 < hashed.cats.max() < 1000
 
 
-def test_streaming_chunks(criteo_file):
-    chunks = list(read_ctr_file(criteo_file, "criteo", cfg=ReaderConfig(skip_malformed=True, chunk_rows=2)))
-    assert [len(c) for c in chunks] == [2, 1]
+def test_streaming_blocks_with_a_fitted_encoder(tmp_path):
+    path = write_criteo_tsv(generate(SyntheticConfig(n_rows=400, scale=1e-4, seed=1)), tmp_path / "s.tsv")
+    whole, _ = load_ctr_file(path, "criteo")
+    cfg = ReaderConfig(block_bytes=4096)
+    blocks = list(read_ctr_file(path, "criteo", encoder=whole.info["encoder"], cfg=cfg))
+    assert len(blocks) > 5 and sum(len(b) for b in blocks) == 400
+    again = concat(blocks)
+    assert torch.equal(again.cats, whole.cats) and torch.equal(again.labels, whole.labels)
+    torch.testing.assert_close(again.dense, whole.dense, rtol=0, atol=0)
+    # the single-pass vocabulary does not depend on the block size
+    small, _ = load_ctr_file(path, "criteo", cfg=cfg)
+    assert torch.equal(small.cats, whole.cats) and small.cardinalities == whole.cardinalities
+
+
+def test_unlabelled_criteo_file(tmp_path, criteo_file):
+    data, _ = load_ctr_file(criteo_file, "criteo", cfg=ReaderConfig(skip_malformed=True))
+    path = tmp_path / "nolabel.tsv"
+    path.write_text("".join(line.split("\t", 1)[1] for line in GOOD))
+    scored, skipped = load_ctr_file(path, "criteo", encoder=data.info["encoder"])
+    assert skipped == 0 and torch.isnan(scored.labels).all()
+    assert torch.equal(scored.cats, data.cats) and torch.equal(scored.dense, data.dense)
 
 
 def test_avazu_reader(tmp_path):
@@ -139,3 +158,25 @@ def test_vocabulary_is_restricted_to_the_training_split():
     tr1, te1 = restrict_vocabulary_to_train(train, test, min_count=1)
     assert tr1.cats[:, 0].tolist() == [1, 1, 2, 5, 0] and te1.cats[:, 0].tolist() == [2, 0, 1, 0]
     assert train.cats[:, 0].tolist() == [1, 1, 2, 5, 0]  # inputs untouched
+
+
+def test_gzip_file_reads_like_the_plain_one(tmp_path, criteo_file):
+    import gzip
+
+    gz = tmp_path / "day_0.tsv.gz"
+    gz.write_bytes(gzip.compress(criteo_file.read_bytes()))
+    plain, _ = load_ctr_file(criteo_file, "criteo", cfg=ReaderConfig(skip_malformed=True))
+    packed, skipped = load_ctr_file(gz, "criteo", cfg=ReaderConfig(skip_malformed=True))
+    assert skipped == 4 and torch.equal(packed.cats, plain.cats) and torch.equal(packed.dense, plain.dense)
+
+
+def test_a_malformed_first_line_does_not_decide_the_layout(tmp_path):
+    path = tmp_path / "first_bad.tsv"
+    path.write_text(BAD[1] + GOOD[0] + GOOD[1])
+    with pytest.raises(MalformedLineError, match=r"first_bad\.tsv:1: .*expected 40"):
+        load_ctr_file(path, "criteo")
+    data, skipped = load_ctr_file(path, "criteo", cfg=ReaderConfig(skip_malformed=True))
+    assert skipped == 1 and data.labels.tolist() == [1.0, 0.0]
+    (tmp_path / "junk.tsv").write_text("a,b\n")
+    with pytest.raises(MalformedLineError, match="no line among"):
+        load_ctr_file(tmp_path / "junk.tsv", "criteo")

@@ -1,7 +1,8 @@
 """Large-batch scaling recipes: learning rates, L2, zeta and warm-up as functions of the batch size.
 
 `cowclip_recipe` is the paper's table (Zheng et al., AAAI 2023, and its reference code); `scaled_recipe`
-gives the baselines (no scaling, sqrt, linear) and ecru's recommended rule for few-step large-batch runs.
+gives the baselines (no scaling, sqrt, linear) and the "tempered" rule measured best for few-step
+large-batch runs (embedding LR x s, dense LR x s^0.75, L2 x sqrt(s), warm-up over 1/s of an epoch).
 """
 
 from __future__ import annotations
@@ -9,9 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ecru.cowclip.clip import Threshold
-
-RECIPES = ("adam", "adam-sqrt", "linear", "cowclip", "ecru")
+RECIPES = ("adam", "adam-sqrt", "linear", "cowclip", "tempered")
+_ALIASES = {"ecru": "tempered"}  # the name "tempered" had before (kept so old scripts still run)
 _BASE = {  # 1K settings of the reference runs: (embedding LR, dense LR, L2 lambda)
     "criteo": (1e-4, 8e-4, 1e-5),
     "avazu": (1e-4, 1e-4, 1e-5),
@@ -37,9 +37,7 @@ class Recipe:
     r: float = 1.0
     """CowClip threshold ratio to the row's weight norm."""
     zeta: float = 1e-5
-    """CowClip lower bound of the threshold."""
-    threshold: Threshold = "code"
-    """Threshold form of zeta: the recipe table gives zeta in the reference code's form."""
+    """CowClip per-coordinate floor of the threshold (ecru.cowclip.clip: the reference code's form)."""
     warmup_epochs: float = 1.0
     """Linear warm-up of the dense learning rate over this many epochs (then constant)."""
     eps: float = 1e-7
@@ -50,6 +48,11 @@ class Recipe:
             raise ValueError(f"invalid recipe {self}: batch size and learning rates must be > 0, l2 >= 0")
         if self.warmup_epochs < 0:
             raise ValueError("warmup_epochs must be >= 0")
+
+    @property
+    def threshold(self) -> str:
+        """The form of `zeta`: always the reference code's (see ecru.cowclip.clip)."""
+        return "code"
 
     @property
     def weight_decay(self) -> float:
@@ -87,9 +90,10 @@ def scaled_recipe(name: str, batch_size: int, *, base_batch: int = 1024, dataset
     - adam-sqrt: dense LR x sqrt(s), L2 x s (the CowClip rules without the clip).
     - linear: both LRs x s, L2 x s.
     - cowclip: `cowclip_recipe`.
-    - ecru: embedding LR x s, dense LR x s^0.75, L2 x sqrt(s), dense warm-up over 1/s epochs, no clip.
+    - tempered: embedding LR x s, dense LR x s^0.75, L2 x sqrt(s), dense warm-up over 1/s epochs, no clip
+      (called "ecru" before; that name still selects it).
 
-    Why ecru's rule: Adam moves each coordinate by about its learning rate per step whatever the gradient's
+    Why the tempered rule: Adam moves each coordinate by about its learning rate per step whatever the gradient's
     size, so s times fewer steps need an s times larger embedding LR for frequent rows to travel as far
     (rare rows get about one update per occurrence at any batch size); the dense layers' gradient noise
     falls with the batch, and between the sqrt and linear rules s^0.75 was best measured. A rare id's
@@ -100,6 +104,7 @@ def scaled_recipe(name: str, batch_size: int, *, base_batch: int = 1024, dataset
     bench/ctr_recipe_search.py, bench/results/ctr_recipe_search.json): 32x within 0.0018 AUC of 1K on
     each. Measured on that synthetic setting at ~30 large-batch steps, not proven in general.
     """
+    name = _ALIASES.get(name, name)
     s = _scale(batch_size, base_batch, dataset)
     embed_lr, dense_lr, l2 = _BASE[dataset]
     if name == "cowclip":
@@ -112,8 +117,8 @@ def scaled_recipe(name: str, batch_size: int, *, base_batch: int = 1024, dataset
         )
     if name == "linear":
         return Recipe("linear", batch_size, embed_lr * s, dense_lr * s, l2 * s)
-    if name == "ecru":
+    if name == "tempered":
         return Recipe(
-            "ecru", batch_size, embed_lr * s, dense_lr * s**0.75, l2 * math.sqrt(s), warmup_epochs=1 / s
+            "tempered", batch_size, embed_lr * s, dense_lr * s**0.75, l2 * math.sqrt(s), warmup_epochs=1 / s
         )
     raise ValueError(f"unknown recipe {name!r}; choose from {RECIPES}")

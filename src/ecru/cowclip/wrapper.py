@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from ecru.cowclip.clip import Threshold, _row_counts, clip_scale, id_counts
+from ecru.cowclip.clip import Threshold, _row_counts, check_threshold, clip_scale, id_counts
 
 Mode = Literal["full", "sparse"]
 # log10(||g|| / threshold) histogram: the clip fires above 0
@@ -58,12 +58,13 @@ class CowClip:
         weight_decay: float = 0.0,
         r: float = 1.0,
         zeta: float = 1e-5,
-        threshold: Threshold = "paper",
         mode: Mode = "full",
         clip: bool = True,
+        threshold: Threshold = "code",
     ) -> None:
         """`weight_decay` is PyTorch's (Keras `l2(lambda)` is `weight_decay = 2 * lambda`); `clip=False` keeps
         only the L2 term (the unclipped baseline through the same code path)."""
+        check_threshold(threshold)  # zeta has one form (ecru.cowclip.clip)
         self.tables = list(tables)
         if not self.tables or any(t.dim() != 2 for t in self.tables):
             raise ValueError("CowClip needs one or more embedding tables of shape [V, d]")
@@ -71,7 +72,7 @@ class CowClip:
             raise ValueError(f"mode must be 'full' or 'sparse', got {mode!r}")
         if weight_decay < 0 or r <= 0 or zeta < 0:
             raise ValueError("weight_decay and zeta must be >= 0 and r > 0")
-        self.weight_decay, self.r, self.zeta, self.threshold = weight_decay, r, zeta, threshold
+        self.weight_decay, self.r, self.zeta = weight_decay, r, zeta
         self.mode, self.clip = mode, clip
         self._merged: tuple[Tensor, Tensor, Tensor] | None = None
         self.reset_stats()
@@ -140,9 +141,7 @@ class CowClip:
         )
 
     def _scale(self, grad_rows: Tensor, weight_rows: Tensor, counts: Tensor) -> Tensor:
-        scale, ratio = clip_scale(
-            grad_rows, weight_rows, counts, r=self.r, zeta=self.zeta, threshold=self.threshold
-        )
+        scale, ratio = clip_scale(grad_rows, weight_rows, counts, r=self.r, zeta=self.zeta)
         seen = ratio[counts > 0].float().cpu()
         self._rows += seen.numel()
         self._clipped += int((scale < 1).sum())

@@ -1,5 +1,6 @@
-"""CTR prediction: DeepFM / Wide&Deep / DCN / DCN-v2, Criteo and Avazu readers, a synthetic data set with
-a known optimum, and a training loop with CowClip and large-batch scaling rules.
+"""CTR prediction: DeepFM / Wide&Deep / DCN / DCN-v2 (with multi-hot fields), columnar Criteo and Avazu
+readers, a synthetic data set with a known optimum, a training loop with CowClip and large-batch scaling
+rules, and model folders (`save_model` / `load_model`) that score new files.
 
 The public names load lazily (PEP 562), so `ecru --help`, which imports `ecru.ctr.cli`, does not import torch.
 """
@@ -9,15 +10,11 @@ from __future__ import annotations
 from ecru.plugins import lazy_exports
 
 _EXPORTS = {
-    "ecru.ctr.data": (
-        "CTRData",
-        "Encoder",
-        "MalformedLineError",
-        "ReaderConfig",
-        "load_ctr_file",
-        "read_ctr_file",
-    ),
-    "ecru.ctr.metrics": ("auc", "logloss"),
+    "ecru.ctr.data": ("CTRData",),
+    "ecru.ctr.reader": ("MalformedLineError", "ReaderConfig", "load_ctr_file", "read_ctr_file"),
+    "ecru.ctr.tokens": ("Encoder",),
+    "ecru.ctr.metrics": ("auc", "group_auc", "logloss"),
+    "ecru.ctr.model_dir": ("CTRPredictor", "load_model", "save_model"),
     "ecru.ctr.models": (
         "MODELS",
         "DCN",
@@ -35,6 +32,6 @@ _EXPORTS = {
         "oracle_summary",
         "write_criteo_tsv",
     ),
-    "ecru.ctr.training": ("TrainConfig", "TrainResult", "evaluate", "train"),
+    "ecru.ctr.training": ("TrainConfig", "TrainResult", "evaluate", "predict_probs", "train"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

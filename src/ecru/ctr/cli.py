@@ -1,26 +1,75 @@
-"""`ecru ctr ...`: train CTR models with large-batch recipes, and write synthetic Criteo-format data.
+"""`ecru ctr ...`: train CTR models with large-batch recipes, score files with a trained model, and write
+synthetic Criteo-format data.
 
-ecru ctr train --model deepfm --data synthetic --batch-size 32768 --recipe cowclip --json out.json
-torchrun --nproc-per-node 2 -m ecru ctr train ...     # data parallel (gloo on CPU, nccl on GPU)
 ecru ctr synth --rows 100000 --out day_0.tsv
+ecru ctr train --data criteo:day_0.tsv --batch-size 8192 --recipe cowclip --out runs/ctr
+ecru ctr predict --model runs/ctr --data criteo:new.tsv --out scores.txt
+torchrun --nproc-per-node 2 -m ecru ctr train ...     # data parallel (gloo on CPU, nccl on GPU)
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+from ecru.cliargs import (
+    add_out_dir,
+    existing_file,
+    fraction,
+    int_list,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 MODELS = ("deepfm", "wdl", "dcn", "dcnv2")
-RECIPES = ("adam", "adam-sqrt", "linear", "cowclip", "ecru")
+RECIPES = (
+    "adam",
+    "adam-sqrt",
+    "linear",
+    "cowclip",
+    "tempered",
+)  # ecru.cowclip.RECIPES (no torch import here)
+
+
+def hash_buckets(text: str) -> int:
+    """0 (vocabularies) or >= 2 (one bucket is the empty/unknown id, so 1 would leave none for tokens)."""
+    value = non_negative_int(text)
+    if value == 1:
+        raise argparse.ArgumentTypeError("must be 0 (vocabularies) or >= 2, got 1")
+    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="ctr_command", metavar="COMMAND", required=True)
-    t = sub.add_parser("train", help="train a CTR model and report held-out AUC / logloss")
-    t.add_argument("--model", choices=MODELS, default="deepfm")
-    t.add_argument(
-        "--data", default="synthetic", help="synthetic | criteo:PATH | avazu:PATH (default synthetic)"
+    _configure_train(sub.add_parser("train", help="train a CTR model; --out DIR saves it for `predict`"))
+    p = sub.add_parser("predict", help="score a Criteo/Avazu file with a trained model folder")
+    p.add_argument("--model", required=True, metavar="DIR", help="folder written by `ecru ctr train --out`")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="criteo:FILE or avazu:FILE (or FILE: the model's format); label optional",
     )
-    t.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--out", required=True, metavar="FILE", help="one click probability per input row")
+    p.add_argument("--batch-size", type=positive_int, default=65536, help="rows scored at once")
+    p.add_argument(
+        "--skip-malformed", action="store_true", help="write nan for malformed lines instead of stopping"
+    )
+    p.set_defaults(func=_predict)
+    s = sub.add_parser("synth", help="write synthetic Criteo-shaped rows as Criteo TSV (with the oracle)")
+    s.add_argument("--rows", type=positive_int, default=100_000, help="rows to write")
+    s.add_argument("--scale", type=positive_float, default=1e-2, help="cardinalities x this")
+    s.add_argument("--seed", type=non_negative_int, default=0, help="seed of the teacher and the rows")
+    s.add_argument(
+        "--out", required=True, metavar="FILE", help="TSV file to write (folder created if missing)"
+    )
+    s.set_defaults(func=_synth)
+
+
+def _configure_train(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--model", choices=MODELS, default="deepfm", help="CTR architecture")
+    t.add_argument("--data", default="synthetic", help="synthetic | criteo:FILE | avazu:FILE")
+    t.add_argument("--batch-size", type=positive_int, default=1024, help="global batch size")
     t.add_argument(
         "--recipe", choices=RECIPES, default="cowclip", help="scaling rule relative to --base-batch"
     )
@@ -30,34 +79,67 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="full",
         help="full: faithful full-table L2 + Adam; sparse: row-sparse updates (faster)",
     )
-    t.add_argument("--epochs", type=int, default=1)
-    t.add_argument("--base-batch", type=int, default=1024)
-    t.add_argument("--mlp", default="400,400,400", help="hidden widths, comma-separated")
-    t.add_argument("--split", choices=("random", "chrono"), default="random")
-    t.add_argument("--test-fraction", type=float, default=0.1)
-    t.add_argument("--rows", type=int, default=200_000, help="synthetic: number of rows")
-    t.add_argument("--scale", type=float, default=1e-2, help="synthetic: cardinalities x this")
-    t.add_argument("--hash-buckets", type=int, default=0, help="files: hash ids per field (0: vocabularies)")
-    t.add_argument("--min-count", type=int, default=10, help="files: vocabulary frequency threshold")
+    t.add_argument("--epochs", type=positive_int, default=1, help="passes over the training split")
+    t.add_argument(
+        "--base-batch", type=positive_int, default=1024, help="batch the recipe's base settings are for"
+    )
+    t.add_argument("--mlp", type=int_list, default=(400, 400, 400), help="hidden widths, comma-separated")
+    t.add_argument(
+        "--split", choices=("random", "chrono"), default="random", help="how the test rows are chosen"
+    )
+    t.add_argument("--test-fraction", type=fraction, default=0.1, help="held-out share of the rows")
+    t.add_argument("--rows", type=positive_int, default=200_000, help="synthetic: number of rows")
+    t.add_argument("--scale", type=positive_float, default=1e-2, help="synthetic: cardinalities x this")
+    t.add_argument(
+        "--hash-buckets", type=hash_buckets, default=0, help="files: hash ids per field (0: vocabularies)"
+    )
+    t.add_argument("--min-count", type=positive_int, default=10, help="files: vocabulary frequency threshold")
     t.add_argument("--skip-malformed", action="store_true", help="files: skip and count malformed lines")
-    t.add_argument("--checkpoint", default=None, help="checkpoint file written after every epoch")
-    t.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    t.add_argument(
+        "--group-field",
+        type=non_negative_int,
+        default=None,
+        help="also report group AUC grouped by this field",
+    )
+    t.add_argument("--seed", type=non_negative_int, default=0, help="seed of the init, split and shuffles")
+    t.add_argument(
+        "--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
+    )
     t.add_argument("--device", default="cpu", help="cpu or cuda")
-    t.add_argument("--json", default=None, help="write the result as JSON here")
+    add_out_dir(t)
+    t.add_argument("--json", default=None, metavar="FILE", help="also write the metrics JSON here")
     t.set_defaults(func=_train)
-    s = sub.add_parser("synth", help="write synthetic Criteo-shaped rows as Criteo TSV (with the oracle)")
-    s.add_argument("--rows", type=int, default=100_000)
-    s.add_argument("--scale", type=float, default=1e-2)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", required=True, help="TSV file to write")
-    s.set_defaults(func=_synth)
+
+
+def _data_id(spec: str, args: argparse.Namespace) -> str:
+    """What the training rows depend on: the file's content hash (or the synthetic config) and the split."""
+    from ecru.ctr.model_dir import file_digest
+
+    source = spec if spec == "synthetic" else file_digest(spec.partition(":")[2])
+    how = (args.split, args.test_fraction, args.seed, args.hash_buckets, args.min_count, args.skip_malformed)
+    synthetic = (args.rows, args.scale) if spec == "synthetic" else ()
+    import hashlib
+
+    return hashlib.blake2b(repr((source, how, synthetic)).encode(), digest_size=8).hexdigest()
+
+
+def _data_spec(spec: str) -> tuple[str, str]:
+    from ecru.errors import EcruError
+
+    fmt, _, path = spec.partition(":")
+    if fmt not in ("criteo", "avazu") or not path:
+        raise EcruError(f"--data must be synthetic, criteo:FILE or avazu:FILE, got {spec!r}")
+    try:
+        existing_file(path)
+    except argparse.ArgumentTypeError as exc:
+        raise EcruError(f"--data {exc}") from None
+    return fmt, path
 
 
 def load_data(spec: str, args: argparse.Namespace):
-    """(train, test, info) for --data synthetic | criteo:PATH | avazu:PATH."""
-    from ecru.ctr.data import ReaderConfig, load_ctr_file, restrict_vocabulary_to_train
+    """(train, test, info) for --data synthetic | criteo:FILE | avazu:FILE."""
+    from ecru.ctr.data import restrict_vocabulary_to_train
+    from ecru.ctr.reader import ReaderConfig, load_ctr_file
     from ecru.ctr.synthetic import SyntheticConfig, generate, oracle_summary, realised_oracle
     from ecru.errors import EcruError
 
@@ -65,14 +147,18 @@ def load_data(spec: str, args: argparse.Namespace):
         data = generate(SyntheticConfig(n_rows=args.rows, scale=args.scale, seed=args.seed))
         info = oracle_summary(data)
     else:
-        fmt, _, path = spec.partition(":")
-        if fmt not in ("criteo", "avazu") or not path:
-            raise EcruError(f"--data must be synthetic, criteo:PATH or avazu:PATH, got {spec!r}")
+        fmt, path = _data_spec(spec)
         cfg = ReaderConfig(
             hash_buckets=args.hash_buckets, min_count=args.min_count, skip_malformed=args.skip_malformed
         )
         data, skipped = load_ctr_file(path, fmt, cfg=cfg)
+        if skipped:
+            print(f"skipped {skipped:,} malformed line(s) of {path}", file=sys.stderr)
+        if data.labels.isnan().any():
+            raise EcruError(f"{path} has no label column; training needs labelled rows")
         info = {"rows": len(data), "skipped_lines": skipped, "ids": sum(data.cardinalities)}
+    if len(data) < 2:
+        raise EcruError(f"{spec}: {len(data)} row(s) read; training needs more")
     split = (
         data.split_random(args.test_fraction, seed=args.seed)
         if args.split == "random"
@@ -111,21 +197,28 @@ def _close_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _train(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
+def _prepare_outputs(args: argparse.Namespace):
+    """The --out folder and --json file, created and checked writable before any work."""
+    from ecru.cliargs import prepare_out_dir, prepare_out_file
+    from ecru.errors import EcruError
 
+    if args.resume and not args.out:
+        raise EcruError("--resume continues from the checkpoint in --out DIR; give --out")
+    out = prepare_out_dir(args.out) if args.out else None
+    json_file = prepare_out_file(args.json, flag="--json") if args.json else None
+    return out, json_file
+
+
+def _train(args: argparse.Namespace) -> int:
     import torch
 
     from ecru.ctr.training import TrainConfig, train
-    from ecru.errors import EcruError
 
+    out, json_file = _prepare_outputs(args)
+    if args.data != "synthetic":
+        _data_spec(args.data)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        mlp = tuple(int(w) for w in args.mlp.split(",") if w)
-    except ValueError:
-        raise EcruError(f"--mlp must be comma-separated ints, got {args.mlp!r}") from None
     rank, device = _init_distributed(args.device)
     train_data, test_data, info = load_data(args.data, args)
     dataset = "avazu" if args.data.startswith("avazu:") else "criteo"
@@ -137,40 +230,119 @@ def _train(args: argparse.Namespace) -> int:
         mode=args.mode,
         base_batch=args.base_batch,
         dataset=dataset,
-        mlp=mlp,
+        mlp=tuple(args.mlp),
         seed=args.seed,
-        checkpoint=args.checkpoint,
+        checkpoint=str(out / "checkpoint.pt") if out else None,
         resume=args.resume,
         device=device,
+        data_id=_data_id(args.data, args),
     )
     res = train(cfg, train_data, test_data)
     _close_distributed()
     if rank:
         return 0
-    out = {
+    metrics = _metrics(args, cfg, res, info, test_data)
+    _report(args, res, info, metrics)
+    if out:
+        _save_folder(out, args, cfg, res, train_data, metrics)
+    if json_file:
+        from ecru.cliargs import atomic_write_json
+
+        atomic_write_json(json_file, metrics)
+    return 0
+
+
+def _metrics(args, cfg, res, info: dict, test_data) -> dict:
+    import torch
+
+    from ecru.ctr.metrics import group_auc
+    from ecru.ctr.training import predict_probs
+
+    metrics = {
         "data": args.data,
-        **info,
+        **{k: v for k, v in info.items()},
         **{k: v for k, v in res.as_dict().items() if k != "losses"},
         "threads": torch.get_num_threads(),
         "config": {k: getattr(cfg, k) for k in ("model", "batch_size", "recipe", "mode")},
     }
+    if args.group_field is not None:
+        from ecru.errors import EcruError
+
+        if args.group_field >= test_data.cats.shape[1]:
+            raise EcruError(
+                f"--group-field {args.group_field}: the data has {test_data.cats.shape[1]} fields"
+            )
+        probs = predict_probs(res.model, test_data)
+        metrics["group_auc"] = group_auc(test_data.labels, probs, test_data.cats[:, args.group_field])
+        metrics["group_field"] = args.group_field
+    return metrics
+
+
+def _report(args, res, info: dict, metrics: dict) -> None:
     print(
         f"{args.model} b={args.batch_size} recipe={args.recipe} mode={args.mode}: test AUC {res.auc:.5f} "
         f"logloss {res.logloss:.5f} ({res.steps} steps, {res.samples_per_s:,.0f} samples/s, "
         f"clipped {res.clip.clipped_fraction:.2%} of rows, ||g||/threshold max {res.clip.ratio_quantiles['max']:.3g})"
     )
+    if "group_auc" in metrics:
+        print(f"group AUC (by field {metrics['group_field']}) {metrics['group_auc']:.5f}")
     if "oracle_auc" in info:
         print(f"oracle (teacher FM) AUC {info['oracle_auc']:.5f} logloss {info['oracle_logloss']:.5f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2, default=str))
+
+
+def _save_folder(out, args, cfg, res, train_data, metrics: dict) -> None:
+    from dataclasses import asdict
+
+    from ecru.cliargs import atomic_write_json
+    from ecru.ctr.model_dir import save_model
+
+    encoder = train_data.info.get("encoder")
+    extra = {"train_config": asdict(cfg), "recipe": asdict(res.recipe), "data": args.data}
+    save_model(
+        out,
+        res.model,
+        encoder,
+        name=args.model,
+        data_format="avazu" if args.data.startswith("avazu:") else "criteo",
+        extra=extra,
+    )
+    atomic_write_json(out / "metrics.json", metrics)
+    note = "" if encoder else " (synthetic ids: `predict` needs a model trained on a file)"
+    print(f"model saved to {out}/ (model.safetensors, config.json, metrics.json){note}")
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from ecru.cliargs import atomic_write_text, prepare_out_file
+    from ecru.ctr.metrics import auc, logloss
+    from ecru.ctr.model_dir import load_model
+    from ecru.errors import EcruError
+
+    out = prepare_out_file(args.out)
+    predictor = load_model(args.model)
+    fmt, path = _data_spec(args.data) if ":" in args.data else (predictor.data_format, args.data)
+    if ":" not in args.data:
+        _data_spec(f"{fmt}:{path}")
+    if fmt != predictor.data_format:
+        raise EcruError(f"the model in {args.model} reads {predictor.data_format} files, not {fmt}")
+    probs, labels = predictor.predict_file(
+        path, batch_size=args.batch_size, skip_malformed=args.skip_malformed
+    )
+    atomic_write_text(out, "".join(f"{p:.7g}\n" for p in probs.tolist()))
+    line = f"wrote {len(probs):,} click probabilities to {out}"
+    known = ~(labels.isnan() | probs.isnan())
+    if known.any() and (labels[known] == 1).any() and (labels[known] == 0).any():
+        line += f"; the file has labels: AUC {auc(labels[known], probs[known]):.5f} logloss {logloss(labels[known], probs[known]):.5f}"
+    print(line)
     return 0
 
 
 def _synth(args: argparse.Namespace) -> int:
+    from ecru.cliargs import prepare_out_file
     from ecru.ctr.synthetic import SyntheticConfig, generate, oracle_summary, write_criteo_tsv
 
+    out = prepare_out_file(args.out)
     data = generate(SyntheticConfig(n_rows=args.rows, scale=args.scale, seed=args.seed))
-    path = write_criteo_tsv(data, args.out)
+    path = write_criteo_tsv(data, out)
     summary = oracle_summary(data)
     print(
         f"wrote {len(data)} rows to {path}; oracle AUC {summary['oracle_auc']:.5f} logloss {summary['oracle_logloss']:.5f}"

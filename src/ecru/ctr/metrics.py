@@ -1,4 +1,4 @@
-"""AUC and logloss of predicted click probabilities."""
+"""AUC, group AUC and logloss of predicted click probabilities."""
 
 from __future__ import annotations
 
@@ -32,3 +32,21 @@ def logloss(labels: Tensor, probs: Tensor, *, eps: float = 1e-7) -> float:
     p = probs.double().clamp(eps, 1 - eps)
     y = labels.double()
     return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+
+
+def group_auc(labels: Tensor, scores: Tensor, groups: Tensor) -> float:
+    """Group AUC (GAUC, as in DIN, Zhou et al. 2018): the AUC within each group (e.g. a user), averaged with
+    weights = the group's number of rows, over the groups that have both a click and a non-click."""
+    labels, scores, groups = labels.flatten(), scores.flatten(), groups.flatten()
+    order = torch.argsort(groups, stable=True)
+    _, counts = torch.unique_consecutive(groups[order], return_counts=True)
+    total, weight = 0.0, 0
+    for idx in torch.split(order, counts.tolist()):
+        y = labels[idx]
+        positives = int((y > 0).sum())
+        if 0 < positives < len(idx):
+            total += len(idx) * auc(y, scores[idx])
+            weight += len(idx)
+    if not weight:
+        raise ValueError("group AUC needs a group with both positive and negative labels")
+    return total / weight

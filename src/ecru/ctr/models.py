@@ -5,6 +5,11 @@ Every model has the same two embedding tables, so the optimizer and CowClip trea
   at global row offsets[f] + i (ids of different fields never collide, so a batch's ids `[B, F]` are the
   multi-hot id tensor CowClip counts samples with);
 - `linear`: the first-order (dim-1, zero-initialised) table, never clipped.
+
+Multi-hot (sequence) fields: the last `sequence_fields` fields of the config take `sequence_length` id
+columns each (-1 = padding) and are pooled, mean of the ids present, by `F.embedding_bag` over the same
+tables (an extra padding row at the end, excluded from the mean and from the gradient); each pooled vector is
+one more field for the interaction part. CowClip counts a sequence's ids once per sample.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 MODELS = ("deepfm", "wdl", "dcn", "dcnv2")
@@ -37,6 +43,10 @@ class CTRConfig:
     """Standard deviation of the N(0, std^2) embedding initialisation."""
     sparse: bool = False
     """Sparse embedding gradients (for the row-sparse update mode)."""
+    sequence_fields: int = 0
+    """How many of the last fields are multi-hot (sequence) fields."""
+    sequence_length: int = 0
+    """Id columns per sequence field (padded with -1)."""
     base_rate: float | None = None
     """The training click rate: if set, the model starts by predicting it for every sample (output layer and
     dense linear term zero-initialised, output bias = its logit), so the first loss is the label entropy
@@ -49,8 +59,20 @@ class CTRConfig:
             )
         if self.base_rate is not None and not 0 < self.base_rate < 1:
             raise ValueError(f"base_rate must lie in (0, 1), got {self.base_rate}")
+        if not 0 <= self.sequence_fields <= len(self.cardinalities) or (
+            (self.sequence_fields > 0) != (self.sequence_length > 0)
+        ):
+            raise ValueError(
+                f"sequence_fields ({self.sequence_fields}) must be in [0, {len(self.cardinalities)}] and "
+                f"sequence_length ({self.sequence_length}) > 0 exactly when there are sequence fields"
+            )
         if self.n_dense < 0 or self.embed_dim < 1 or self.cross_layers < 0 or any(w < 1 for w in self.mlp):
             raise ValueError(f"invalid model sizes in {self}")
+
+    @property
+    def n_columns(self) -> int:
+        """Id columns of a batch: one per single-hot field, `sequence_length` per sequence field."""
+        return len(self.cardinalities) + self.sequence_fields * (self.sequence_length - 1)
 
 
 class FeatureTables(nn.Module):
@@ -59,24 +81,46 @@ class FeatureTables(nn.Module):
     def __init__(self, cfg: CTRConfig) -> None:
         super().__init__()
         total = sum(cfg.cardinalities)
-        offsets = torch.tensor([0, *cfg.cardinalities[:-1]]).cumsum(0)
+        fields = torch.tensor([0, *cfg.cardinalities[:-1]]).cumsum(0)
+        self.single = len(cfg.cardinalities) - cfg.sequence_fields
+        self.bags, self.bag_length = cfg.sequence_fields, cfg.sequence_length
+        offsets = torch.cat([fields[: self.single], fields[self.single :].repeat_interleave(self.bag_length)])
         self.register_buffer("offsets", offsets, persistent=False)
-        self.embedding = nn.Embedding(total, cfg.embed_dim, sparse=cfg.sparse)
-        self.linear = nn.Embedding(total, 1, sparse=cfg.sparse)
+        self.pad = total  # the padding row of sequence fields (only present when there are any)
+        rows = total + (1 if self.bags else 0)
+        self.embedding = nn.Embedding(rows, cfg.embed_dim, sparse=cfg.sparse)
+        self.linear = nn.Embedding(rows, 1, sparse=cfg.sparse)
         self.dense_linear = nn.Linear(cfg.n_dense, 1) if cfg.n_dense else None
         nn.init.normal_(self.embedding.weight, std=cfg.init_std)
         nn.init.zeros_(self.linear.weight)
+        if self.bags:
+            with torch.no_grad():
+                self.embedding.weight[self.pad].zero_()
 
     def global_ids(self, cats: Tensor) -> Tensor:
-        """Per-field local ids [B, F] -> rows of the shared tables [B, F]."""
-        return cats + self.offsets
+        """Per-column local ids [B, C] -> rows of the shared tables [B, C] (padding stays -1)."""
+        ids = cats + self.offsets
+        return torch.where(cats >= 0, ids, -1) if self.bags else ids
+
+    def _pooled(self, table: nn.Embedding, bags: Tensor) -> Tensor:
+        """Mean of the present ids of each bag [N, L] -> [N, dim] (an empty bag gives zeros)."""
+        ids = torch.where(bags >= 0, bags, self.pad)
+        return F.embedding_bag(ids, table.weight, mode="mean", padding_idx=self.pad, sparse=table.sparse)
+
+    def _lookup(self, table: nn.Embedding, ids: Tensor) -> Tensor:
+        """[B, fields, dim]: single-hot rows, then each sequence field's pooled row."""
+        out = table(ids[:, : self.single])
+        if self.bags:
+            bags = ids[:, self.single :].reshape(-1, self.bag_length)
+            out = torch.cat([out, self._pooled(table, bags).view(ids.shape[0], self.bags, -1)], 1)
+        return out
 
     def forward(self, dense: Tensor, cats: Tensor) -> tuple[Tensor, Tensor]:
         ids = self.global_ids(cats)
-        first = self.linear(ids).sum((1, 2))
+        first = self._lookup(self.linear, ids).sum((1, 2))
         if self.dense_linear is not None:
             first = first + self.dense_linear(dense).squeeze(-1)
-        return self.embedding(ids), first
+        return self._lookup(self.embedding, ids), first
 
 
 def mlp(widths: Sequence[int], n_in: int) -> nn.Sequential:

@@ -12,6 +12,8 @@ Bayes-optimal, so the oracle AUC and logloss bound every model. The rows can be 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,14 +148,23 @@ def realised_oracle(data: CTRData) -> tuple[float, float]:
 
 
 def write_criteo_tsv(data: CTRData, path: str | Path) -> Path:
-    """Write the rows as Criteo TSV: label, 13 counts (empty where missing), 26 8-hex-digit hashes."""
+    """Write the rows as Criteo TSV: label, 13 counts (empty where missing), 26 8-hex-digit hashes (through a
+    temporary file renamed into place: never a half-written file)."""
     path = Path(path)
     counts, cats = data.info["counts"].long().tolist(), data.cats.long().tolist()
-    with open(path, "w") as f:
-        for y, row_counts, row_cats in zip(data.labels.long().tolist(), counts, cats, strict=True):
-            ints = ["" if c < 0 else str(c) for c in row_counts]
-            hexes = [f"{(i * 2654435761 + fld * 40503 + 1) % 2**32:08x}" for fld, i in enumerate(row_cats)]
-            f.write("\t".join([str(y), *ints, *hexes]) + "\n")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            for y, row_counts, row_cats in zip(data.labels.long().tolist(), counts, cats, strict=True):
+                ints = ["" if c < 0 else str(c) for c in row_counts]
+                hexes = [
+                    f"{(i * 2654435761 + fld * 40503 + 1) % 2**32:08x}" for fld, i in enumerate(row_cats)
+                ]
+                f.write("\t".join([str(y), *ints, *hexes]) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

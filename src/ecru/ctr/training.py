@@ -13,7 +13,7 @@ trajectory as one process on the same global batch.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -53,6 +53,11 @@ class TrainConfig:
     """Hidden widths of the deep part."""
     embed_dim: int = 10
     """Embedding dimension."""
+    init_std: float = 0.01
+    """Std of the N(0, std^2) embedding initialisation (the CowClip paper discusses 1e-2 and 1e-4)."""
+    summed_loss: bool = False
+    """Optimise the batch's summed BCE (and L2 x batch size, the same objective up to a constant) instead of
+    its mean: Adam is unchanged up to eps, but CowClip's threshold, which does not scale with the loss, fires."""
     seed: int = 0
     """Seed of the model initialisation and of the per-epoch shuffles."""
     eval_batch: int = 65536
@@ -61,6 +66,9 @@ class TrainConfig:
     """File written at the end of every epoch (rank 0); None: no checkpoints."""
     resume: bool = False
     """Continue from `checkpoint` if it exists."""
+    data_id: str = ""
+    """Content hash of the training data (file digest and how it was read and split): saved in the
+    checkpoint, and a resume on other data is refused."""
     progress: bool = True
     """Show a tqdm progress bar (rank 0)."""
     device: str = "cpu"
@@ -73,6 +81,8 @@ class TrainConfig:
             raise EcruError("batch sizes and epochs must be >= 1")
         if self.mode not in ("full", "sparse"):
             raise EcruError(f"mode must be 'full' or 'sparse', got {self.mode!r}")
+        if self.init_std <= 0:
+            raise EcruError(f"init_std must be > 0, got {self.init_std}")
         if self.resume and not self.checkpoint:
             raise EcruError("--resume needs --checkpoint PATH")
 
@@ -91,9 +101,12 @@ class TrainResult:
     recipe: Recipe
     history: list[dict] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    model: CTRModel | None = field(default=None, repr=False, compare=False)
+    """The trained model (left out of `as_dict`)."""
 
     def as_dict(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        d["clip"], d["recipe"] = asdict(self.clip), asdict(self.recipe)
         d["clipped_fraction"] = self.clip.clipped_fraction
         return d
 
@@ -114,14 +127,29 @@ def _world() -> tuple[int, int]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: CTRData, *, batch_size: int = 65536) -> tuple[float, float]:
-    """Held-out AUC and logloss."""
+def predict_probs(model: nn.Module, data: CTRData, *, batch_size: int = 65536) -> torch.Tensor:
+    """Click probabilities [N] of the rows, in order (the model is left in training mode)."""
     model.eval()
     device = next(model.parameters()).device
     probs = torch.cat(
         [torch.sigmoid(model(d.to(device), c.to(device))).cpu() for d, c, _ in data.batches(batch_size)]
     )
     model.train()
+    return probs
+
+
+def _check_both_classes(data: CTRData) -> None:
+    if not (data.labels == 1).any() or not (data.labels == 0).any():
+        raise EcruError(
+            f"the {len(data)} held-out rows are all one class, so AUC is undefined; "
+            "raise --test-fraction or use more data"
+        )
+
+
+def evaluate(model: nn.Module, data: CTRData, *, batch_size: int = 65536) -> tuple[float, float]:
+    """Held-out AUC and logloss."""
+    _check_both_classes(data)
+    probs = predict_probs(model, data, batch_size=batch_size)
     return auc(data.labels, probs), logloss(data.labels, probs)
 
 
@@ -136,15 +164,21 @@ def make_model(cfg: TrainConfig, data: CTRData) -> CTRModel:
         data.cardinalities,
         n_dense=data.dense.shape[1],
         embed_dim=cfg.embed_dim,
+        init_std=cfg.init_std,
         mlp=cfg.mlp,
         sparse=cfg.mode == "sparse",
+        sequence_fields=data.sequence_fields,
+        sequence_length=data.sequence_length,
         base_rate=_base_rate(data),
     )
     torch.manual_seed(cfg.seed)
     return build_model(cfg.model, ctr)
 
 
-def make_optimizers(model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_epoch: int):
+def make_optimizers(
+    model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_epoch: int, loss_scale: float = 1.0
+):
+    """The two Adams, the dense warm-up and CowClip; `loss_scale` multiplies the L2 term with the loss."""
     tables = model.embedding_tables()
     embed_cls = RowSparseAdam if mode == "sparse" else torch.optim.Adam
     embed_opt = embed_cls(tables, lr=recipe.embed_lr, eps=recipe.eps)
@@ -153,10 +187,9 @@ def make_optimizers(model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_ep
     sched = torch.optim.lr_scheduler.LambdaLR(dense_opt, lambda step: min(1.0, (step + 1) / warmup))
     clipper = CowClip(
         tables,
-        weight_decay=recipe.weight_decay,
+        weight_decay=recipe.weight_decay * loss_scale,
         r=recipe.r,
         zeta=recipe.zeta,
-        threshold=recipe.threshold,
         mode=mode,
         clip=recipe.clip,
     )
@@ -164,16 +197,23 @@ def make_optimizers(model: CTRModel, recipe: Recipe, *, mode: Mode, steps_per_ep
 
 
 def _step(
-    net: nn.Module, model: CTRModel, batch: list, mine: slice, opts: tuple, clipper: CowClip
+    net: nn.Module,
+    model: CTRModel,
+    batch: list,
+    mine: slice,
+    opts: tuple,
+    clipper: CowClip,
+    loss_scale: float = 1.0,
 ) -> torch.Tensor:
-    """One optimizer step on this rank's shard `mine` of the global batch; returns the shard's mean loss."""
+    """One optimizer step on this rank's shard `mine` of the global batch (the mean loss x `loss_scale`
+    differentiated); returns the shard's mean loss."""
     dense, cats, labels = batch
     embed_opt, dense_opt, sched = opts
     if isinstance(embed_opt, RowSparseAdam):  # absent rows' missed Adam steps, before the forward reads them
         embed_opt.catch_up(model.tables.global_ids(cats))
     loss = F.binary_cross_entropy_with_logits(net(dense[mine], cats[mine]), labels[mine])
     embed_opt.zero_grad(set_to_none=True), dense_opt.zero_grad(set_to_none=True)
-    loss.backward()  # under DDP the gradients are now the global batch's mean
+    (loss * loss_scale if loss_scale != 1.0 else loss).backward()  # DDP: the global batch's mean, x scale
     clipper.clip_(model.tables.global_ids(cats))  # counts over the whole global batch, as one process would
     embed_opt.step(), dense_opt.step(), sched.step()
     return loss
@@ -189,12 +229,14 @@ def train(
     recipe = recipe or scaled_recipe(
         cfg.recipe, cfg.batch_size, base_batch=cfg.base_batch, dataset=cfg.dataset
     )
+    _check_both_classes(test_data)  # before any work, not after an epoch
     steps_per_epoch = len(train_data) // cfg.batch_size
     if steps_per_epoch < 1:
         raise EcruError(f"batch size {cfg.batch_size} exceeds the {len(train_data)} training rows")
     model = make_model(cfg, train_data).to(cfg.device)
+    loss_scale = float(cfg.batch_size) if cfg.summed_loss else 1.0  # the global batch's sum, not mean
     embed_opt, dense_opt, sched, clipper = make_optimizers(
-        model, recipe, mode=cfg.mode, steps_per_epoch=steps_per_epoch
+        model, recipe, mode=cfg.mode, steps_per_epoch=steps_per_epoch, loss_scale=loss_scale
     )
     net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     start_epoch, history = _resume(cfg, model, embed_opt, dense_opt, sched)
@@ -219,6 +261,7 @@ def train(
                 slice(rank * shard, (rank + 1) * shard),
                 (embed_opt, dense_opt, sched),
                 clipper,
+                loss_scale,
             )
             steps += 1
             if len(losses) < 1000:
@@ -249,6 +292,7 @@ def train(
         recipe,
         history,
         losses,
+        model,
     )
 
 
@@ -265,6 +309,7 @@ def _save(cfg: TrainConfig, rank: int, model, embed_opt, dense_opt, sched, epoch
         "epoch": epoch,
         "history": history,
         "config": asdict(cfg),
+        "data_id": cfg.data_id,
     }
     torch.save(state, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)  # never leave a half-written checkpoint
@@ -274,17 +319,48 @@ def _plain(value):
     return list(value) if isinstance(value, tuple | list) else value
 
 
+def _load_checkpoint(cfg: TrainConfig) -> dict:
+    try:
+        state = torch.load(cfg.checkpoint, weights_only=True, map_location=cfg.device)
+        state["config"], state["model"]  # noqa: B018 - a file without these is not a checkpoint
+    except Exception as exc:  # torch raises many types on a damaged file (pickle, zip, runtime errors)
+        raise EcruError(
+            f"checkpoint {cfg.checkpoint} is unreadable ({type(exc).__name__}); delete it to start over"
+        ) from None
+    return state
+
+
 def _resume(cfg: TrainConfig, model, embed_opt, dense_opt, sched) -> tuple[int, list]:
     if not (cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).is_file()):
         return 0, []
-    state = torch.load(cfg.checkpoint, weights_only=True, map_location=cfg.device)
+    state = _load_checkpoint(cfg)
+    if state.get("data_id", "") != cfg.data_id:
+        raise EcruError(
+            f"checkpoint {cfg.checkpoint} was made on other data (content hash {state.get('data_id') or '?'}, "
+            f"this run's {cfg.data_id or '?'}: another file or another split); give the same --data and "
+            "split flags, or a new --out"
+        )
     saved = state["config"]
-    for key in ("model", "batch_size", "recipe", "mode", "mlp", "embed_dim", "seed"):
-        if _plain(saved[key]) != _plain(getattr(cfg, key)):
+    for key in (
+        "model",
+        "batch_size",
+        "recipe",
+        "mode",
+        "mlp",
+        "embed_dim",
+        "seed",
+        "init_std",
+        "summed_loss",
+    ):
+        was = saved.get(key, getattr(TrainConfig(), key))  # a key added later: its default
+        if _plain(was) != _plain(getattr(cfg, key)):
             raise EcruError(
-                f"checkpoint {cfg.checkpoint} was made with {key}={saved[key]!r}, not {getattr(cfg, key)!r}"
+                f"checkpoint {cfg.checkpoint} was made with {key}={was!r}, not {getattr(cfg, key)!r}"
             )
-    model.load_state_dict(state["model"])
-    embed_opt.load_state_dict(state["embed_opt"]), dense_opt.load_state_dict(state["dense_opt"])
-    sched.load_state_dict(state["sched"])
+    try:
+        model.load_state_dict(state["model"])
+        embed_opt.load_state_dict(state["embed_opt"]), dense_opt.load_state_dict(state["dense_opt"])
+        sched.load_state_dict(state["sched"])
+    except (KeyError, RuntimeError, ValueError) as exc:
+        raise EcruError(f"checkpoint {cfg.checkpoint} does not fit this model ({exc})"[:300]) from None
     return state["epoch"] + 1, state["history"]

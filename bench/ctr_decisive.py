@@ -1,0 +1,248 @@
+"""The decisive CowClip experiment: which part of CowClip carries large-batch CTR training, and is the large
+batch lossless? Faithful full-table mode everywhere (every row gets its L2 decay through Adam every step).
+
+On synthetic Criteo-shaped data with a known optimum, DeepFM trains at the base batch with the CowClip
+settings (the reference), and at s x the base batch with, one knob at a time:
+
+    cowclip          the paper's rules: embedding LR fixed, dense LR x sqrt(s), L2 x s, the per-id clip
+    no-clip          the same rules without the clip
+    init-1e-4        the rules with embeddings initialised at std 1e-4 instead of 1e-2
+    l2-unscaled      the rules with L2 left at the base value instead of x s
+    embed-lr-sqrt    the rules with the embedding LR x sqrt(s) instead of fixed
+    summed-loss      the rules on the batch's summed loss (L2 x batch: the same objective), where the clip,
+                     whose threshold does not scale with the loss, fires
+
+each over the same seeds (data, teacher, init, batch order). The verdict: each variant's mean gap to the
+reference (and its spread over seeds), the large-batch step count, and the fraction of rows clipped.
+
+    python bench/ctr_decisive.py --quick --json bench/results/ctr_decisive_quick.json    # ~5-8 min, 2 CPU cores
+    python bench/ctr_decisive.py --json bench/results/ctr_decisive.json                  # the real thing: >= 3,000
+        # steps at 32K (98M samples per run, the 1K reference ~96K steps), 3 seeds, 7 variants: many CPU-days;
+        # meant for a GPU (--device cuda)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ecru.cowclip import Recipe, cowclip_recipe
+from ecru.ctr import SyntheticConfig, TrainConfig, generate, train
+from ecru.ctr.synthetic import realised_oracle
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One size of the experiment."""
+
+    rows: int
+    """Synthetic rows (train + test)."""
+    test_fraction: float
+    """Held-out share (random split)."""
+    scale: float
+    """Cardinalities are Criteo's x this (a reduced table keeps the faithful full-table update affordable)."""
+    mlp: tuple[int, ...]
+    """DeepFM's hidden widths."""
+    epochs: int
+    """Epochs of every run (the reference sees the same samples)."""
+    base: int
+    """The base batch (the reference)."""
+    large: int
+    """The large batch."""
+    seeds: tuple[int, ...]
+    """Seeds of data, teacher, init and batch order."""
+
+
+QUICK = Setting(
+    rows=150_000, test_fraction=0.1, scale=1e-3, mlp=(64, 64), epochs=2, base=128, large=4096, seeds=(0, 1, 2)
+)
+# 32K x 3,000 steps = 98M samples: 11M training rows x 9 epochs = 3,021 steps at 32K
+FULL = Setting(
+    rows=12_000_000,
+    test_fraction=1 / 12,
+    scale=2e-2,
+    mlp=(400, 400, 400),
+    epochs=9,
+    base=1024,
+    large=32768,
+    seeds=(0, 1, 2),
+)
+
+
+def variants(setting: Setting) -> dict[str, tuple[int, Recipe, dict]]:
+    """name -> (batch, recipe, TrainConfig overrides)."""
+    base, large = setting.base, setting.large
+    s = large / base
+    ref, rules = cowclip_recipe(base, base_batch=base), cowclip_recipe(large, base_batch=base)
+    return {
+        "reference": (base, ref, {}),
+        "cowclip": (large, rules, {}),
+        "no-clip": (large, replace(rules, clip=False), {}),
+        "init-1e-4": (large, rules, {"init_std": 1e-4}),
+        "l2-unscaled": (large, replace(rules, l2=ref.l2), {}),
+        "embed-lr-sqrt": (large, replace(rules, embed_lr=rules.embed_lr * math.sqrt(s)), {}),
+        "summed-loss": (large, rules, {"summed_loss": True}),
+    }
+
+
+def run(setting: Setting, name: str, spec, data, seed: int, device: str) -> dict:
+    batch, recipe, overrides = spec
+    cfg = TrainConfig(
+        batch_size=batch,
+        epochs=setting.epochs,
+        recipe="cowclip",
+        mode="full",
+        mlp=setting.mlp,
+        base_batch=setting.base,
+        seed=seed,
+        progress=False,
+        device=device,
+        **overrides,
+    )
+    res = train(cfg, *data, recipe=recipe)
+    row = {
+        "variant": name,
+        "seed": seed,
+        "batch_size": batch,
+        "steps": res.steps,
+        "auc": res.auc,
+        "logloss": res.logloss,
+        "best_epoch_auc": max(h["auc"] for h in res.history),
+        "clipped_fraction": res.clip.clipped_fraction,
+        "clip_ratio_max": res.clip.ratio_quantiles["max"],
+        "wall_s": res.wall_s,
+        "history": res.history,
+        "settings": asdict(recipe),
+        "overrides": overrides,
+    }
+    print(
+        f"seed {seed} {name:>14} b={batch:>6}: AUC {res.auc:.5f} logloss {res.logloss:.5f} {res.steps} steps "
+        f"clipped {res.clip.clipped_fraction:.3%} ({res.wall_s:.0f}s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def summarize(runs: list[dict], oracle: dict[int, float]) -> dict:
+    """Per variant: mean and spread of the AUC and of the paired gap to the reference (same seed)."""
+    ref = {r["seed"]: r["auc"] for r in runs if r["variant"] == "reference"}
+    out = {}
+    for name in dict.fromkeys(r["variant"] for r in runs):
+        rows = [r for r in runs if r["variant"] == name]
+        gaps = [ref[r["seed"]] - r["auc"] for r in rows]
+        out[name] = {
+            "auc_mean": statistics.mean(r["auc"] for r in rows),
+            "auc_std": statistics.stdev(r["auc"] for r in rows) if len(rows) > 1 else 0.0,
+            "gap_to_reference_mean": statistics.mean(gaps),
+            "gap_to_reference_std": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
+            "gap_to_oracle_mean": statistics.mean(oracle[r["seed"]] - r["auc"] for r in rows),
+            "steps": rows[0]["steps"],
+            "clipped_fraction_mean": statistics.mean(r["clipped_fraction"] for r in rows),
+            "seeds": [r["seed"] for r in rows],
+        }
+    return out
+
+
+def verdict(summary: dict, setting: Setting) -> str:
+    large = {k: v for k, v in summary.items() if k != "reference"}
+    best = min(large, key=lambda k: large[k]["gap_to_reference_mean"])
+    cc, nc = summary["cowclip"], summary["no-clip"]
+    lossless = [k for k, v in large.items() if v["gap_to_reference_mean"] <= v["gap_to_reference_std"] + 1e-3]
+    return (
+        f"{len(summary['reference']['seeds'])} seeds, {cc['steps']} large-batch steps at {setting.large} "
+        f"(s = {setting.large // setting.base}) vs {summary['reference']['steps']} at {setting.base}. "
+        f"CowClip rules: gap {cc['gap_to_reference_mean']:+.4f} +- {cc['gap_to_reference_std']:.4f} "
+        f"(clip fired on {cc['clipped_fraction_mean']:.2%} of rows); without the clip "
+        f"{nc['gap_to_reference_mean']:+.4f} +- {nc['gap_to_reference_std']:.4f}. Smallest gap: {best} "
+        f"({large[best]['gap_to_reference_mean']:+.4f}). Within one seed-spread (+1e-3) of the reference: "
+        f"{', '.join(lossless) or 'none'}."
+    )
+
+
+def plot(summary: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k in summary if k != "reference"]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.bar(
+        names,
+        [summary[k]["gap_to_reference_mean"] for k in names],
+        yerr=[summary[k]["gap_to_reference_std"] for k in names],
+        color="tab:blue",
+        capsize=4,
+    )
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set(ylabel="AUC gap to the base batch (mean, sd over seeds)", title=title)
+    ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the small setting (minutes on a CPU)")
+    p.add_argument(
+        "--variants", default=None, help="comma-separated subset of the variants (reference always runs)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--json", default="bench/results/ctr_decisive.json", help="result file (+ .png plot)")
+    args = p.parse_args(argv)
+    setting = QUICK if args.quick else FULL
+    specs = variants(setting)
+    if args.variants:
+        keep = {"reference", *args.variants.split(",")}
+        unknown = keep - set(specs)
+        if unknown:
+            p.error(f"unknown variants {sorted(unknown)}; choose from {sorted(specs)}")
+        specs = {k: v for k, v in specs.items() if k in keep}
+    start, runs, oracle = time.perf_counter(), [], {}
+    for seed in setting.seeds:
+        data = generate(SyntheticConfig(n_rows=setting.rows, scale=setting.scale, seed=seed)).split_random(
+            setting.test_fraction, seed=seed
+        )
+        oracle[seed] = realised_oracle(data[1])[0]
+        runs += [run(setting, name, spec, data, seed, args.device) for name, spec in specs.items()]
+    summary = summarize(runs, oracle)
+    text = verdict(summary, setting) if {"cowclip", "no-clip"} <= set(summary) else ""
+    out = Path(args.json)
+    result = {
+        "command": " ".join(
+            ["python", "bench/ctr_decisive.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "setting": asdict(setting),
+        "mode": "full (faithful: full-table L2 through Adam every step)",
+        "oracle_auc": oracle,
+        "summary": summary,
+        "verdict": text,
+        "runs": runs,
+        "wall_s": time.perf_counter() - start,
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(
+        summary,
+        out.with_suffix(".png"),
+        f"DeepFM, {'quick' if args.quick else 'full'}: s = {setting.large // setting.base}",
+    )
+    print(f"{text}\n-> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""A trained CTR model as a self-contained folder, and scoring new rows with it.
+
+    DIR/model.safetensors   the weights (`model.state_dict()`)
+    DIR/vocab.safetensors   per field the sorted token keys and their ids (vocabulary mode only)
+    DIR/config.json         what rebuilds the model and reads new files: model name, CTRConfig, data format,
+                            encoder (vocabulary or hashing settings), training settings, data content hash
+    DIR/metrics.json        held-out metrics of the run (written by the CLI)
+    DIR/checkpoint.pt       the training checkpoint (model + optimizer state, every epoch; `--resume`)
+
+Each file is written to a temporary name and renamed into place, config.json last. config.json and the
+safetensors files carry the same random `generation` string, so a folder caught between two saves (a crash
+after the weights, before the config) is refused on load instead of mixing two models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from ecru.cliargs import atomic_write_json
+from ecru.ctr.data import CTRData
+from ecru.ctr.models import CTRConfig, CTRModel, build_model
+from ecru.ctr.reader import FORMATS, ReaderConfig, load_ctr_file, malformed_lines, n_fields, sniff_layout
+from ecru.ctr.tokens import Encoder
+from ecru.errors import EcruError, MissingAssetError
+
+FOLDER_FORMAT, FOLDER_VERSION = "ecru-ctr-model", 1
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """The content hash (BLAKE2b, 128 bits, hex) of a file's bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _save_tensors(tensors: dict[str, Tensor], path: Path, generation: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, {"generation": generation}
+        )
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_model(
+    out: str | os.PathLike[str],
+    model: CTRModel,
+    encoder: Encoder | None,
+    *,
+    name: str,
+    data_format: str,
+    extra: dict,
+) -> Path:
+    """Write `model` (built as `name`) and `encoder` into the folder `out` (see the module docstring).
+
+    `encoder` None: the model was trained on ids without tokens (synthetic data); it cannot score files.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    generation = uuid.uuid4().hex
+    _save_tensors(model.state_dict(), out / "model.safetensors", generation)
+    state = encoder.state() if encoder else {}
+    vocab = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
+    if vocab:
+        _save_tensors(vocab, out / "vocab.safetensors", generation)
+    config = {
+        "format": FOLDER_FORMAT,
+        "version": FOLDER_VERSION,
+        "generation": generation,
+        "model": name,
+        "ctr_config": {**asdict(model.cfg), "sparse": False},
+        "data_format": data_format,
+        "encoder": encoder
+        and {"hash_buckets": encoder.hash_buckets, "cardinalities": list(encoder.cardinalities)},
+        "dense_transform": "log(1 + max(x, 0)), empty -> 0",
+        **extra,
+    }
+    atomic_write_json(out / "config.json", config)
+    return out
+
+
+def _load_tensors(path: Path, generation: str) -> dict[str, Tensor]:
+    if not path.is_file():
+        raise MissingAssetError(f"{path} is missing; the model folder is incomplete (train again with --out)")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("generation") != generation:
+                raise EcruError(
+                    f"{path} does not belong to {path.parent / 'config.json'} (a save was interrupted); "
+                    "train again with --out"
+                )
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise EcruError(f"{path} is unreadable ({exc}); train again with --out") from None
+
+
+@dataclass
+class CTRPredictor:
+    """A loaded model folder: the model, the token encoder, and the file format it reads."""
+
+    model: CTRModel
+    encoder: Encoder | None
+    """None for a model trained on synthetic ids (it scores encoded `CTRData` only)."""
+    data_format: str
+    config: dict
+
+    @torch.no_grad()
+    def predict_data(self, data: CTRData, *, batch_size: int = 65536) -> Tensor:
+        """Click probabilities [N] (float32) of encoded rows, in order."""
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        out = [
+            torch.sigmoid(self.model(d.to(device), c.to(device))).float().cpu()
+            for d, c, _ in data.batches(batch_size)
+        ]
+        return torch.cat(out) if out else torch.zeros(0)
+
+    def read(self, path: str | os.PathLike[str], *, skip_malformed: bool = False) -> CTRData:
+        """A file of the model's format (with or without the label column), encoded with the saved tokens;
+        malformed lines raise an error naming file and line, or are skipped (`data.info["skipped_lines"]`)."""
+        if self.encoder is None:
+            raise EcruError(
+                "this model was trained on synthetic ids, which have no tokens; to score files, train on "
+                "criteo:FILE (e.g. one written by `ecru ctr synth`)"
+            )
+        cfg = ReaderConfig(skip_malformed=skip_malformed)
+        data, _ = load_ctr_file(path, self.data_format, cfg=cfg, encoder=self.encoder)
+        return data
+
+    def predict(
+        self, path: str | os.PathLike[str], *, batch_size: int = 65536, skip_malformed: bool = False
+    ) -> Tensor:
+        """One click probability per row of the file, in file order (unseen tokens -> the OOV row); with
+        `skip_malformed`, NaN for each malformed line."""
+        return self.predict_file(path, batch_size=batch_size, skip_malformed=skip_malformed)[0]
+
+    def predict_file(
+        self, path: str | os.PathLike[str], *, batch_size: int = 65536, skip_malformed: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """(probabilities, labels) per data line of the file, in order; NaN where a line is malformed (with
+        `skip_malformed`) and labels NaN if the file has none."""
+        data = self.read(path, skip_malformed=skip_malformed)
+        probs = self.predict_data(data, batch_size=batch_size)
+        skipped = data.info.get("skipped_lines", 0)
+        if not skipped:
+            return probs, data.labels
+        rows = _aligned_rows(Path(path), self.data_format, len(data), skipped)
+        full_p = torch.full((len(data) + skipped,), float("nan"))
+        full_y = full_p.clone()
+        full_p[rows], full_y[rows] = probs, data.labels
+        return full_p, full_y
+
+
+def _aligned_rows(path: Path, fmt: str, n_good: int, skipped: int) -> Tensor:
+    """Positions of the well-formed rows among all data lines (the line parser finds the malformed ones)."""
+    labelled = sniff_layout(path, fmt).label is not None
+    bad = [row for row, _, _ in malformed_lines(path, fmt, labelled=labelled)]
+    if len(bad) != skipped:
+        raise EcruError(
+            f"{path}: the columnar reader skipped {skipped} line(s) but the line check finds {len(bad)}; "
+            "cannot align the scores with the lines (fix the malformed lines)"
+        )
+    keep = torch.ones(n_good + skipped, dtype=torch.bool)
+    keep[bad] = False
+    return keep.nonzero().squeeze(1)
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise MissingAssetError(f"model folder {folder} not found; give the --out folder of `ecru ctr train`")
+    if not path.is_file():
+        raise MissingAssetError(
+            f"{folder} holds no config.json; it is not a finished `ecru ctr train --out` folder"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise EcruError(f"{path} is unreadable ({exc}); train again with --out") from None
+    if not isinstance(config, dict) or config.get("format") != FOLDER_FORMAT:
+        raise EcruError(f"{path} is not an ecru CTR model config")
+    if config.get("version") != FOLDER_VERSION or config.get("data_format") not in FORMATS:
+        raise EcruError(f"{path}: unsupported version {config.get('version')} or data format")
+    return config
+
+
+def load_model(folder: str | os.PathLike[str], *, device: str = "cpu") -> CTRPredictor:
+    """Load a folder written by `save_model` (`ecru ctr train --out DIR`)."""
+    folder = Path(folder).expanduser()
+    config = _read_config(folder)
+    generation = config["generation"]
+    cfg = config["ctr_config"]
+    ctr = CTRConfig(**{**cfg, "cardinalities": tuple(cfg["cardinalities"]), "mlp": tuple(cfg["mlp"])})
+    model = build_model(config["model"], ctr)
+    try:
+        model.load_state_dict(_load_tensors(folder / "model.safetensors", generation))
+    except RuntimeError as exc:
+        raise EcruError(f"{folder / 'model.safetensors'} does not fit its config ({exc})") from None
+    enc, encoder = config["encoder"], None
+    if enc:
+        vocab = {} if enc["hash_buckets"] else _load_tensors(folder / "vocab.safetensors", generation)
+        state = {k: v.numpy() for k, v in vocab.items()}
+        fields = n_fields(config["data_format"])
+        encoder = Encoder.from_state(fields, enc["hash_buckets"], tuple(enc["cardinalities"]), state)
+    return CTRPredictor(model.to(device).eval(), encoder, config["data_format"], config)

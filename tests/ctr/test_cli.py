@@ -1,0 +1,249 @@
+"""`ecru ctr train --out` / `predict` / `synth` end to end, and the one-line errors of bad inputs."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from ecru.cli import main
+from ecru.ctr import auc, load_model
+
+FAST = ["--mlp", "8", "--batch-size", "256", "--base-batch", "256", "--min-count", "1"]
+
+
+def run(argv, capsys):
+    """(exit status, stdout, stderr) of `ecru ARGV`; argparse errors exit through SystemExit."""
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ctr")
+    assert (
+        main(["ctr", "synth", "--rows", "3000", "--scale", "1e-3", "--out", str(root / "new" / "all.tsv")])
+        == 0
+    )
+    lines = (root / "new" / "all.tsv").read_text().splitlines(keepends=True)
+    bad = ["7" + lines[5][1:], "1\t2\t3\n", lines[9].replace("\t", "\tx", 1)]
+    (root / "train.tsv").write_text("".join(lines[:2500] + bad))
+    (root / "held.tsv").write_text("".join(lines[2500:]))
+    (root / "held_nolabel.tsv").write_text("".join(line.split("\t", 1)[1] for line in lines[2500:]))
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(files):
+    out = files / "model"
+    argv = [
+        "ctr",
+        "train",
+        "--data",
+        f"criteo:{files / 'train.tsv'}",
+        "--skip-malformed",
+        "--out",
+        str(out),
+        *FAST,
+    ]
+    assert main(argv) == 0
+    return out
+
+
+def test_train_writes_a_self_contained_folder(trained):
+    names = {p.name for p in trained.iterdir()}
+    assert {"model.safetensors", "vocab.safetensors", "config.json", "metrics.json", "checkpoint.pt"} <= names
+    metrics = json.loads((trained / "metrics.json").read_text())
+    assert metrics["skipped_lines"] == 3 and 0.5 < metrics["auc"] <= 1
+    assert not [n for n in names if n.endswith(".tmp")]
+
+
+def test_predict_one_probability_per_row_in_order(files, trained, capsys):
+    out = files / "scores" / "held.txt"
+    rc, stdout, _ = run(
+        [
+            "ctr",
+            "predict",
+            "--model",
+            str(trained),
+            "--data",
+            f"criteo:{files / 'held.tsv'}",
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
+    assert rc == 0 and "AUC" in stdout
+    probs = torch.tensor([float(x) for x in out.read_text().split()])
+    assert len(probs) == 500 and ((probs > 0) & (probs < 1)).all()
+    # the Python API and an unlabelled copy of the file give the same numbers
+    predictor = load_model(trained)
+    api = predictor.predict(files / "held.tsv")
+    torch.testing.assert_close(probs, api, rtol=1e-6, atol=1e-7)
+    nolabel = predictor.predict(files / "held_nolabel.tsv")
+    torch.testing.assert_close(nolabel, api, rtol=0, atol=0)
+    # ids never seen in training take the out-of-vocabulary row: a row of unseen tokens still scores
+    row = (files / "held.tsv").read_text().splitlines()[0].split("\t")
+    unseen = files / "unseen.tsv"
+    unseen.write_text("\t".join(row[:14] + ["abcdef01"] * 26) + "\n")
+    data = predictor.read(unseen)
+    assert (data.cats == 0).all() and 0 < float(predictor.predict(unseen)[0]) < 1
+
+
+def test_predict_skip_malformed_keeps_rows_aligned(files, trained, capsys):
+    out = files / "train_scores.txt"
+    data = f"criteo:{files / 'train.tsv'}"
+    rc, _, err = run(["ctr", "predict", "--model", str(trained), "--data", data, "--out", str(out)], capsys)
+    assert rc == 2 and "train.tsv:2501:" in err and len(err.strip().splitlines()) == 1 and not out.exists()
+    rc, _, _ = run(
+        ["ctr", "predict", "--model", str(trained), "--data", data, "--out", str(out), "--skip-malformed"],
+        capsys,
+    )
+    values = out.read_text().split()
+    assert rc == 0 and len(values) == 2503 and values[2500:] == ["nan"] * 3 and "nan" not in values[:2500]
+
+
+def test_resume_refuses_another_file_and_a_corrupted_checkpoint(files, trained, capsys):
+    other = files / "other"
+    shutil.copytree(trained, other)
+    argv = [
+        "ctr",
+        "train",
+        "--data",
+        f"criteo:{files / 'held.tsv'}",
+        "--out",
+        str(other),
+        "--resume",
+        "--epochs",
+        "2",
+        *FAST,
+    ]
+    rc, _, err = run(argv, capsys)
+    assert rc == 2 and "other data" in err and len(err.strip().splitlines()) == 1
+    (other / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    argv[3] = f"criteo:{files / 'train.tsv'}"
+    rc, _, err = run([*argv, "--skip-malformed"], capsys)
+    assert rc == 2 and "unreadable" in err and "Traceback" not in err
+
+
+def test_a_torn_model_folder_is_refused(files, trained):
+    torn = files / "torn"
+    shutil.copytree(trained, torn)
+    config = json.loads((torn / "config.json").read_text())
+    (torn / "config.json").write_text(json.dumps({**config, "generation": "0" * 32}))
+    with pytest.raises(Exception, match="does not belong"):
+        load_model(torn)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--rows", "-10"], "--rows: must be > 0"),
+        (["--test-fraction", "1.5"], "strictly between 0 and 1"),
+        (["--test-fraction", "0"], "strictly between 0 and 1"),
+        (["--hash-buckets", "1"], "must be 0 (vocabularies) or >= 2"),
+        (["--mlp", "8,x"], "comma-separated"),
+    ],
+)
+def test_bad_flags_are_one_line(flags, message, capsys):
+    rc, _, err = run(["ctr", "train", *flags], capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_outputs_checked_before_work(files, capsys, tmp_path):
+    rc, _, err = run(["ctr", "train", "--json", str(tmp_path), "--rows", "10"], capsys)
+    assert rc == 2 and "is a folder" in err
+    rc, _, err = run(["ctr", "synth", "--rows", "5", "--out", str(tmp_path)], capsys)
+    assert rc == 2 and "is a folder" in err
+    out = tmp_path / "missing" / "x.json"
+    argv = [
+        "ctr",
+        "train",
+        "--rows",
+        "2000",
+        "--scale",
+        "1e-3",
+        "--json",
+        str(out),
+        "--group-field",
+        "2",
+        *FAST,
+    ]
+    rc, stdout, _ = run(argv, capsys)
+    metrics = json.loads(out.read_text())
+    assert rc == 0 and metrics["steps"] > 0 and 0 < metrics["group_auc"] < 1 and "group AUC" in stdout
+
+
+def test_one_class_test_split_is_one_line(tmp_path, capsys):
+    row = "0\t" + "\t".join(["1"] * 13 + ["0aaf7e0c"] * 26) + "\n"
+    path = tmp_path / "zeros.tsv"
+    path.write_text(row * 300)
+    rc, _, err = run(["ctr", "train", "--data", f"criteo:{path}", *FAST], capsys)
+    assert rc == 2 and "one class" in err and len(err.strip().splitlines()) == 1
+
+
+def test_hashing_folder_and_avazu_round_trip(tmp_path, capsys):
+    head = "id,click,hour," + ",".join(f"C{i}" for i in range(21)) + "\n"
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(1200):
+        toks = [f"{int(t):x}" for t in torch.randint(0, 6, (21,), generator=gen)]
+        click = int(toks[0] in ("0", "1")) if i % 7 else 1 - int(toks[0] in ("0", "1"))
+        rows.append(f"{i},{click},141021{i % 24:02d}," + ",".join(toks) + "\n")
+    rows[3] = rows[3].replace(",141021", ",1410", 1)  # a bad hour
+    (tmp_path / "train.csv").write_text(head + "".join(rows))
+    (tmp_path / "score.csv").write_text(
+        "id,hour,"
+        + ",".join(f"C{i}" for i in range(21))
+        + "\n"
+        + "".join(r.split(",", 2)[0] + "," + r.split(",", 2)[2] for r in rows[1000:])
+    )
+    out = tmp_path / "m"
+    argv = [
+        "ctr",
+        "train",
+        "--data",
+        f"avazu:{tmp_path / 'train.csv'}",
+        "--hash-buckets",
+        "64",
+        "--skip-malformed",
+    ]
+    rc, _, err = run([*argv, "--out", str(out), *FAST, "--epochs", "3"], capsys)
+    assert rc == 0 and "skipped 1 malformed" in err and not (out / "vocab.safetensors").exists()
+    model = load_model(out)
+    assert model.data_format == "avazu" and model.encoder.hash_buckets == 64
+    probs = model.predict(tmp_path / "score.csv")
+    labels = torch.tensor([float(r.split(",")[1]) for r in rows[1000:]])
+    assert len(probs) == 200 and auc(labels, probs) > 0.7  # the click follows C0: learnable
+    rc, _, err = run(
+        [
+            "ctr",
+            "predict",
+            "--model",
+            str(out),
+            "--data",
+            f"criteo:{tmp_path / 'score.csv'}",
+            "--out",
+            str(tmp_path / "s.txt"),
+        ],
+        capsys,
+    )
+    assert rc == 2 and "reads avazu files" in err
+
+
+def test_missing_inputs_are_one_line(tmp_path, capsys):
+    rc, _, err = run(["ctr", "train", "--data", f"criteo:{tmp_path / 'nope.tsv'}"], capsys)
+    assert rc == 2 and "not found" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = run(["ctr", "train", "--data", "parquet:x"], capsys)
+    assert rc == 2 and "criteo:FILE" in err
+    out = tmp_path / "s.txt"
+    rc, _, err = run(
+        ["ctr", "predict", "--model", str(tmp_path), "--data", "criteo:x", "--out", str(out)], capsys
+    )
+    assert rc == 2 and "config.json" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = run(["ctr", "train", "--resume", "--rows", "100"], capsys)
+    assert rc == 2 and "--resume" in err
