@@ -14,13 +14,16 @@ def test_section_tiny(tmp_path, monkeypatch):
         demo,
         "RUNS",
         (
-            ("adam", "full", 128),
-            ("cowclip", "full", 128),
+            ("adam", "sparse", 128),
             ("cowclip", "full", 1024),
-            ("ecru", "sparse", 1024),
+            ("linear", "full", 1024),
+            ("tempered", "sparse", 1024),
         ),
     )
     section = demo.section(DemoContext(out=tmp_path))
     assert section.status == "ok" and len(section.rows) == 4
-    assert 0.5 < section.summary["oracle_auc"] < 1 and 0 <= section.summary["clipped_fraction_16k"] <= 1
+    assert (
+        0.5 < section.summary["oracle_auc"] < 1 and 0 <= section.summary["clipped_fraction_1K_cowclip"] <= 1
+    )
+    assert "tempered rule reaches AUC" in section.takeaway and "CowClip's rules" in section.shortfall
     assert (tmp_path / section.plots[0]).stat().st_size > 0
