@@ -97,11 +97,11 @@ def test_train_on_the_disk_tier_resumes_from_its_store_and_exports(tmp_path):
     ]
     assert main(argv) == 0
     first = json.loads(out.read_text())
-    assert first["parameters"] > 0 and (store / "manifest.pt").is_file()
+    assert first["parameters"] > 0 and (store / "ecru-l2l" / "store" / "manifest.pt").is_file()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf")
     assert all(p.numel() > 0 for p in exported.parameters())  # every block read back for the export
     assert main(argv[:5] + ["1", *argv[6:]]) == 0  # one more step over the same store
-    assert torch.load(store / "manifest.pt", weights_only=False)["step"] == 4
+    assert torch.load(store / "ecru-l2l" / "store" / "manifest.pt", weights_only=False)["step"] == 4
 
 
 def test_keep_graph_blocks_flag_trains_the_same_losses(tmp_path):

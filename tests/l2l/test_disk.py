@@ -38,9 +38,12 @@ def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, micro, stash):
         torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}", **EXACT)
     assert disk.store.resident_groups() == []  # after a step no block stays in memory
     assert disk.store.bytes_written > 0 and disk.store.bytes_read > 0
-    # one weights file and one optimizer-state file per group (4 blocks + stem/head), plus the manifest
-    assert len(list(tmp_path.glob("g*.pt"))) == 2 * 5 and (tmp_path / "manifest.pt").is_file()
-    assert not list(tmp_path.glob("stash/*"))  # stashed activations are deleted once read back
+    # one weights file and one optimizer-state file per group (4 blocks + stem/head), plus the manifest,
+    # all inside the engine's own folder
+    store = tmp_path / "ecru-l2l" / "store"
+    assert len(list(store.glob("g*.pt"))) == 2 * 5 and (store / "manifest.pt").is_file()
+    assert not list(tmp_path.glob("ecru-l2l/stash/*"))  # stashed activations are deleted once read back
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ecru-l2l"]
     ram.close()
     disk.close()
 
@@ -111,13 +114,13 @@ def test_interrupted_step_then_resume_equals_uninterrupted(tmp_path):
         crashing.step(data[1])
     with pytest.raises(RuntimeError):
         crashing.close()
-    newer = [p for p in (tmp_path / "b").glob("g*-s000000002.w.pt")]
+    newer = [p for p in (tmp_path / "b" / "ecru-l2l" / "store").glob("g*-s000000002.w.pt")]
     assert len(newer) >= 2  # the interrupted step did write updated blocks ...
     FailingAdamW.fail_at = None
 
     resumed = engine_over(tmp_path / "b", seed=7)  # ... but resume ignores them: other init, same result
     assert resumed.steps == 1
-    assert not list((tmp_path / "b").glob("g*-s000000002.*"))
+    assert not list((tmp_path / "b" / "ecru-l2l" / "store").glob("g*-s000000002.*"))
     for batch in data[1:]:
         resumed.step(batch)
     got = resumed.state_dict()
@@ -138,13 +141,13 @@ def test_disk_tier_refuses_what_needs_the_whole_model(tmp_path):
         optimizer=ADAMW,
         config=L2LConfig(store="disk", store_dir=str(tmp_path / "s"), fsync=False),
     )
+    engine.close()
     with pytest.raises(L2LInputError, match="different|sizes"):
         L2L.from_hf(
             tiny_llama(num_layers=3),
             optimizer=ADAMW,
             config=L2LConfig(store="disk", store_dir=str(tmp_path / "s")),
         )
-    engine.close()
 
 
 @pytest.mark.gpu

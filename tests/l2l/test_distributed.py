@@ -104,7 +104,7 @@ def test_two_gloo_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
         assert_params_close(ref, res["seq-zero1"])  # ZeRO-1: sharded optimizer states, same weights
     # the Sequential's blocks with parameters: Linear (owner rank 0), Linear (rank 1); Tanh has none
     assert [res["owned"] for res in results] == [[True, False], [False, True]]
-    assert sorted(p.name for p in tmp_path.glob("result.store/rank*")) == ["rank0", "rank1"]
+    assert sorted(p.name for p in tmp_path.glob("result.store/ecru-l2l/rank*")) == ["rank0", "rank1"]
 
 
 def assert_params_close_dict(expected: dict, got: dict) -> None:

@@ -48,7 +48,9 @@ def _warn_if_slow(optimizer: torch.optim.Optimizer | None, device: torch.device)
 
 
 class ParamGroup:
-    """Masters, optimizer and wire copy of one group; `version` counts the updates submitted."""
+    """Masters, optimizer and wire copy of one group; `version` counts the updates submitted. Only the
+    parameters with `requires_grad` (`trainable`, fixed at construction) get a gradient, optimizer state
+    and updates; frozen ones travel on the wire only and are never written."""
 
     def __init__(
         self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, wire: torch.Tensor | None
@@ -57,8 +59,27 @@ class ParamGroup:
         self.sizes = [p.numel() for p in params]
         self.shapes = [p.shape for p in params]  # kept: the disk tier empties evicted parameters
         self.numel = sum(self.sizes)
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self.grad_numel = sum(self.sizes[i] for i in self.trainable)
         self.version = 0
         self.pending: Future | None = None
+
+    @property
+    def trainable_params(self) -> list[nn.Parameter]:
+        return [self.params[i] for i in self.trainable]
+
+    def grad_views(self, flat: torch.Tensor, indices: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """`flat` (a gradient buffer: trainable parameters only, packed) cut into one view per trainable
+        parameter, or per parameter index in `indices` (each trainable)."""
+        sizes = [self.sizes[i] for i in self.trainable]
+        views = [
+            v.view(self.shapes[i])
+            for v, i in zip(flat[: self.grad_numel].split(sizes), self.trainable, strict=True)
+        ]
+        if indices is None:
+            return views
+        pos = {i: k for k, i in enumerate(self.trainable)}
+        return [views[pos[i]] for i in indices]
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` cut into tensors shaped like the group's parameters."""
@@ -66,11 +87,13 @@ class ParamGroup:
             v.view(shape) for v, shape in zip(flat[: self.numel].split(self.sizes), self.shapes, strict=True)
         ]
 
-    def refresh_wire(self) -> None:
+    def refresh_wire(self, *, trainable_only: bool = False) -> None:
+        """Copy the masters into the wire (after an update only the trainable ones changed)."""
         if self.wire is not None:
+            views = self.views(self.wire)
             with torch.no_grad():
-                for view, p in zip(self.views(self.wire), self.params, strict=True):
-                    view.copy_(p)
+                for i in self.trainable if trainable_only else range(len(self.params)):
+                    views[i].copy_(self.params[i])
 
 
 class _Slot:
@@ -119,14 +142,14 @@ class ParameterStore:
         self.device, self.dtype, self.resident = device, dtype, resident
         self.cuda = device.type == "cuda"
         self._factory, self._slot_count = optimizer, slots
-        self.process_group = None  # set for data parallel: block gradients are all-reduced before updates
+        self.comm = None  # data parallel (ecru.l2l.collectives): block gradients are summed before updates
         self.shard: tuple[int, int] | None = None  # (rank, world size) when optimizer states are sharded
         needs_wire = self.cuda or dtype != torch.float32
         self.groups = [self._make_group(list(ps), optimizer, needs_wire=needs_wire) for ps in groups]
         self._make_pools()
         self._acc: dict[int, torch.Tensor] = {}
         # the resident group's buffers persist: its update is waited for before the next step touches them
-        n_res = self.groups[resident].numel
+        n_res = self.groups[resident].grad_numel
         self._resident_acc = torch.empty(n_res, dtype=torch.float32, device=device)
         self._resident_host = torch.empty(n_res, dtype=torch.float32, pin_memory=True) if self.cuda else None
         self._collected: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
@@ -140,8 +163,9 @@ class ParameterStore:
     def _make_pools(self) -> None:
         """Gradient buffers and device slots sized for the largest streamed group."""
         streamed = max([g.numel for i, g in enumerate(self.groups) if i != self.resident] or [0])
-        self._acc_pool = _BufferPool(streamed, self.device, pin=False)
-        self._host_pool = _BufferPool(streamed, torch.device("cpu"), pin=self.cuda)
+        grads = max([g.grad_numel for i, g in enumerate(self.groups) if i != self.resident] or [0])
+        self._acc_pool = _BufferPool(grads, self.device, pin=False)
+        self._host_pool = _BufferPool(grads, torch.device("cpu"), pin=self.cuda)
         if self.cuda:
             self._slots = [_Slot(streamed, self.dtype, self.device) for _ in range(self._slot_count)]
 
@@ -150,7 +174,7 @@ class ParameterStore:
         self.synchronize()
         needs_wire = self.cuda or self.dtype != torch.float32
         self.groups.append(self._make_group(list(params), self._factory, needs_wire=needs_wire))
-        if self.groups[-1].numel > self._acc_pool.numel:
+        if self.groups[-1].numel > self._acc_pool.numel or self.groups[-1].grad_numel > self._acc_pool.numel:
             self._make_pools()
         return len(self.groups) - 1
 
@@ -163,28 +187,27 @@ class ParameterStore:
         sharded optimizer states, each group's owner then broadcasts its updated weights."""
         self.synchronize()
         if self.shard is not None:
-            import torch.distributed as dist
-
             for g, group in enumerate(self.groups):
-                if group.params:
-                    for p in group.params:
-                        dist.broadcast(p.data, src=self.owner(g), group=self.process_group)
+                if group.trainable:
+                    self.comm.broadcast_([p.data for p in group.trainable_params], src=self.owner(g))
                     if self.owner(g) != self.shard[0]:
                         group.version += 1
-                        group.refresh_wire()
+                        group.refresh_wire(trainable_only=True)
 
     def owner(self, g: int) -> int:
-        """The rank that holds group `g`'s optimizer state: round robin over the groups with parameters."""
+        """The rank that holds group `g`'s optimizer state: round robin over the groups with trainable
+        parameters."""
         if self.shard is None:
             return 0
-        return sum(1 for group in self.groups[:g] if group.params) % self.shard[1]
+        return sum(1 for group in self.groups[:g] if group.trainable) % self.shard[1]
 
     def _make_group(
         self, params: list[nn.Parameter], factory: OptimizerFactory, *, needs_wire: bool
     ) -> ParamGroup:
         numel = sum(p.numel() for p in params)
         wire = torch.empty(numel, dtype=self.dtype, pin_memory=self.cuda) if needs_wire and params else None
-        group = ParamGroup(params, factory(params) if params else None, wire)
+        trainable = [p for p in params if p.requires_grad]
+        group = ParamGroup(params, factory(trainable) if trainable else None, wire)
         _warn_if_slow(group.optimizer, self.device)
         group.refresh_wire()
         return group
@@ -199,7 +222,7 @@ class ParameterStore:
         """True when gradients accumulate in the masters' own `.grad` (bound masters, one process): the
         engine lets autograd accumulate there (see `note_grads`) and no flat buffer is used. Data parallel
         keeps the flat buffer: one all-reduce per block."""
-        return self.binds_masters and self.process_group is None
+        return self.binds_masters and self.comm is None
 
     # ---- weights: host -> device -------------------------------------------------------------------
     def weights(self, g: int) -> list[torch.Tensor]:
@@ -262,9 +285,11 @@ class ParameterStore:
         the device. The resident group is zeroed on first touch: stem and head each fill only a part."""
         if self.grads_in_params:  # into the masters' .grad (the engine lets autograd accumulate there)
             self.note_grads(g)
-            params = self.groups[g].params
+            group = self.groups[g]
             for p, grad in zip(
-                params if indices is None else [params[i] for i in indices], grads, strict=True
+                [group.params[i] for i in (group.trainable if indices is None else indices)],
+                grads,
+                strict=True,
             ):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -279,8 +304,7 @@ class ParameterStore:
                 if reusable is not None:  # its previous gradient may still be on its way to the host
                     torch.cuda.current_stream(self.device).wait_event(reusable)
             self._acc[g] = buf
-        views = self.groups[g].views(self._acc[g])
-        targets = views if indices is None else [views[i] for i in indices]
+        targets = self.groups[g].grad_views(self._acc[g], indices)
         copy = first and g != self.resident
         for view, grad in zip(targets, grads, strict=True):
             view.copy_(grad) if copy else view.add_(grad)
@@ -298,14 +322,12 @@ class ParameterStore:
     def _all_reduce(self, g: int) -> None:
         """Data parallel: sum group `g`'s gradient over the ranks (each rank pre-weighted its share); to
         the group's owner only when optimizer states are sharded."""
-        if self.process_group is not None:
-            import torch.distributed as dist
-
-            grad = self._acc[g][: self.groups[g].numel]
+        if self.comm is not None:
+            grad = self._acc[g][: self.groups[g].grad_numel]
             if self.shard is None:
-                dist.all_reduce(grad, group=self.process_group)
+                self.comm.all_reduce_(grad)
             else:
-                dist.reduce(grad, dst=self.owner(g), group=self.process_group)
+                self.comm.reduce_(grad, dst=self.owner(g))
 
     def update(self, g: int) -> None:
         """Send group `g`'s gradient to the host once and step its optimizer in the worker thread."""
@@ -336,7 +358,8 @@ class ParameterStore:
         done = torch.cuda.Event()
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._d2h):
-            host[: self.groups[g].numel].copy_(acc[: self.groups[g].numel], non_blocking=True)
+            n = self.groups[g].grad_numel
+            host[:n].copy_(acc[:n], non_blocking=True)
             done.record(self._d2h)
         if g != self.resident:
             self._acc_pool.give(acc, done)
@@ -347,12 +370,12 @@ class ParameterStore:
             copied.synchronize()  # never read a non-blocking device-to-host copy before it has landed
         group = self.groups[g]
         if host is not None:  # else the gradients are in the masters' .grad already
-            for p, grad in zip(group.params, group.views(host), strict=True):
+            for p, grad in zip(group.trainable_params, group.grad_views(host), strict=True):
                 p.grad = grad
         group.optimizer.step()
         for p in group.params:
             p.grad = None
-        group.refresh_wire()
+        group.refresh_wire(trainable_only=True)
         self._give_back(g, host)
 
     def _give_back(self, g: int, host: torch.Tensor | None) -> None:
@@ -369,14 +392,14 @@ class ParameterStore:
             host, copied = self._collected[g]
             if copied is not None:
                 copied.synchronize()
-            params = self.groups[g].params
+            params = self.groups[g].trainable_params
             for p, grad in zip(
                 params,
-                self.groups[g].views(host) if host is not None else [p.grad for p in params],
+                self.groups[g].grad_views(host) if host is not None else [p.grad for p in params],
                 strict=True,
             ):
                 p.grad = grad.mul_(inv_scale) if inv_scale != 1.0 and grad is not None else grad
-        params = [p for g in order for p in self.groups[g].params]
+        params = [p for g in order for p in self.groups[g].trainable_params]
         grads = [p.grad for p in params if p.grad is not None]  # None: a parameter the step did not use
         finite = all(bool(torch.isfinite(gr).all()) for gr in grads)
         norm = None
@@ -387,7 +410,7 @@ class ParameterStore:
             if finite:
                 group.optimizer.step()
                 group.version += 1
-                group.refresh_wire()
+                group.refresh_wire(trainable_only=True)
             for p in group.params:
                 p.grad = None
             self._give_back(g, self._collected.pop(g)[0])
