@@ -437,15 +437,25 @@ class ParameterStore:
             group.refresh_wire()
 
     def optimizer_state(self) -> list[dict]:
+        """Every group's optimizer `state_dict`; with sharded states (ZeRO-1) each is sent from its owner,
+        so every rank returns the whole optimizer state (a collective: all ranks call it)."""
         self.synchronize()
-        return [g.optimizer.state_dict() if g.optimizer is not None else {} for g in self.groups]
+        states = [g.optimizer.state_dict() if g.optimizer is not None else {} for g in self.groups]
+        if self.shard is not None:
+            states = [
+                self.comm.broadcast_object(state, src=self.owner(g)) if self.groups[g].trainable else state
+                for g, state in enumerate(states)
+            ]
+        return states
 
     def load_optimizer_state(self, states: list[dict]) -> None:
+        """Load `optimizer_state()`'s list; with sharded states a rank keeps only the groups it owns."""
         self.synchronize()
         if len(states) != len(self.groups):
             raise ValueError(f"optimizer state has {len(states)} groups, this engine {len(self.groups)}")
-        for group, state in zip(self.groups, states, strict=True):
-            if group.optimizer is not None:
+        for g, (group, state) in enumerate(zip(self.groups, states, strict=True)):
+            owned = self.shard is None or self.owner(g) == self.shard[0]
+            if group.optimizer is not None and owned:
                 group.optimizer.load_state_dict(state)
 
     def close(self) -> None:
