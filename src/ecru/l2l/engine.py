@@ -28,6 +28,7 @@ Beyond one machine's memory and beyond one process:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,7 +92,11 @@ class L2L:
         stash_dir = self.workspace.folder("stash") if self.config.stash == "disk" else None
         self.stash = ActivationStash(self.config.stash, self.device, stash_dir)
         self.scaler = (
-            LossScale(self.config.loss_scale, self.config.loss_scale_growth_interval)
+            LossScale(
+                self.config.loss_scale,
+                self.config.loss_scale_growth_interval,
+                min_scale=self.config.min_loss_scale,
+            )
             if self.config.dtype == torch.float16
             else None
         )
@@ -157,26 +162,37 @@ class L2L:
             mb.to(self.device, self.config.dtype)
             for mb in self.parts.split(batch, self.config.micro_batch_size)
         ]
-        scale = self.scaler.scale if self.scaler else 1.0
         share = self._rank_share(micro)
+        before = (torch.get_rng_state(), dataclasses.replace(self.scaler) if self.scaler else None)
         try:
-            hidden, contexts = self._forward(micro, order)
-            grads, loss = self._head(hidden, micro, scale * share)
-            self.store.begin("backward", [i + 1 for i in reversed(order)])
-            for k in reversed(range(len(order))):
-                grads = self._backward_block(order[k], grads, contexts, first=k == 0)
-            self._backward_stem(micro, grads)
-            self._finish_update(scale)
+            loss = self._step(micro, order, share)
+            if hasattr(self.store, "extra"):
+                self.store.extra = {"rng": torch.get_rng_state()}
+            self.store.end_step(self.steps + 1)
+        except BaseException:
+            # all or nothing: masters, optimizer states, loss scale and RNG as before the step
+            self.store.rollback()
+            torch.set_rng_state(before[0])
+            self.scaler = before[1]
+            raise
         finally:
             self.stash.clear()
             self._rng.clear()
             self._kept.clear()
             self.store.discard_grads()
         self.steps += 1
-        if hasattr(self.store, "extra"):
-            self.store.extra = {"rng": torch.get_rng_state()}
-        self.store.end_step(self.steps)
         return self._global_loss(loss * share)
+
+    def _step(self, micro: list[MicroBatch], order: list[int], share: float) -> float:
+        scale = self.scaler.scale if self.scaler else 1.0
+        hidden, contexts = self._forward(micro, order)
+        grads, loss = self._head(hidden, micro, scale * share)
+        self.store.begin("backward", [i + 1 for i in reversed(order)])
+        for k in reversed(range(len(order))):
+            grads = self._backward_block(order[k], grads, contexts, first=k == 0)
+        self._backward_stem(micro, grads)
+        self._finish_update(scale)
+        return loss
 
     def _order(self, blocks: Sequence[int] | None) -> list[int]:
         n = len(self.parts.blocks)

@@ -18,6 +18,7 @@ device-to-host copy.
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -126,7 +127,14 @@ class _BufferPool:
 
 
 class ParameterStore:
-    """The EPS. Group `resident` (the stem and head) stays on the device; the others are streamed."""
+    """The EPS. Group `resident` (the stem and head) stays on the device; the others are streamed.
+
+    A step is all or nothing: before a group's first update in a step its trainable masters and optimizer
+    state are copied aside (`snapshots`), and `rollback` puts them back when the step fails. The copies
+    cost host memory up to the trainable masters and optimizer states (the disk tier needs none: its
+    committed files are the snapshot)."""
+
+    snapshots = True
 
     def __init__(
         self,
@@ -153,6 +161,7 @@ class ParameterStore:
         self._resident_acc = torch.empty(n_res, dtype=torch.float32, device=device)
         self._resident_host = torch.empty(n_res, dtype=torch.float32, pin_memory=True) if self.cuda else None
         self._collected: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._undo: dict[int, tuple[list[torch.Tensor], dict]] = {}  # group -> masters, optimizer state
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ecru-l2l-optimizer")
         self._queue: collections.deque[Future] = collections.deque()
         self._max_pending = max_pending
@@ -186,6 +195,7 @@ class ParameterStore:
         """The step is complete on the device: wait for every update (the disk tier commits it). With
         sharded optimizer states, each group's owner then broadcasts its updated weights."""
         self.synchronize()
+        self._undo.clear()
         if self.shard is not None:
             for g, group in enumerate(self.groups):
                 if group.trainable:
@@ -369,6 +379,7 @@ class ParameterStore:
         if copied is not None:
             copied.synchronize()  # never read a non-blocking device-to-host copy before it has landed
         group = self.groups[g]
+        self._snapshot(g)
         if host is not None:  # else the gradients are in the masters' .grad already
             for p, grad in zip(group.trainable_params, group.grad_views(host), strict=True):
                 p.grad = grad
@@ -408,6 +419,7 @@ class ParameterStore:
         for g in order:
             group = self.groups[g]
             if finite:
+                self._snapshot(g)
                 group.optimizer.step()
                 group.version += 1
                 group.refresh_wire(trainable_only=True)
@@ -415,6 +427,44 @@ class ParameterStore:
                 p.grad = None
             self._give_back(g, self._collected.pop(g)[0])
         return finite, norm
+
+    # ---- all or nothing -----------------------------------------------------------------------------
+    def _snapshot(self, g: int) -> None:
+        """Copy group `g`'s trainable masters and optimizer state aside before its first update this step."""
+        if self.snapshots and g not in self._undo:
+            group = self.groups[g]
+            masters = [p.detach().clone() for p in group.trainable_params]
+            self._undo[g] = (masters, copy.deepcopy(group.optimizer.state_dict()))
+
+    def _drain(self) -> None:
+        """Wait for every submitted update, dropping their errors (the step that failed re-raises its own)."""
+        for group in self.groups:
+            if group.pending is not None:
+                try:
+                    group.pending.result()
+                except BaseException:  # noqa: BLE001, S110 - the failed step is being undone
+                    pass
+                group.pending = None
+        self._queue.clear()
+
+    def rollback(self) -> None:
+        """Undo a failed step: masters and optimizer states as before it, no gradient left, engine usable."""
+        self._drain()
+        with torch.no_grad():
+            for g, (masters, state) in self._undo.items():
+                group = self.groups[g]
+                for p, saved in zip(group.trainable_params, masters, strict=True):
+                    p.copy_(saved)
+                group.optimizer.load_state_dict(state)
+        self._undo.clear()
+        self.discard_grads()
+        for g in list(self._collected):
+            self._give_back(g, self._collected.pop(g)[0])
+        for group in self.groups:  # device copies may hold updated weights: reload them
+            for p in group.params:
+                p.grad = None
+            group.version += 1
+            group.refresh_wire()
 
     # ---- synchronisation and state ----------------------------------------------------------------
     def wait(self, g: int) -> None:
