@@ -38,7 +38,7 @@ from torch.func import functional_call
 
 from ecru.l2l.collectives import Collectives, data_parallel_group
 from ecru.l2l.config import L2LConfig, L2LInputError, check_device
-from ecru.l2l.parts import MicroBatch, ModelParts
+from ecru.l2l.parts import ForwardOutput, MicroBatch, ModelParts
 from ecru.l2l.rng import RngState, capture, replay
 from ecru.l2l.scaling import LossScale
 from ecru.l2l.stash import ActivationStash
@@ -71,6 +71,8 @@ class L2L:
             "stem": _binding(parts.stem, groups[RESIDENT]),
             "head": _binding(parts.head, groups[RESIDENT]),
         }
+        if parts.logits is not None:
+            self._bindings["logits"] = _binding(parts.logits, groups[RESIDENT])
         self._block_bindings = [_binding(b, groups[i + 1]) for i, b in enumerate(parts.blocks)]
         group = data_parallel_group() if self.config.data_parallel else None
         self.comm = Collectives(group, self.device) if group is not None else None
@@ -107,6 +109,7 @@ class L2L:
         if getattr(self.store, "extra", {}).get("rng") is not None:
             torch.set_rng_state(self.store.extra["rng"])
         self.last_grad_norm: float | None = None
+        self._schedulers: list[Any] = []
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -181,6 +184,8 @@ class L2L:
             self._kept.clear()
             self.store.discard_grads()
         self.steps += 1
+        for scheduler in self._schedulers:  # after end_step: no update is in flight
+            scheduler.step()
         return self._global_loss(loss * share)
 
     def _step(self, micro: list[MicroBatch], order: list[int], share: float) -> float:
@@ -479,12 +484,9 @@ class L2L:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict (the fp32 masters); the original model loads it with strict=True. On the
         disk tier it is read from disk into new tensors (O(model) memory)."""
-        self.store.synchronize()
-        if not hasattr(self.store, "materialize"):
-            return self.model.state_dict()
         self.store.materialize()
         try:
-            return {k: v.clone() for k, v in self.model.state_dict().items()}
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         finally:
             self.store.release()
 
@@ -499,20 +501,40 @@ class L2L:
 
         save(self, path)
 
-    def save_pretrained(self, path) -> None:
-        """Export the trained Hugging Face model in `save_pretrained` format."""
-        if self.parts.kind != "hf":
-            raise L2LInputError(
-                "save_pretrained exports Hugging Face models; use engine.state_dict() or save()"
-            )
+    def save_pretrained(self, path, *, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+        """Export the trained Hugging Face model (`save_pretrained` format, with its config) in `dtype`
+        (default: the dtype the model came in), and `tokenizer` beside it when given."""
+        from ecru.l2l.export import save_pretrained
+
+        save_pretrained(self, path, tokenizer=tokenizer, dtype=dtype or self.model_dtype)
+
+    def model_on(self, device: str | torch.device = "cpu", *, dtype: torch.dtype | None = None) -> nn.Module:
+        """Close the engine and hand the model back whole on one `device` (parameters and buffers; the
+        disk tier reads every block back), in `dtype` (default: fp32 masters), for evaluation or
+        generation with the model's own forward."""
+        from ecru.l2l.export import model_on
+
+        return model_on(self, torch.device(device), dtype=dtype)
+
+    @torch.no_grad()
+    def forward(self, batch: Any, *, blocks: Sequence[int] | None = None) -> ForwardOutput:
+        """Evaluate `batch` layer by layer as `step` streams it (so a model larger than memory can be
+        evaluated too), in eval mode, without autograd and without touching weights or optimizer state:
+        the batch's loss as the model defines it and the outputs (HF: logits), on the CPU. An HF batch
+        without labels gives the logits only."""
+        from ecru.l2l.evaluate import forward
+
+        return forward(self, batch, order=self._order(blocks))
+
+    def lr_scheduler(self, factory: Callable[[torch.optim.Optimizer], Any]) -> None:
+        """Give every block's optimizer (and the stem/head's) the scheduler `factory(optimizer)`, e.g.
+        `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup)`; each is stepped after every
+        training step. Set it after a resume too: it is fast-forwarded to the engine's step count."""
         self.store.synchronize()
-        if hasattr(self.store, "materialize"):  # the disk tier: read every block back for the export
-            self.store.materialize()
-        try:
-            self.model.save_pretrained(path)
-        finally:
-            if hasattr(self.store, "release"):
-                self.store.release()
+        self._schedulers = [factory(g.optimizer) for g in self.store.groups if g.optimizer is not None]
+        for _ in range(self.steps):
+            for s in self._schedulers:
+                s.step()
 
     def close(self) -> None:
         """Finish pending updates, stop the optimizer thread and release the store_dir lock."""

@@ -179,6 +179,17 @@ class DecoderBlock(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
+class Logits(nn.Module):
+    """The head's logits alone (final norm + LM head), a module of its own for `functional_call`."""
+
+    def __init__(self, head: CausalLMHead):
+        super().__init__()
+        self.norm, self.lm_head = head.norm, head.lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+
 class CausalLMHead(nn.Module):
     """Final norm, LM head and the model's own causal-LM loss, summed and divided by `num_items`."""
 
@@ -213,13 +224,15 @@ def hf_parts(model: nn.Module, *, verify: bool = True) -> ModelParts:
         return DecoderBlock(layer, kinds[-1])
 
     vocab = config.vocab_size
+    head = CausalLMHead(layout)
     parts = ModelParts(
         kind="hf",
         model=model,
         stem=DecoderStem(layout, set(kinds)),
         blocks=[DecoderBlock(layers[i], kinds[i]) for i in range(n)],
-        head=CausalLMHead(layout),
+        head=head,
         split=lambda batch, size: split_lm_batch(batch, size, vocab_size=vocab),
+        logits=Logits(head),
         count=count_targets,
         append=append,
         output_unused_ok=True,

@@ -70,7 +70,7 @@ class ActivationStash:
     def close(self) -> None:
         """Delete what is left and the stash folder itself when it is empty."""
         self.clear()
-        if self.directory is not None and not any(self.directory.iterdir()):
+        if self.directory is not None and self.directory.is_dir() and not any(self.directory.iterdir()):
             self.directory.rmdir()
 
     def clear(self) -> None:

@@ -486,6 +486,13 @@ class ParameterStore:
             group.version += 1
             group.refresh_wire()
 
+    def materialize(self) -> None:
+        """Every group's masters in host memory (they always are here; the disk tier reads them back)."""
+        self.synchronize()
+
+    def release(self) -> None:
+        """Drop what `materialize` read (nothing here)."""
+
     def optimizer_state(self) -> list[dict]:
         """Every group's optimizer `state_dict`; with sharded states (ZeRO-1) each is sent from its owner,
         so every rank returns the whole optimizer state (a collective: all ranks call it)."""
