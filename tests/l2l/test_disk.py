@@ -105,7 +105,7 @@ def test_a_failed_step_is_rolled_back_and_the_engine_stays_usable(tmp_path, tier
     """The 3rd of 5 block updates of step 2 fails, after 2 blocks were updated (and, on the disk tier,
     written): masters and optimizer states go back to the end of step 1, the same engine retries the
     step and ends bit for bit where an uninterrupted run ends."""
-    disk = {"store": "disk", "store_dir": str(tmp_path / "b")} if tier == "disk" else {}
+    disk = {"store": "disk", "store_dir": str(tmp_path / "b")} if tier == "disk" else {"rollback": True}
     FailingAdamW.fail_at, FailingAdamW.calls = None, 0
     straight = _engine_over(tmp_path / "a")
     for batch in DATA:
@@ -138,6 +138,23 @@ def test_a_failed_step_is_rolled_back_and_the_engine_stays_usable(tmp_path, tier
     got = engine.state_dict()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}", **EXACT)
+    engine.close()
+
+
+def test_without_rollback_the_ram_tier_warns_keeps_the_updates_and_stays_usable():
+    FailingAdamW.fail_at, FailingAdamW.calls = None, 0
+    engine = _engine_over(None)
+    engine.step(DATA[0])
+    FailingAdamW.fail_at = FailingAdamW.calls + 3  # 2 updates done; a queued 3rd may still run
+    with (
+        pytest.warns(UserWarning, match="already updated [23] of 6"),
+        pytest.raises(RuntimeError, match="simulated"),
+    ):
+        engine.step(DATA[1])
+    FailingAdamW.fail_at = None
+    assert engine.steps == 1
+    engine.step(DATA[1])  # usable: no stale error, no leftover gradient
+    assert engine.steps == 2 and all(p.grad is None for p in engine.model.parameters())
     engine.close()
 
 

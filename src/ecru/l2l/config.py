@@ -69,6 +69,11 @@ class L2LConfig:
     `stash` says), plus, when the device weights are not the fp32 masters themselves (CUDA or low
     precision), a device copy of the k blocks' weights. 0: recompute every block; k >= the number of
     blocks keeps them all. Not with store="disk" (it evicts masters)."""
+    rollback: bool = False
+    """RAM tier: make every step all or nothing by copying each group's trainable masters and optimizer
+    state aside before its update (host memory up to the whole trainable training state again; cheap for
+    LoRA). Without it a step that fails after some blocks were updated keeps those updates (with a
+    warning). The disk tier always rolls a failed step back (its committed files are the snapshot)."""
     loss_scale: float = 2.0**16
     """Initial dynamic loss scale (float16 only)."""
     loss_scale_growth_interval: int = 2000

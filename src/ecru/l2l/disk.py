@@ -304,6 +304,7 @@ class DiskParameterStore(ParameterStore):
                 resident.optimizer.state.clear()
             self._install(self.resident, *self._read_group(self.resident, True))
         self._clean()
+        self._updated.clear()  # every update of the step is undone: nothing to warn about
         super().rollback()
 
     def resident_groups(self) -> list[int]:

@@ -87,6 +87,8 @@ class L2L:
                 self.workspace.close()
             raise
         self.store.comm = self.comm
+        if self.config.store == "ram":
+            self.store.snapshots = self.config.rollback
         if self.comm is not None and self.config.shard_optimizer:
             self.store.shard = (self.comm.rank, self.comm.world)
         stem_params = {idx for _, idx in self._bindings["stem"]}

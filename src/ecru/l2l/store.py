@@ -129,12 +129,14 @@ class _BufferPool:
 class ParameterStore:
     """The EPS. Group `resident` (the stem and head) stays on the device; the others are streamed.
 
-    A step is all or nothing: before a group's first update in a step its trainable masters and optimizer
-    state are copied aside (`snapshots`), and `rollback` puts them back when the step fails. The copies
-    cost host memory up to the trainable masters and optimizer states (the disk tier needs none: its
-    committed files are the snapshot)."""
+    With `snapshots` (L2LConfig.rollback) a step is all or nothing: before a group's first update in a
+    step its trainable masters and optimizer state are copied aside, and `rollback` puts them back when
+    the step fails. The copies cost host memory up to the trainable masters and optimizer states (2x the
+    training state of a full fine-tune at the end of a step; little for LoRA), so the RAM tier makes
+    them only on request; without them `rollback` leaves the engine usable and warns when some groups
+    were already updated. The disk tier needs no copies: its committed files are the snapshot."""
 
-    snapshots = True
+    snapshots = False
 
     def __init__(
         self,
@@ -162,6 +164,7 @@ class ParameterStore:
         self._resident_host = torch.empty(n_res, dtype=torch.float32, pin_memory=True) if self.cuda else None
         self._collected: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._undo: dict[int, tuple[list[torch.Tensor], dict]] = {}  # group -> masters, optimizer state
+        self._updated: set[int] = set()  # groups updated in the step in flight
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ecru-l2l-optimizer")
         self._queue: collections.deque[Future] = collections.deque()
         self._max_pending = max_pending
@@ -196,6 +199,7 @@ class ParameterStore:
         sharded optimizer states, each group's owner then broadcasts its updated weights."""
         self.synchronize()
         self._undo.clear()
+        self._updated.clear()
         if self.shard is not None:
             for g, group in enumerate(self.groups):
                 if group.trainable:
@@ -384,6 +388,7 @@ class ParameterStore:
             for p, grad in zip(group.trainable_params, group.grad_views(host), strict=True):
                 p.grad = grad
         group.optimizer.step()
+        self._updated.add(g)
         for p in group.params:
             p.grad = None
         group.refresh_wire(trainable_only=True)
@@ -421,6 +426,7 @@ class ParameterStore:
             if finite:
                 self._snapshot(g)
                 group.optimizer.step()
+                self._updated.add(g)
                 group.version += 1
                 group.refresh_wire(trainable_only=True)
             for p in group.params:
@@ -450,6 +456,14 @@ class ParameterStore:
     def rollback(self) -> None:
         """Undo a failed step: masters and optimizer states as before it, no gradient left, engine usable."""
         self._drain()
+        lost = self._updated - set(self._undo)
+        self._updated.clear()
+        if lost:
+            warnings.warn(
+                f"the failed step had already updated {len(lost)} of {len(self.groups)} parameter groups "
+                "(RAM tier without L2LConfig(rollback=True)); they keep the update, the others do not",
+                stacklevel=3,
+            )
         with torch.no_grad():
             for g, (masters, state) in self._undo.items():
                 group = self.groups[g]
