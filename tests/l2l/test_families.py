@@ -88,3 +88,20 @@ def test_unknown_batch_keys_are_refused():
     batch["position_ids"] = torch.arange(12).expand(5, 12)
     with pytest.raises(L2LInputError, match=r"\['position_ids'\]"):
         engine.step(batch)
+
+
+def test_progressive_stacking_from_zero_layers_equals_the_stacked_model():
+    """add_block on a 0-layer Qwen2 (layer 0 full attention, later ones sliding): each appended layer
+    gets its own mask kind and training equals plain training of the stacked model."""
+    full = tiny_family("qwen2", num_layers=3)
+    empty = tiny_family("qwen2", num_layers=0)
+    empty.load_state_dict(full.state_dict(), strict=False)
+    engine = L2L.from_hf(empty, optimizer=SGD, config=L2LConfig(micro_batch_size=2))
+    for layer in full.model.layers:
+        engine.add_block(copy.deepcopy(layer))
+    assert [b.kind for b in engine.parts.blocks] == layer_kinds(full.config, 3)
+    opt = SGD(full.parameters())
+    for step in range(2):
+        batch = lm_batch(seed=step)
+        assert engine.step(batch) == pytest.approx(reference_step(full, opt, batch), rel=1e-6, abs=0)
+    assert_params_close(full, engine.state_dict(), atol=1e-6, rtol=1e-5)

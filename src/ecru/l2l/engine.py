@@ -24,6 +24,11 @@ Beyond one machine's memory and beyond one process:
                 its host update, so the ranks stay identical and equal one process on the whole batch.
   dynamic depth `step(batch, blocks=[...])` runs a subset / ordering of the blocks; `add_block` appends
                 one to a running engine (progressive stacking); every block keeps its optimizer state.
+
+Only parameters with `requires_grad` are autograd leaves and get gradients, optimizer state and updates
+(frozen weights, PEFT). A step that raises is undone by the store (`rollback`), with the RNG and loss
+scale, and the engine stays usable. After training: `forward` (evaluation streamed like a step),
+`model_on` (the model back whole on one device), `save_pretrained`, `lr_scheduler`.
 """
 
 from __future__ import annotations

@@ -118,10 +118,21 @@ def _check_covered(layout: DecoderLayout, what: str) -> None:
 def layer_kinds(config: Any, n: int) -> list[str]:
     """The attention kind of each of `n` layers, as the model's forward picks its mask."""
     kinds = getattr(config, "layer_types", None)
-    if kinds is not None:
+    if kinds:
         return list(kinds[:n]) + [kinds[-1]] * max(0, n - len(kinds))
     sliding = getattr(config, "sliding_window", None) is not None
     return ["sliding_attention" if sliding else "full_attention"] * n
+
+
+def own_kind(layer: nn.Module) -> str | None:
+    """The attention kind a layer recorded from its config (`layer_type` / `attention_type` on the layer
+    or its `self_attn`), if any."""
+    for module in (layer, getattr(layer, "self_attn", None)):
+        for name in ("layer_type", "attention_type"):
+            kind = getattr(module, name, None)
+            if isinstance(kind, str):
+                return kind
+    return None
 
 
 class DecoderStem(nn.Module):
@@ -216,12 +227,15 @@ def hf_parts(model: nn.Module, *, verify: bool = True) -> ModelParts:
     layers = layout.layers
 
     def append(layer: nn.Module) -> nn.Module:
+        # the new layer's own attention kind where it records one (Qwen2, Qwen3: from its config)
+        kind = own_kind(layer) or layer_kinds(config, len(layers) + 1)[-1]
         layers.append(layer)
         if hasattr(config, "num_hidden_layers"):
             config.num_hidden_layers = len(layers)
         if getattr(config, "layer_types", None) is not None:
-            config.layer_types = layer_kinds(config, len(layers))
-        return DecoderBlock(layer, kinds[-1])
+            config.layer_types = [*list(config.layer_types)[: len(layers) - 1], kind]
+        parts.stem.kinds = sorted({*parts.stem.kinds, kind})
+        return DecoderBlock(layer, kind)
 
     vocab = config.vocab_size
     head = CausalLMHead(layout)
