@@ -53,3 +53,36 @@ def assert_params_close(ref: nn.Module, got: dict[str, torch.Tensor], **tol) -> 
     assert ref_state.keys() == got.keys()
     for name, value in ref_state.items():
         torch.testing.assert_close(got[name], value, msg=lambda m, n=name: f"{n}: {m}", **(tol or PARAM_TOL))
+
+
+FAMILIES = {  # model class, extra config: sliding windows of 4 tokens where the family has them
+    "qwen2": ("Qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
+    "mistral": ("Mistral", {"sliding_window": 4}),
+    "phi3": ("Phi3", {"sliding_window": 5}),
+    "qwen3": ("Qwen3", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
+    "olmo": ("Olmo", {"clip_qkv": 0.5}),
+}
+
+
+def tiny_family(name: str, *, num_layers: int = 3, seed: int = 0, tie: bool = False, **extra) -> nn.Module:
+    """A random tiny `<Family>ForCausalLM` in fp32 (sdpa attention), with its family's quirks switched on."""
+    import transformers
+
+    prefix, quirks = FAMILIES[name]
+    config = getattr(transformers, f"{prefix}Config")(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **{**quirks, **extra},
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return getattr(transformers, f"{prefix}ForCausalLM")(config).eval()

@@ -81,8 +81,8 @@ def test_missing_device_errors_at_construction():
         L2L.from_hf(tiny_llama(), optimizer=SGD, config=L2LConfig(device=device))
 
 
-def test_unsupported_model_names_families_and_from_sequential():
-    with pytest.raises(L2LInputError, match=r"llama.*gpt2.*from_sequential"):
+def test_unsupported_model_says_what_fits_and_names_from_sequential():
+    with pytest.raises(L2LInputError, match=r"decoder-only Hugging Face causal LM.*from_sequential"):
         L2L.from_hf(nn.Linear(2, 2), optimizer=SGD)
 
 

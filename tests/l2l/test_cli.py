@@ -1,4 +1,4 @@
-"""`ecru l2l train` end to end on the random tiny Llama (byte tokens, CLINC150 utterances)."""
+"""`ecru l2l train` end to end on the random tiny Llama (byte tokens) and on a local model folder."""
 
 from __future__ import annotations
 
@@ -9,130 +9,102 @@ import torch
 
 from ecru.cli import main
 
+BASE = ["l2l", "train", "--batch-size", "5", "--micro-batch-size", "2", "--lr", "3e-3"]
 
-def test_train_writes_numbers_checkpoint_and_hf_export(tmp_path, capsys):
-    out = tmp_path / "run.json"
-    argv = [
-        "l2l",
-        "train",
-        "--model",
-        "tiny-llama",
-        "--data",
-        "clinc",
-        "--steps",
-        "6",
-        "--batch-size",
-        "5",
-        "--micro-batch-size",
-        "2",
-        "--stash",
-        "host",
-        "--lr",
-        "3e-3",
-        "--save",
-        str(tmp_path / "ckpt"),
-        "--json",
-        str(out),
-    ]
-    assert main(argv) == 0
-    result = json.loads(out.read_text())
+
+def _run(tmp_path, name, *extra):
+    out = tmp_path / name
+    assert main([*BASE, "--out", str(out), *extra]) == 0
+    return out, json.loads((out / "metrics.json").read_text())
+
+
+def test_train_writes_metrics_checkpoint_and_hf_export(tmp_path, capsys):
+    out, result = _run(tmp_path, "run", "--steps", "6", "--stash", "host")
     assert result["steps"] == 6 and len(result["losses"]) == 6
     assert result["final_loss"] < result["first_loss"] - 0.3  # it learns the byte statistics
-    assert result["tokens_per_s"] > 0 and result["peak_rss_mb"] > 0
-    assert (tmp_path / "ckpt" / "l2l_checkpoint.pt").is_file() and (
-        tmp_path / "ckpt" / "hf" / "config.json"
-    ).is_file()
+    assert (out / "checkpoint" / "l2l_checkpoint.pt").is_file() and (out / "hf" / "config.json").is_file()
     assert "tokens/s" in capsys.readouterr().out
 
-    resumed = tmp_path / "resumed.json"
-    again = [
-        "l2l",
-        "train",
-        "--model",
-        "tiny-llama",
-        "--steps",
-        "2",
-        "--batch-size",
-        "5",
-        "--micro-batch-size",
-        "2",
-        "--resume",
-        str(tmp_path / "ckpt"),
-        "--json",
-        str(resumed),
-    ]
-    assert main(again) == 0
-    assert json.loads(resumed.read_text())["steps"] == 2
 
-
-@pytest.mark.parametrize("bad", [["--micro-batch-size", "0"], ["--steps", "0"]])
-def test_bad_arguments_fail_with_one_line(bad, capsys):
-    assert main(["l2l", "train", "--model", "tiny-llama", *bad]) == 2
-    assert "must be >= 1" in capsys.readouterr().err
-
-
-def test_train_on_the_disk_tier_resumes_from_its_store_and_exports(tmp_path):
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_resume_continues_exactly_including_the_data_position(tmp_path, store):
+    """4 steps in one run == 2 steps, then --resume to 4 (weights bit for bit, the same losses)."""
     from transformers import AutoModelForCausalLM
 
-    store, out = tmp_path / "store", tmp_path / "run.json"
-    argv = [
-        "l2l",
-        "train",
-        "--model",
-        "tiny-llama",
-        "--steps",
-        "3",
-        "--batch-size",
-        "4",
-        "--micro-batch-size",
-        "2",
-        "--stash",
-        "disk",
-        "--store-dir",
-        str(store),
-        "--save",
-        str(tmp_path / "ckpt"),
-        "--json",
-        str(out),
-    ]
-    assert main(argv) == 0
-    first = json.loads(out.read_text())
-    assert first["parameters"] > 0 and (store / "manifest.pt").is_file()
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf")
-    assert all(p.numel() > 0 for p in exported.parameters())  # every block read back for the export
-    assert main(argv[:5] + ["1", *argv[6:]]) == 0  # one more step over the same store
-    assert torch.load(store / "manifest.pt", weights_only=False)["step"] == 4
+    extra = ["--store", store, "--save-every", "2"]
+    _, straight = _run(tmp_path, "straight", "--steps", "4", *extra)
+    out, first = _run(tmp_path, "split", "--steps", "2", *extra)
+    assert main([*BASE, "--out", str(out), "--steps", "4", "--resume", *extra]) == 0
+    resumed = json.loads((out / "metrics.json").read_text())
+    assert first["losses"] == straight["losses"][:2]
+    assert resumed["losses"] == straight["losses"]
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "hf").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(out / "hf").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_keep_graph_blocks_flag_trains_the_same_losses(tmp_path):
-    runs = {}
-    for keep in ("0", "2"):
-        out = tmp_path / f"keep{keep}.json"
-        argv = [
-            "l2l",
-            "train",
-            "--model",
-            "tiny-llama",
-            "--steps",
-            "3",
-            "--batch-size",
-            "5",
-            "--micro-batch-size",
-            "2",
-            "--keep-graph-blocks",
-            keep,
-            "--lr",
-            "3e-3",
-            "--json",
-            str(out),
-        ]
-        assert main(argv) == 0
-        runs[keep] = json.loads(out.read_text())
-    assert runs["2"]["keep_graph_blocks"] == 2
-    assert runs["2"]["losses"] == pytest.approx(runs["0"]["losses"], rel=1e-6, abs=0)
-    assert runs["2"]["losses"][-1] != runs["2"]["losses"][0]
+def test_save_every_writes_checkpoints_during_the_run(tmp_path, monkeypatch):
+    from ecru.l2l import cli
+
+    saved = []
+    real = cli._checkpoint
+    monkeypatch.setattr(
+        cli, "_checkpoint", lambda a, e, o, losses: (saved.append(e.steps), real(a, e, o, losses))
+    )
+    _run(tmp_path, "run", "--steps", "5", "--save-every", "2")
+    assert saved == [2, 4, 5]
 
 
-def test_negative_keep_graph_blocks_fails_with_one_line(capsys):
-    assert main(["l2l", "train", "--model", "tiny-llama", "--keep-graph-blocks", "-1"]) == 2
-    assert "keep_graph_blocks must be an integer >= 0" in capsys.readouterr().err
+def test_user_text_files_txt_and_jsonl(tmp_path):
+    txt = tmp_path / "t.txt"
+    txt.write_text("\n".join(f"line number {i} of my text" for i in range(12)))
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": f"line number {i} of my text"}) for i in range(12)))
+    _, a = _run(tmp_path, "txt", "--steps", "2", "--data", str(txt))
+    _, b = _run(tmp_path, "jsonl", "--steps", "2", "--data", str(jsonl))
+    assert a["losses"] == b["losses"]  # the same texts: the same run
+
+
+def test_a_local_hugging_face_model_folder(tmp_path):
+    """--model PATH: a decoder-only causal LM folder with its tokenizer (a tiny random Llama saved with
+    SmolLM2's tokenizer); the export holds the trained model and the tokenizer."""
+    from ecru.models import load_smollm2, tiny_llama
+
+    _, tokenizer = load_smollm2()
+    tiny_llama(num_layers=2, vocab_size=len(tokenizer)).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "d.txt"
+    data.write_text("\n".join(f"my own training sentence number {i}" for i in range(20)))
+    out, result = _run(
+        tmp_path, "run", "--steps", "3", "--model", str(tmp_path / "model"), "--data", str(data)
+    )
+    assert result["steps"] == 3 and (out / "hf" / "tokenizer.json").is_file()
+    assert result["final_loss"] < result["first_loss"]
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (["--lr", "-1"], "argument --lr: must be > 0"),
+        (["--micro-batch-size", "0"], "must be > 0"),
+        (["--steps", "0"], "must be > 0"),
+        (["--keep-graph-blocks", "-1"], "must be >= 0"),
+        (["--micro-batch-size", "9", "--batch-size", "4"], "larger than --batch-size"),
+        (["--data", "missing.txt"], "not 'clinc' and not an existing file"),
+        (["--model", "no/such/folder"], "not a Hugging Face model folder"),
+    ],
+)
+def test_bad_arguments_fail_with_one_line(bad, message, tmp_path, capsys):
+    try:  # argparse errors exit from parse_args, EcruErrors return from main: both status 2
+        code = main(["l2l", "train", "--out", str(tmp_path / "o"), *bad])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
+    out, _ = _run(tmp_path, "run", "--steps", "1")
+    assert main([*BASE, "--out", str(out), "--steps", "1"]) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err

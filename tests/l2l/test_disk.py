@@ -38,9 +38,12 @@ def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, micro, stash):
         torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}", **EXACT)
     assert disk.store.resident_groups() == []  # after a step no block stays in memory
     assert disk.store.bytes_written > 0 and disk.store.bytes_read > 0
-    # one weights file and one optimizer-state file per group (4 blocks + stem/head), plus the manifest
-    assert len(list(tmp_path.glob("g*.pt"))) == 2 * 5 and (tmp_path / "manifest.pt").is_file()
-    assert not list(tmp_path.glob("stash/*"))  # stashed activations are deleted once read back
+    # one weights file and one optimizer-state file per group (4 blocks + stem/head), plus the manifest,
+    # all inside the engine's own folder
+    store = tmp_path / "ecru-l2l" / "store"
+    assert len(list(store.glob("g*.pt"))) == 2 * 5 and (store / "manifest.pt").is_file()
+    assert not list(tmp_path.glob("ecru-l2l/stash/*"))  # stashed activations are deleted once read back
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ecru-l2l"]
     ram.close()
     disk.close()
 
@@ -79,46 +82,101 @@ def _mlp(seed):
     return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)], nn.Linear(8, 2))
 
 
-def test_interrupted_step_then_resume_equals_uninterrupted(tmp_path):
-    factory = functools.partial(FailingAdamW, lr=1e-2)
-    data = [
-        (
-            torch.randn(6, 8, generator=torch.Generator().manual_seed(s)),
-            torch.randn(6, 2, generator=torch.Generator().manual_seed(100 + s)),
-        )
-        for s in range(3)
-    ]
+DATA = [
+    (
+        torch.randn(6, 8, generator=torch.Generator().manual_seed(s)),
+        torch.randn(6, 2, generator=torch.Generator().manual_seed(100 + s)),
+    )
+    for s in range(3)
+]
 
-    def engine_over(folder, seed=0):
-        return L2L.from_sequential(
-            _mlp(seed),
-            loss_fn=nn.MSELoss(),
-            optimizer=factory,
-            config=L2LConfig(micro_batch_size=2, store="disk", store_dir=str(folder)),
-        )
 
+def _engine_over(folder, seed=0, **config):
+    return L2L.from_sequential(
+        _mlp(seed),
+        loss_fn=nn.MSELoss(),
+        optimizer=functools.partial(FailingAdamW, lr=1e-2),
+        config=L2LConfig(micro_batch_size=2, **config),
+    )
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_a_failed_step_is_rolled_back_and_the_engine_stays_usable(tmp_path, tier):
+    """The 3rd of 5 block updates of step 2 fails, after 2 blocks were updated (and, on the disk tier,
+    written): masters and optimizer states go back to the end of step 1, the same engine retries the
+    step and ends bit for bit where an uninterrupted run ends."""
+    disk = {"store": "disk", "store_dir": str(tmp_path / "b")} if tier == "disk" else {"rollback": True}
     FailingAdamW.fail_at, FailingAdamW.calls = None, 0
-    straight = engine_over(tmp_path / "a")
-    for batch in data:
+    straight = _engine_over(tmp_path / "a")
+    for batch in DATA:
         straight.step(batch)
     expected = straight.state_dict()
     straight.close()
 
-    crashing = engine_over(tmp_path / "b")
-    crashing.step(data[0])
-    FailingAdamW.fail_at = FailingAdamW.calls + 3  # the 3rd of 5 block updates of step 2: 2 are on disk
+    engine = _engine_over(tmp_path / "b", **disk)
+    engine.step(DATA[0])
+    after_one = copy.deepcopy(engine.state_dict())
+    moments = (
+        [copy.deepcopy(g.optimizer.state_dict()) for g in engine.store.groups if g.optimizer]
+        if tier == "ram"
+        else None
+    )
+    FailingAdamW.fail_at = FailingAdamW.calls + 3
     with pytest.raises(RuntimeError, match="simulated crash"):
-        crashing.step(data[1])
-    with pytest.raises(RuntimeError):
-        crashing.close()
-    newer = [p for p in (tmp_path / "b").glob("g*-s000000002.w.pt")]
-    assert len(newer) >= 2  # the interrupted step did write updated blocks ...
+        engine.step(DATA[1])
     FailingAdamW.fail_at = None
+    assert engine.steps == 1
+    for name, value in engine.state_dict().items():
+        torch.testing.assert_close(value, after_one[name], msg=name, **EXACT)
+    if tier == "ram":
+        for g, state in zip([g for g in engine.store.groups if g.optimizer], moments, strict=True):
+            torch.testing.assert_close(g.optimizer.state_dict()["state"], state["state"], **EXACT)
+    else:
+        assert not list((tmp_path / "b" / "ecru-l2l" / "store").glob("g*-s000000002.*"))
+    for batch in DATA[1:]:
+        engine.step(batch)
+    got = engine.state_dict()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}", **EXACT)
+    engine.close()
 
-    resumed = engine_over(tmp_path / "b", seed=7)  # ... but resume ignores them: other init, same result
+
+def test_without_rollback_the_ram_tier_warns_keeps_the_updates_and_stays_usable():
+    FailingAdamW.fail_at, FailingAdamW.calls = None, 0
+    engine = _engine_over(None)
+    engine.step(DATA[0])
+    FailingAdamW.fail_at = FailingAdamW.calls + 3  # 2 updates done; a queued 3rd may still run
+    with (
+        pytest.warns(UserWarning, match="already updated [23] of 6"),
+        pytest.raises(RuntimeError, match="simulated"),
+    ):
+        engine.step(DATA[1])
+    FailingAdamW.fail_at = None
+    assert engine.steps == 1
+    engine.step(DATA[1])  # usable: no stale error, no leftover gradient
+    assert engine.steps == 2 and all(p.grad is None for p in engine.model.parameters())
+    engine.close()
+
+
+def test_files_of_an_interrupted_process_are_ignored_on_resume(tmp_path):
+    """A process killed mid-step leaves block files newer than the manifest: resume deletes them and
+    starts from the last committed step (whatever the new model's initial weights)."""
+    FailingAdamW.fail_at, FailingAdamW.calls = None, 0
+    straight = _engine_over(tmp_path / "a")
+    for batch in DATA:
+        straight.step(batch)
+    expected = straight.state_dict()
+    straight.close()
+    engine = _engine_over(tmp_path / "b", store="disk", store_dir=str(tmp_path / "b"))
+    engine.step(DATA[0])
+    engine.close()
+    store = tmp_path / "b" / "ecru-l2l" / "store"
+    for path in store.glob("g00001-s000000001.*.pt"):  # what a killed step 2 would have written
+        path.with_name(path.name.replace("s000000001", "s000000002")).write_bytes(b"half written")
+    resumed = _engine_over(tmp_path / "b", seed=7, store="disk", store_dir=str(tmp_path / "b"))
     assert resumed.steps == 1
-    assert not list((tmp_path / "b").glob("g*-s000000002.*"))
-    for batch in data[1:]:
+    assert not list(store.glob("g*-s000000002.*"))
+    for batch in DATA[1:]:
         resumed.step(batch)
     got = resumed.state_dict()
     for name in expected:
@@ -138,13 +196,13 @@ def test_disk_tier_refuses_what_needs_the_whole_model(tmp_path):
         optimizer=ADAMW,
         config=L2LConfig(store="disk", store_dir=str(tmp_path / "s"), fsync=False),
     )
+    engine.close()
     with pytest.raises(L2LInputError, match="different|sizes"):
         L2L.from_hf(
             tiny_llama(num_layers=3),
             optimizer=ADAMW,
             config=L2LConfig(store="disk", store_dir=str(tmp_path / "s")),
         )
-    engine.close()
 
 
 @pytest.mark.gpu
@@ -162,3 +220,77 @@ def test_disk_tier_on_cuda_equals_ram_tier_on_cuda(tmp_path):
         torch.testing.assert_close(got[name].cpu(), expected[name].cpu(), atol=1e-6, rtol=1e-5)
     ram.close()
     disk.close()
+
+
+def test_store_dir_is_locked_and_the_users_files_are_left_alone(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "g00001-s000000000.w.pt").write_text("a user file that looks like a block file")
+    (tmp_path / "stash").mkdir()
+    (tmp_path / "stash" / "b00000-m00000.pt").write_text("and one like a stash file")
+    config = L2LConfig(micro_batch_size=2, store="disk", stash="disk", store_dir=str(tmp_path), fsync=False)
+    engine = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)
+    with pytest.raises(L2LInputError, match="in use by another L2L engine"):
+        L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)
+    engine.step(lm_batch())
+    engine.close()
+    again = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)  # released on close
+    assert again.steps == 1
+    again.close()
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "g00001-s000000000.w.pt").is_file() and (
+        tmp_path / "stash" / "b00000-m00000.pt"
+    ).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ecru-l2l",
+        "g00001-s000000000.w.pt",
+        "notes.txt",
+        "stash",
+    ]
+
+
+def test_disk_stash_writes_only_each_micro_batchs_own_bytes(tmp_path, monkeypatch):
+    """Micro-batches are views into the batch tensors: saving a view writes its whole storage."""
+    from ecru.l2l import stash as stash_module
+
+    sizes = []
+    real_save = torch.save
+    monkeypatch.setattr(
+        stash_module.torch,
+        "save",
+        lambda t, f, *a, **k: (sizes.append(t.untyped_storage().nbytes()), real_save(t, f)),
+    )
+    config = L2LConfig(micro_batch_size=1, stash="disk", store_dir=str(tmp_path))
+    engine = L2L.from_sequential(
+        nn.Sequential(nn.Identity(), nn.Linear(8, 2)), loss_fn=nn.MSELoss(), optimizer=ADAMW, config=config
+    )
+    engine.step((torch.randn(64, 8), torch.randn(64, 2)))  # block 0 (Identity) stashes views of the batch
+    assert sizes and max(sizes) == 8 * 4  # one row of 8 floats, not the 64-row batch
+    engine.close()
+
+
+def test_fsync_syncs_the_folder_after_each_rename(tmp_path, monkeypatch):
+    from ecru.l2l import disk
+
+    synced = []
+    monkeypatch.setattr(disk, "fsync_dir", lambda path: synced.append(path))
+    config = L2LConfig(store="disk", store_dir=str(tmp_path), fsync=True)
+    engine = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)
+    synced.clear()
+    engine.step(lm_batch())
+    engine.close()
+    # per step: 2 blocks + the resident group, 2 files each, and the manifest
+    assert len(synced) == 2 * 3 + 1 and set(synced) == {tmp_path / "ecru-l2l" / "store"}
+
+
+def test_learning_rates_are_saved_and_restored_with_the_store(tmp_path):
+    config = L2LConfig(store="disk", store_dir=str(tmp_path), fsync=False)
+    engine = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)
+    for i, g in enumerate(engine.store.groups):  # what a schedule does: per block, changed in flight
+        g.optimizer.param_groups[0]["lr"] = 1e-3 * (i + 1)
+    engine.step(lm_batch())
+    engine.close()
+    resumed = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)
+    assert [g.optimizer.param_groups[0]["lr"] for g in resumed.store.groups] == pytest.approx(
+        [1e-3, 2e-3, 3e-3]
+    )
+    resumed.close()

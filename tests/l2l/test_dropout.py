@@ -25,7 +25,7 @@ def same_masks_reference_grads(model, batch: dict, seed: int) -> dict[str, torch
         {k: v[i : i + MICRO] for k, v in batch.items()} for i in range(0, len(batch["input_ids"]), MICRO)
     ]
     num_items = int((batch["labels"][:, 1:] != -100).sum())
-    pos = torch.arange(batch["input_ids"].shape[1])[None]
+    pos = torch.arange(batch["input_ids"].shape[1], device=batch["input_ids"].device)[None]
     hidden, masks = [], []
     for mb in pieces:
         embeds = t.wte(mb["input_ids"])

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from ecru.l2l import L2L, L2LConfig
+from ecru.l2l import L2L, L2LConfig, L2LInputError
 from ecru.models import tiny_llama
 
 from .helpers import lm_batch
@@ -61,3 +61,17 @@ def test_gradient_clipping_matches_plain_clip_grad_norm():
         assert float(norm) > 0.1  # clipping is active
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(engine.state_dict()[name], value, atol=1e-7, rtol=1e-6)
+
+
+def test_loss_scale_never_falls_below_its_floor():
+    from ecru.l2l.scaling import LossScale
+
+    scale = LossScale(8.0, growth_interval=2, min_scale=1.0)
+    for _ in range(10):  # every step overflows
+        scale.update(finite=False)
+    assert scale.scale == 1.0 and scale.skipped == 10
+    scale.update(finite=True)
+    scale.update(finite=True)
+    assert scale.scale == 2.0
+    with pytest.raises(L2LInputError, match="min_loss_scale"):
+        L2LConfig(compute_dtype="float16", loss_scale=4.0, min_loss_scale=8.0)

@@ -18,6 +18,7 @@ from torch import nn
 from ecru.errors import MissingAssetError
 from ecru.l2l.config import L2LConfig
 from ecru.l2l.store import OptimizerFactory
+from ecru.l2l.workspace import fsync_dir
 
 if TYPE_CHECKING:
     from ecru.l2l.engine import L2L
@@ -51,6 +52,7 @@ def save(engine: L2L, path: str | os.PathLike) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, target)
+    fsync_dir(folder)  # the rename itself survives a power loss
     return target
 
 

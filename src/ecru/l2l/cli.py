@@ -1,18 +1,28 @@
-"""`ecru l2l train`: fine-tune a causal LM on CLINC150 utterances with layer-to-layer training.
+"""`ecru l2l train`: fine-tune a causal LM on text with layer-to-layer training.
 
-torch and transformers are imported inside the handler: `ecru --help` imports this module.
+The model is a bundled name (smollm2, tiny-llama) or any local Hugging Face model folder; the text is
+CLINC150 or the user's .txt (one text per line) / .jsonl (a "text" field per line). Everything the run
+writes goes to --out DIR: `state.json` (arguments, losses, data position), `checkpoint/` (the full
+training state, every --save-every steps and at the end; on the disk tier the store under DIR/ecru-l2l
+is the checkpoint itself), `hf/` (the trained model and tokenizer in save_pretrained format) and
+`metrics.json`. `--resume` continues from DIR exactly: weights, optimizer states, RNG and the data
+position (the batch of step k is a pure function of k and --seed).
 """
+
+# torch and transformers are imported inside the handler: `ecru --help` imports this module.
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
+from ecru.cliargs import add_out_dir, non_negative_float, non_negative_int, positive_float, positive_int
+
 MODELS = ("smollm2", "tiny-llama")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+STATE, CHECKPOINT = "state.json", "checkpoint"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,65 +30,85 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train = sub.add_parser("train", help="fine-tune a causal LM with L2L", description=__doc__)
     train.add_argument(
         "--model",
-        choices=MODELS,
         default="tiny-llama",
-        help="smollm2 (SmolLM2-135M-Instruct) or tiny-llama (random, byte tokens)",
+        help="smollm2 (SmolLM2-135M-Instruct), tiny-llama (random, byte tokens) or a local Hugging Face "
+        "model folder (a decoder-only causal LM with its tokenizer)",
     )
     train.add_argument(
-        "--data", choices=("clinc",), default="clinc", help="training text (CLINC150 utterances)"
+        "--data",
+        default="clinc",
+        help="clinc (CLINC150 utterances) or a .txt (one text per line) / .jsonl ('text' field) file",
     )
-    train.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    train.add_argument("--batch-size", type=int, default=8, help="samples per minibatch (one optimizer step)")
-    train.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch")
-    train.add_argument("--max-length", type=int, default=64, help="tokens per sample (truncation)")
+    add_out_dir(train, default="runs/l2l")
+    train.add_argument("--steps", type=positive_int, default=10, help="total optimizer steps of the run")
+    train.add_argument("--save-every", type=positive_int, default=None, help="checkpoint every N steps")
+    train.add_argument("--batch-size", type=positive_int, default=8, help="samples per step")
+    train.add_argument("--micro-batch-size", type=positive_int, default=2, help="samples per micro-batch")
+    train.add_argument("--max-length", type=positive_int, default=64, help="tokens per sample (truncation)")
     train.add_argument(
-        "--stash",
-        choices=("device", "host", "disk"),
-        default="device",
-        help="where block inputs wait (disk: under --store-dir)",
+        "--stash", choices=("device", "host", "disk"), default="device", help="where block inputs wait"
     )
     train.add_argument(
-        "--store-dir",
-        default=None,
-        help="disk tier: masters and optimizer states per block in this folder (resumed if present)",
+        "--store",
+        choices=("ram", "disk"),
+        default="ram",
+        help="where masters and optimizer states live (disk: under --out, committed every step)",
     )
     train.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     train.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default="fp32", help="compute precision")
-    train.add_argument("--prefetch", type=int, default=1, help="blocks copied ahead (CUDA)")
-    train.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    train.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    train.add_argument("--prefetch", type=non_negative_int, default=1, help="blocks copied ahead (CUDA)")
+    train.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
+    train.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="AdamW weight decay")
     train.add_argument(
         "--keep-graph-blocks",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="K",
         help="the last K blocks keep their forward graph instead of recomputing it in the backward "
         "(faster, holds their activations for every micro-batch)",
     )
-    train.add_argument("--max-grad-norm", type=float, default=None, help="global clipping (disables overlap)")
-    train.add_argument("--seed", type=int, default=0, help="data order and model init seed")
-    train.add_argument("--save", default=None, help="folder for a training checkpoint and an HF export")
-    train.add_argument("--resume", default=None, help="continue from a checkpoint folder written by --save")
-    train.add_argument("--json", default=None, help="write the run's numbers to this JSON file")
+    train.add_argument(
+        "--max-grad-norm", type=positive_float, default=None, help="global clipping (disables overlap)"
+    )
+    train.add_argument("--seed", type=non_negative_int, default=0, help="data order and model init seed")
     train.set_defaults(func=run_train)
 
 
 def load_model(name: str, *, seed: int = 0):
-    """(model, tokenizer) for a CLI model name, in fp32 on the CPU."""
+    """(model, tokenizer) for a CLI model name or a local model folder, in fp32 on the CPU."""
     from ecru.l2l.data import ByteTokenizer
 
     if name == "smollm2":
         from ecru.models import load_smollm2
 
-        model, tokenizer = load_smollm2()
-        return model, tokenizer
-    from ecru.models import tiny_llama
+        return load_smollm2()
+    if name == "tiny-llama":
+        from ecru.models import tiny_llama
 
-    tok = ByteTokenizer()
-    model = tiny_llama(
-        vocab_size=tok.vocab_size, hidden_size=64, num_layers=4, intermediate_size=128, seed=seed
-    )
-    return model, tok
+        tok = ByteTokenizer()
+        model = tiny_llama(
+            vocab_size=tok.vocab_size, hidden_size=64, num_layers=4, intermediate_size=128, seed=seed
+        )
+        return model, tok
+    return _load_folder(Path(name).expanduser())
+
+
+def _load_folder(path: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ecru.errors import EcruError
+
+    if not (path / "config.json").is_file():
+        raise EcruError(
+            f"--model {path}: not one of {MODELS} and not a Hugging Face model folder (no config.json)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        raise EcruError(f"--model {path}: cannot load it ({str(exc).splitlines()[0]})") from None
+    return model, tokenizer
 
 
 def peak_rss_mb() -> float:
@@ -91,27 +121,63 @@ def peak_rss_mb() -> float:
 def _check_args(args: argparse.Namespace) -> None:
     from ecru.errors import EcruError
 
-    for name in ("steps", "batch_size", "micro_batch_size", "max_length"):
-        if getattr(args, name) < 1:
-            raise EcruError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.store_dir and args.resume:
-        raise EcruError("--resume reads a RAM-tier checkpoint; with --store-dir the store resumes by itself")
+    if args.micro_batch_size > args.batch_size:
+        raise EcruError(
+            f"--micro-batch-size {args.micro_batch_size} is larger than --batch-size {args.batch_size}; "
+            "a micro-batch is a slice of the batch"
+        )
+    if args.data != "clinc" and not Path(args.data).expanduser().is_file():
+        raise EcruError(f"--data {args.data}: not 'clinc' and not an existing file")
 
 
-def run_train(args: argparse.Namespace) -> int:
+def _prepare_out(args: argparse.Namespace) -> tuple[Path, dict | None]:
+    """The --out folder (checked writable before any work) and the state of the run it holds, if any."""
+    import json
+
+    from ecru.cliargs import prepare_out_dir
+    from ecru.errors import EcruError
+
+    out = prepare_out_dir(args.out)
+    state_file = out / STATE
+    held = state_file.is_file() or (out / "ecru-l2l" / "store").is_dir()
+    if held and not args.resume:
+        raise EcruError(
+            f"--out {out} already holds a run; pass --resume to continue it or choose another --out"
+        )
+    if not args.resume:
+        return out, None
+    if not state_file.is_file():
+        raise EcruError(f"--resume: {out} holds no run to continue ({STATE} missing)")
+    state = json.loads(state_file.read_text())
+    for key in ("model", "data", "batch_size", "max_length", "seed", "store"):
+        if state["args"][key] != getattr(args, key):
+            raise EcruError(
+                f"--resume: the run in {out} used --{key.replace('_', '-')} {state['args'][key]}, not "
+                f"{getattr(args, key)}; resume with the same data, model and batch settings"
+            )
+    return out, state
+
+
+def _texts(data: str) -> list[str]:
+    if data == "clinc":
+        from ecru.datasets import load_clinc
+
+        return [e.text for e in load_clinc()["train"]]
+    from ecru.l2l.data import read_texts
+
+    return read_texts(Path(data).expanduser())
+
+
+def _engine(args: argparse.Namespace, out: Path, model, resume: bool):
     import functools
 
     import torch
-    from tqdm import tqdm
 
+    from ecru.cliargs import config_from
     from ecru.l2l import L2L, L2LConfig
-    from ecru.l2l.data import clinc_batches
 
-    _check_args(args)
-    torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model, seed=args.seed)
-    model.train()
-    config = L2LConfig(
+    config = config_from(
+        L2LConfig,
         micro_batch_size=args.micro_batch_size,
         device=args.device,
         compute_dtype=DTYPE_NAMES[args.dtype],
@@ -119,32 +185,77 @@ def run_train(args: argparse.Namespace) -> int:
         prefetch=args.prefetch,
         max_grad_norm=args.max_grad_norm,
         keep_graph_blocks=args.keep_graph_blocks,
-        store="disk" if args.store_dir else "ram",
-        store_dir=args.store_dir,
+        store=args.store,
+        store_dir=str(out) if "disk" in (args.store, args.stash) else None,
     )
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay, fused=True)
-    if args.resume:
-        engine = L2L.resume(args.resume, model, optimizer=optimizer, config=config)
-    else:
-        engine = L2L.from_hf(model, optimizer=optimizer, config=config)
-    batches = clinc_batches(tokenizer, batch_size=args.batch_size, max_length=args.max_length, seed=args.seed)
-    losses, tokens, start = [], 0, time.perf_counter()
-    with tqdm(range(args.steps), desc=f"l2l {args.model}", unit="step", file=sys.stderr) as bar:
-        for _ in bar:
-            batch = next(batches)
+    if resume and args.store == "ram":
+        return L2L.resume(out / CHECKPOINT, model, optimizer=optimizer, config=config)
+    return L2L.from_hf(model, optimizer=optimizer, config=config)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from ecru.errors import EcruError
+
+    _check_args(args)
+    out, state = _prepare_out(args)
+    texts = _texts(args.data)
+    if len(texts) < args.batch_size:
+        raise EcruError(f"--data has {len(texts)} texts, fewer than one batch of {args.batch_size}")
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model(args.model, seed=args.seed)
+    model.train()
+    engine = _engine(args, out, model, resume=state is not None)
+    losses = (state or {}).get("losses", [])[: engine.steps]
+    try:
+        losses, tokens, wall = _train(args, engine, tokenizer, texts, out, losses)
+        _checkpoint(args, engine, out, losses)
+        engine.save_pretrained(
+            out / "hf", tokenizer=tokenizer if hasattr(tokenizer, "save_pretrained") else None
+        )
+        result = _summary(args, engine, losses, tokens, wall)
+    finally:
+        engine.close()
+    _report(result, out)
+    return 0
+
+
+def _train(args, engine, tokenizer, texts, out: Path, losses: list[float]):
+    from tqdm import tqdm
+
+    from ecru.l2l.data import batch_texts, encode_batch
+
+    tokens, start, first = 0, time.perf_counter(), engine.steps
+    with tqdm(total=args.steps, initial=first, desc="l2l train", unit="step", file=sys.stderr) as bar:
+        for step in range(first, args.steps):
+            batch = encode_batch(
+                tokenizer,
+                batch_texts(texts, step, batch_size=args.batch_size, seed=args.seed),
+                max_length=args.max_length,
+            )
             losses.append(engine.step(batch))
             tokens += int(batch["attention_mask"].sum())
+            bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
-    wall = time.perf_counter() - start
-    result = _summary(args, engine, losses, tokens, wall)
-    if args.save:
-        if not args.store_dir:  # the disk tier's store_dir is its own training checkpoint
-            engine.save(args.save)
-        engine.save_pretrained(Path(args.save) / "hf")
-        result["saved"] = str(args.save)
-    engine.close()
-    _report(result, args.json)
-    return 0
+            if args.save_every and engine.steps % args.save_every == 0 and engine.steps < args.steps:
+                _checkpoint(args, engine, out, losses)
+    return losses, tokens, time.perf_counter() - start
+
+
+def _checkpoint(args, engine, out: Path, losses: list[float]) -> None:
+    """state.json first, then the engine's checkpoint: a crash between them leaves a state.json ahead of
+    the checkpoint, and resume trusts the checkpoint's step (losses are cut to it)."""
+    from ecru.cliargs import atomic_write_json
+
+    keys = ("model", "data", "batch_size", "micro_batch_size", "max_length", "seed", "store", "lr")
+    atomic_write_json(
+        out / STATE,
+        {"args": {k: getattr(args, k) for k in keys}, "steps": engine.steps, "losses": losses},
+    )
+    if args.store == "ram":  # the disk tier committed this step in its store already
+        engine.save(out / CHECKPOINT)
 
 
 def _summary(args: argparse.Namespace, engine, losses: list[float], tokens: int, wall: float) -> dict:
@@ -152,19 +263,21 @@ def _summary(args: argparse.Namespace, engine, losses: list[float], tokens: int,
 
     result = {
         "model": args.model,
+        "data": args.data,
         "steps": len(losses),
         "batch_size": args.batch_size,
         "micro_batch_size": args.micro_batch_size,
         "device": str(engine.device),
         "dtype": args.dtype,
         "stash": args.stash,
+        "store": args.store,
         "keep_graph_blocks": args.keep_graph_blocks,
         "losses": losses,
         "first_loss": losses[0],
         "final_loss": losses[-1],
-        "tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall,
+        "tokens_this_run": tokens,
+        "wall_s_this_run": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else None,
         "peak_rss_mb": peak_rss_mb(),
         "parameters": sum(g.numel for g in engine.store.groups),
     }
@@ -173,15 +286,20 @@ def _summary(args: argparse.Namespace, engine, losses: list[float], tokens: int,
     return result
 
 
-def _report(result: dict, json_path: str | None) -> None:
+def _report(result: dict, out: Path) -> None:
+    from ecru.cliargs import atomic_write_json
+
     print(
         f"model {result['model']} ({result['parameters'] / 1e6:.1f}M params) on {result['device']}, "
-        f"{result['dtype']}, stash on {result['stash']}"
+        f"{result['dtype']}, stash on {result['stash']}, store in {result['store']}"
     )
     print(f"loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} over {result['steps']} steps")
-    print(f"tokens/s {result['tokens_per_s']:.1f}   peak host RSS {result['peak_rss_mb']:.0f} MiB", end="")
-    print(f"   peak device memory {result['peak_device_mb']:.0f} MiB" if "peak_device_mb" in result else "")
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2))
-        print(f"wrote {json_path}")
+    if result["tokens_per_s"] is not None:
+        print(
+            f"tokens/s {result['tokens_per_s']:.1f}   peak host RSS {result['peak_rss_mb']:.0f} MiB", end=""
+        )
+        print(
+            f"   peak device memory {result['peak_device_mb']:.0f} MiB" if "peak_device_mb" in result else ""
+        )
+    atomic_write_json(out / "metrics.json", result)
+    print(f"wrote {out}/metrics.json, {out}/hf")

@@ -69,10 +69,17 @@ class L2LConfig:
     `stash` says), plus, when the device weights are not the fp32 masters themselves (CUDA or low
     precision), a device copy of the k blocks' weights. 0: recompute every block; k >= the number of
     blocks keeps them all. Not with store="disk" (it evicts masters)."""
+    rollback: bool = False
+    """RAM tier: make every step all or nothing by copying each group's trainable masters and optimizer
+    state aside before its update (host memory up to the whole trainable training state again; cheap for
+    LoRA). Without it a step that fails after some blocks were updated keeps those updates (with a
+    warning). The disk tier always rolls a failed step back (its committed files are the snapshot)."""
     loss_scale: float = 2.0**16
     """Initial dynamic loss scale (float16 only)."""
     loss_scale_growth_interval: int = 2000
     """Steps without overflow before the loss scale doubles (float16 only)."""
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic loss scale (float16 only): overflows never halve it below this."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
@@ -102,6 +109,10 @@ class L2LConfig:
             raise L2LInputError(f"max_pending_updates must be >= 1, got {self.max_pending_updates}")
         if not self.loss_scale > 0 or self.loss_scale_growth_interval < 1:
             raise L2LInputError("loss_scale must be > 0 and loss_scale_growth_interval >= 1")
+        if not 0 < self.min_loss_scale <= self.loss_scale:
+            raise L2LInputError(
+                f"min_loss_scale must be in (0, loss_scale={self.loss_scale}], got {self.min_loss_scale}"
+            )
         if self.store not in STORES:
             raise L2LInputError(f"store must be one of {STORES}, got {self.store!r}")
         if self.store == "disk" and not self.store_dir:

@@ -1,9 +1,12 @@
-"""CLINC150 utterances as right-padded causal-LM batches for fine-tuning runs (CLI, demo, benchmark)."""
+"""Training text as right-padded causal-LM batches (CLI, demo, benchmark): CLINC150 utterances or the
+user's own .txt / .jsonl file, at a data position that is a pure function of the step (exact resume)."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
@@ -53,3 +56,48 @@ def clinc_batches(
             yield encode_batch(
                 tokenizer, [texts[k] for k in order[i : i + batch_size]], max_length=max_length
             )
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """Training texts from a file: `.txt` (one text per non-empty line) or `.jsonl` (one JSON object per
+    line with a string field `text`); a clear error for anything else."""
+    from ecru.errors import EcruError
+
+    path = Path(path)
+    if path.suffix not in (".txt", ".jsonl"):
+        raise EcruError(
+            f"--data {path}: give a .txt file (one text per line) or a .jsonl file with a 'text' field"
+        )
+    lines = path.read_text(encoding="utf-8").splitlines()
+    if path.suffix == ".txt":
+        texts = [line for line in lines if line.strip()]
+    else:
+        texts = [_jsonl_text(line, path, n) for n, line in enumerate(lines, 1) if line.strip()]
+    if not texts:
+        raise EcruError(f"--data {path}: no text in it")
+    return texts
+
+
+def _jsonl_text(line: str, path: Path, n: int) -> str:
+    from ecru.errors import EcruError
+
+    try:
+        text = json.loads(line).get("text")
+    except (json.JSONDecodeError, AttributeError):
+        text = None
+    if not isinstance(text, str):
+        raise EcruError(f"--data {path}, line {n}: not a JSON object with a string field 'text'")
+    return text
+
+
+def batch_texts(texts: Sequence[str], step: int, *, batch_size: int, seed: int) -> list[str]:
+    """The texts of training step `step` (0-based): epoch e visits the texts in the order of a shuffle
+    seeded by (seed, e), `batch_size` at a time, dropping the last partial batch. A pure function of the
+    step, so a resumed run continues at exactly the data position it stopped at."""
+    per_epoch = len(texts) // batch_size
+    if per_epoch == 0:
+        raise ValueError(f"{len(texts)} texts cannot fill one batch of {batch_size}")
+    epoch, index = divmod(step, per_epoch)
+    order = list(range(len(texts)))
+    random.Random(f"{seed}-{epoch}").shuffle(order)
+    return [texts[k] for k in order[index * batch_size : (index + 1) * batch_size]]

@@ -3,7 +3,11 @@
 Layout of `store_dir`:
 - `g{group}-s{version}.w.pt`: the group's fp32 masters as one flat tensor;
 - `g{group}-s{version}.o.pt`: its optimizer state (one dict per parameter, as `optimizer.state` holds it);
-- `manifest.pt`: the last complete step and, per group, the version of its files.
+- `manifest.pt`: the last complete step, per group the version of its files, and the optimizers'
+  hyperparameters (`param_groups`: a learning-rate schedule resumes where it was).
+
+`store_dir` here is the engine's own locked folder (ecru.l2l.workspace): the store deletes only files
+whose names it gives. With `fsync=True` each file and the folder entries (renames) are synced.
 
 A streamed block lives in host memory only while it is used: the forward reads its weights (ahead of
 use, on an I/O thread), the backward reads weights + optimizer state, the optimizer worker steps it,
@@ -11,7 +15,9 @@ writes the new version (temporary name, then `os.replace`) and drops it ("write 
 group (stem + head) stays in memory and is written at the end of every step. A step becomes durable
 when `manifest.pt` is replaced by one naming the new versions; files of an interrupted step are newer
 than the manifest and are deleted on resume, so a crash never leaves a block half updated: the store
-restarts from the last complete step.
+restarts from the last complete step. A step that fails in a running engine is rolled back the same way
+(`rollback`): versions back to the manifest's, newer files deleted, blocks in memory dropped, the
+resident group read back.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch import nn
 
 from ecru.l2l.config import L2LInputError
 from ecru.l2l.store import OptimizerFactory, ParameterStore
+from ecru.l2l.workspace import fsync_dir
 
 MANIFEST = "manifest.pt"
 FORMAT = "ecru-l2l-disk/1"
@@ -60,10 +67,14 @@ def _write(path: Path, value, *, fsync: bool) -> None:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+    if fsync:
+        fsync_dir(path.parent)
 
 
 class DiskParameterStore(ParameterStore):
     """`ParameterStore` whose streamed groups live on disk; see the module docstring."""
+
+    snapshots = False  # the committed files are the snapshot of a step
 
     def __init__(
         self,
@@ -80,7 +91,6 @@ class DiskParameterStore(ParameterStore):
         fsync: bool = True,
     ):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.read_ahead, self.fsync = read_ahead, fsync
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ecru-l2l-io")
         self._reads: dict[int, tuple[bool, Future]] = {}
@@ -151,8 +161,10 @@ class DiskParameterStore(ParameterStore):
             "versions": list(self.versions),
             "numels": [g.numel for g in self.groups],
             "extra": self.extra,
+            "param_groups": [_hyperparameters(g.optimizer) for g in self.groups],
         }
         _write(self.directory / MANIFEST, payload, fsync=self.fsync)
+        self._committed = list(self.versions)
         self._clean()
 
     def _clean(self) -> None:
@@ -174,6 +186,11 @@ class DiskParameterStore(ParameterStore):
                 "an empty store_dir"
             )
         self.step, self.versions, self.extra = payload["step"], list(payload["versions"]), payload["extra"]
+        self._committed = list(self.versions)
+        for group, saved in zip(self.groups, payload.get("param_groups", []), strict=False):
+            if group.optimizer is not None and saved is not None:
+                for live, hyper in zip(group.optimizer.param_groups, saved, strict=True):
+                    live.update(hyper)
         self._clean()  # files of an interrupted step are newer than the manifest
         for g in range(len(self.groups)):
             if g == self.resident:
@@ -270,6 +287,26 @@ class DiskParameterStore(ParameterStore):
             self._write_group(self.resident, steps)
         self._commit(steps)
 
+    def rollback(self) -> None:
+        """Undo a failed step: back to the committed versions (see the module docstring)."""
+        self._drain()
+        for g in list(self._reads):
+            try:
+                self._reads.pop(g)[1].result()
+            except BaseException:  # noqa: BLE001, S110 - the failed step is being undone
+                pass
+        self.versions = list(self._committed)
+        for g in list(self._flat):
+            self._evict(g)
+        resident = self.groups[self.resident]
+        if resident.params:
+            if resident.optimizer is not None:
+                resident.optimizer.state.clear()
+            self._install(self.resident, *self._read_group(self.resident, True))
+        self._clean()
+        self._updated.clear()  # every update of the step is undone: nothing to warn about
+        super().rollback()
+
     def resident_groups(self) -> list[int]:
         """Streamed groups in memory now (the tests check that it stays O(a few blocks))."""
         return sorted(self._flat)
@@ -305,3 +342,10 @@ class DiskParameterStore(ParameterStore):
             for _, fut in self._reads.values():
                 fut.cancel()
             self._io.shutdown(wait=True)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict] | None:
+    """The optimizer's param_groups without their parameters (learning rate, betas, weight decay, ...)."""
+    if optimizer is None:
+        return None
+    return [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]

@@ -24,10 +24,16 @@ Beyond one machine's memory and beyond one process:
                 its host update, so the ranks stay identical and equal one process on the whole batch.
   dynamic depth `step(batch, blocks=[...])` runs a subset / ordering of the blocks; `add_block` appends
                 one to a running engine (progressive stacking); every block keeps its optimizer state.
+
+Only parameters with `requires_grad` are autograd leaves and get gradients, optimizer state and updates
+(frozen weights, PEFT). A step that raises is undone by the store (`rollback`), with the RNG and loss
+scale, and the engine stays usable. After training: `forward` (evaluation streamed like a step),
+`model_on` (the model back whole on one device), `save_pretrained`, `lr_scheduler`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,17 +41,19 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from ecru.l2l.collectives import Collectives, data_parallel_group
 from ecru.l2l.config import L2LConfig, L2LInputError, check_device
-from ecru.l2l.parts import MicroBatch, ModelParts
+from ecru.l2l.parts import ForwardOutput, MicroBatch, ModelParts
 from ecru.l2l.rng import RngState, capture, replay
 from ecru.l2l.scaling import LossScale
 from ecru.l2l.stash import ActivationStash
 from ecru.l2l.store import OptimizerFactory, ParameterStore
+from ecru.l2l.workspace import Workspace
 
 RESIDENT = 0  # group of the stem and head; block i is group i + 1
 Binding = list[tuple[str, int]]  # (parameter name in the piece, index in its group)
 # a kept block's autograd leaves (index in its group -> weight) and, per micro-batch, (input leaf or None, output)
-KeptGraphs = tuple[dict[int, torch.Tensor], list[tuple[torch.Tensor | None, torch.Tensor | None]]]
+KeptGraphs = tuple[dict[int, torch.Tensor], list[int], list[tuple[torch.Tensor | None, torch.Tensor | None]]]
 
 
 class L2L:
@@ -60,6 +68,7 @@ class L2L:
                 "e.g. functools.partial(torch.optim.AdamW, lr=1e-3)"
             )
         self.parts, self.model = parts, parts.model
+        self.model_dtype = _model_dtype(self.model)
         _fp32_masters_(self.model)
         _buffers_to_(self.model, self.device)
         groups = _groups(parts)
@@ -67,46 +76,36 @@ class L2L:
             "stem": _binding(parts.stem, groups[RESIDENT]),
             "head": _binding(parts.head, groups[RESIDENT]),
         }
+        if parts.logits is not None:
+            self._bindings["logits"] = _binding(parts.logits, groups[RESIDENT])
         self._block_bindings = [_binding(b, groups[i + 1]) for i, b in enumerate(parts.blocks)]
-        self.process_group = _data_parallel_group() if self.config.data_parallel else None
-        if self.process_group is not None:  # every rank starts from rank 0's weights
-            import torch.distributed as dist
-
-            for p in _unique(self.model.parameters()):
-                dist.broadcast(p.data, src=0, group=self.process_group)
-        store_kw = dict(
-            optimizer=optimizer,
-            device=self.device,
-            dtype=self.config.dtype,
-            resident=RESIDENT,
-            slots=self.config.prefetch + 2,
-            max_pending=self.config.max_pending_updates,
-        )
-        if self.config.store == "disk":
-            from ecru.l2l.disk import DiskParameterStore
-
-            directory = self.config.store_dir
-            if self.process_group is not None:  # every rank keeps its own copy (the weights stay identical)
-                import torch.distributed as dist
-
-                directory = f"{directory}/rank{dist.get_rank(self.process_group)}"
-            self.store = DiskParameterStore(
-                groups,
-                directory=directory,
-                fsync=self.config.fsync,
-                read_ahead=max(1, self.config.prefetch),
-                **store_kw,
-            )
-        else:
-            self.store = ParameterStore(groups, **store_kw)
-        self.store.process_group = self.process_group
-        if self.process_group is not None and self.config.shard_optimizer:
-            import torch.distributed as dist
-
-            self.store.shard = (dist.get_rank(self.process_group), dist.get_world_size(self.process_group))
-        self.stash = ActivationStash(self.config.stash, self.device, self.config.store_dir)
+        group = data_parallel_group() if self.config.data_parallel else None
+        self.comm = Collectives(group, self.device) if group is not None else None
+        self.process_group = group
+        if self.comm is not None:  # every rank starts from rank 0's weights
+            self.comm.broadcast_([p.data for p in _unique(self.model.parameters())], src=0)
+        self.workspace = _workspace(self.config, self.comm)
+        try:
+            self.store = _make_store(self.config, groups, optimizer, self.device, self.workspace)
+        except BaseException:
+            if self.workspace is not None:
+                self.workspace.close()
+            raise
+        self.store.comm = self.comm
+        if self.config.store == "ram":
+            self.store.snapshots = self.config.rollback
+        if self.comm is not None and self.config.shard_optimizer:
+            self.store.shard = (self.comm.rank, self.comm.world)
+        stem_params = {idx for _, idx in self._bindings["stem"]}
+        self._stem_trains = any(i in stem_params for i in self.store.groups[RESIDENT].trainable)
+        stash_dir = self.workspace.folder("stash") if self.config.stash == "disk" else None
+        self.stash = ActivationStash(self.config.stash, self.device, stash_dir)
         self.scaler = (
-            LossScale(self.config.loss_scale, self.config.loss_scale_growth_interval)
+            LossScale(
+                self.config.loss_scale,
+                self.config.loss_scale_growth_interval,
+                min_scale=self.config.min_loss_scale,
+            )
             if self.config.dtype == torch.float16
             else None
         )
@@ -117,6 +116,7 @@ class L2L:
         if getattr(self.store, "extra", {}).get("rng") is not None:
             torch.set_rng_state(self.store.extra["rng"])
         self.last_grad_norm: float | None = None
+        self._schedulers: list[Any] = []
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -172,26 +172,39 @@ class L2L:
             mb.to(self.device, self.config.dtype)
             for mb in self.parts.split(batch, self.config.micro_batch_size)
         ]
-        scale = self.scaler.scale if self.scaler else 1.0
         share = self._rank_share(micro)
+        before = (torch.get_rng_state(), dataclasses.replace(self.scaler) if self.scaler else None)
         try:
-            hidden, contexts = self._forward(micro, order)
-            grads, loss = self._head(hidden, micro, scale * share)
-            self.store.begin("backward", [i + 1 for i in reversed(order)])
-            for k in reversed(range(len(order))):
-                grads = self._backward_block(order[k], grads, contexts, first=k == 0)
-            self._backward_stem(micro, grads)
-            self._finish_update(scale)
+            loss = self._step(micro, order, share)
+            if hasattr(self.store, "extra"):
+                self.store.extra = {"rng": torch.get_rng_state()}
+            self.store.end_step(self.steps + 1)
+        except BaseException:
+            # all or nothing: masters, optimizer states, loss scale and RNG as before the step
+            self.store.rollback()
+            torch.set_rng_state(before[0])
+            self.scaler = before[1]
+            raise
         finally:
             self.stash.clear()
             self._rng.clear()
             self._kept.clear()
             self.store.discard_grads()
         self.steps += 1
-        if hasattr(self.store, "extra"):
-            self.store.extra = {"rng": torch.get_rng_state()}
-        self.store.end_step(self.steps)
+        for scheduler in self._schedulers:  # after end_step: no update is in flight
+            scheduler.step()
         return self._global_loss(loss * share)
+
+    def _step(self, micro: list[MicroBatch], order: list[int], share: float) -> float:
+        scale = self.scaler.scale if self.scaler else 1.0
+        hidden, contexts = self._forward(micro, order)
+        grads, loss = self._head(hidden, micro, scale * share)
+        self.store.begin("backward", [i + 1 for i in reversed(order)])
+        for k in reversed(range(len(order))):
+            grads = self._backward_block(order[k], grads, contexts, first=k == 0)
+        self._backward_stem(micro, grads)
+        self._finish_update(scale)
+        return loss
 
     def _order(self, blocks: Sequence[int] | None) -> list[int]:
         n = len(self.parts.blocks)
@@ -206,24 +219,23 @@ class L2L:
 
     def _rank_share(self, micro: list[MicroBatch]) -> float:
         """Data parallel: this rank's share of the global loss normaliser (its targets / all targets), so
-        that summed gradients equal one process on the concatenated batch; 1.0 otherwise."""
-        if self.process_group is None or self.parts.count is None:
+        that summed gradients equal one process on the concatenated batch; 1.0 otherwise. A rank may
+        have no target at all; the minibatch as a whole must have one."""
+        if self.parts.count is None:
             return 1.0
-        import torch.distributed as dist
-
-        counts = torch.tensor([float(self.parts.count(micro))], dtype=torch.float64)
-        total = counts.clone()
-        dist.all_reduce(total, group=self.process_group)
-        return float(counts / total)
+        count = self.parts.count(micro)
+        total = count
+        if self.comm is not None:
+            total = self.comm.all_reduce_sum(count)
+        if total == 0:
+            raise L2LInputError(
+                "the batch has no target token: every label (after the shift by one) is -100"
+                + (" on every rank" if self.comm is not None else "")
+            )
+        return count / total
 
     def _global_loss(self, loss: float) -> float:
-        if self.process_group is None:
-            return loss
-        import torch.distributed as dist
-
-        t = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(t, group=self.process_group)
-        return float(t)
+        return loss if self.comm is None else self.comm.all_reduce_sum(loss)
 
     def add_block(self, block: nn.Module) -> int:
         """Progressive stacking: append `block` to the model (after the last block) and to the parameter
@@ -296,10 +308,10 @@ class L2L:
         stashed and no RNG state captured: the graph holds the input and its own dropout masks, and the
         forward draws exactly what the no-grad forward would, so later blocks' masks are unchanged."""
         binding, block = self._block_bindings[i], self.parts.blocks[i]
-        leaves, _ = self._leaves(binding, weights)
+        leaves, trainable = self._leaves(binding, weights, i + 1)
         if not self.store.binds_masters:  # device weights sit in reused slots / wire buffers: keep a copy
-            leaves = {idx: w.detach().clone().requires_grad_() for idx, w in leaves.items()}
-        needs_input = not first or bool(self._bindings["stem"])
+            leaves = {idx: w.detach().clone().requires_grad_(idx in trainable) for idx, w in leaves.items()}
+        needs_input = not first or self._stem_trains
         graphs, outputs = [], []
         for j, x in enumerate(hidden):
             if needs_input and x.is_floating_point():
@@ -308,12 +320,12 @@ class L2L:
                 y = self._call(block, binding, leaves, (x, contexts[j]))
             graphs.append((x if x.requires_grad else None, y) if y.requires_grad else (None, None))
             outputs.append(y.detach())
-        self._kept[i] = (leaves, graphs)
+        self._kept[i] = (leaves, trainable, graphs)
         return outputs
 
     def _head(self, hidden: list[torch.Tensor], micro: list[MicroBatch], scale: float):
         """Each micro-batch's weighted loss and its gradient w.r.t. the last hidden state and the head."""
-        weights, indices = self._leaves(self._bindings["head"], self.store.weights(RESIDENT))
+        weights, indices = self._leaves(self._bindings["head"], self.store.weights(RESIDENT), RESIDENT)
         grads, total = [], torch.zeros((), dtype=torch.float32, device=self.device)
         for j, mb in enumerate(micro):
             x = hidden[j].detach().requires_grad_()
@@ -331,36 +343,39 @@ class L2L:
     ) -> list[torch.Tensor]:
         g = i + 1
         kept = self._kept.pop(i, None)
-        weights = kept[0] if kept else self._leaves(self._block_bindings[i], self.store.weights(g))[0]
+        if kept:
+            weights, trainable, graphs = kept
+        else:
+            weights, trainable = self._leaves(self._block_bindings[i], self.store.weights(g), g)
         for below in self._below(i):
             self.store.prefetch(below + 1)
         for j, grad_out in enumerate(grads):
             if kept:
-                (x, y), kept[1][j] = kept[1][j], (None, None)  # free each graph as soon as it has run
+                (x, y), graphs[j] = graphs[j], (None, None)  # free each graph as soon as it has run
             else:
-                x, y = self._recompute(i, j, weights, contexts[j], first=first)
+                x, y = self._recompute(i, j, weights, contexts[j], first=first, trains=bool(trainable))
             if y is None:
                 continue
             with torch.enable_grad():
-                grad_in = self._grad(g, y, grad_out, x, weights)
+                grad_in = self._grad(g, y, grad_out, x, weights, trainable)
             if x is not None:
                 grads[j] = grad_in
         self.store.done_with(g)
-        if weights:
+        if trainable:
             self._submit(g)
         return grads
 
     def _recompute(
-        self, i: int, j: int, weights: dict[int, torch.Tensor], context: Any, *, first: bool
+        self, i: int, j: int, weights: dict[int, torch.Tensor], context: Any, *, first: bool, trains: bool
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Block `i`'s forward of micro-batch `j` again, from its stash under the forward's RNG state, with
         autograd: (the input leaf if its gradient is needed, else None; the output), or (None, None) when
         nothing needs a gradient."""
         x = self.stash.pop(i, j)
-        needs_input = (not first or bool(self._bindings["stem"])) and x.is_floating_point()
+        needs_input = (not first or self._stem_trains) and x.is_floating_point()
         if needs_input:
             x = x.detach().requires_grad_()
-        if not needs_input and not weights:
+        if not needs_input and not trains:
             return None, None
         # y is only backpropagated through, never read: the block may skip what only its value needs
         kwargs = {"output_used": False} if self.parts.output_unused_ok else None
@@ -377,18 +392,18 @@ class L2L:
 
     def _backward_stem(self, micro: list[MicroBatch], grads: list[torch.Tensor]) -> None:
         binding = self._bindings["stem"]
-        if binding:
-            weights, indices = self._leaves(binding, self.store.weights(RESIDENT))
+        if self._stem_trains:
+            weights, indices = self._leaves(binding, self.store.weights(RESIDENT), RESIDENT)
             if self.store.grads_in_params:  # embeddings give sparse gradients: add them to a dense one
-                for w in weights.values():
-                    if w.grad is None:
-                        w.grad = torch.zeros_like(w)
+                for idx in indices:
+                    if weights[idx].grad is None:
+                        weights[idx].grad = torch.zeros_like(weights[idx])
             for j, mb in enumerate(micro):
                 with replay(self._rng[(RESIDENT, j)]), torch.enable_grad():
                     h, _ = self._call(self.parts.stem, binding, weights, (mb.inputs,), fresh_buffers=True)
                     self._grad(RESIDENT, h, grads[j], None, weights, indices)
         self.store.done_with(RESIDENT)
-        if self.store.groups[RESIDENT].params:
+        if self.store.groups[RESIDENT].trainable:
             self._submit(RESIDENT)
 
     def _grad(
@@ -398,22 +413,24 @@ class L2L:
         grad_output: torch.Tensor | None,
         x: torch.Tensor | None,
         weights: dict[int, torch.Tensor],
-        indices: list[int] | None = None,
+        indices: list[int],
     ) -> torch.Tensor | None:
-        """Backpropagate `output` (seeded with `grad_output`) to group `g`'s `weights` (its parameters
-        `indices`, default all), whose gradients the store accumulates over the micro-batches, and to the
-        leaf `x` (None: not needed); returns x's gradient. When the masters are bound directly, autograd
-        accumulates into their `.grad` as in plain training: the first micro-batch's gradient is taken over
-        without a copy and the others are added in place (no flat buffer, no zeroing)."""
-        leaves = ([x] if x is not None else []) + list(weights.values())
+        """Backpropagate `output` (seeded with `grad_output`) to group `g`'s trainable `weights[indices]`,
+        whose gradients the store accumulates over the micro-batches, and to the leaf `x` (None: not
+        needed); returns x's gradient. When the masters are bound directly, autograd accumulates into
+        their `.grad` as in plain training: the first micro-batch's gradient is taken over without a copy
+        and the others are added in place (no flat buffer, no zeroing)."""
+        leaves = ([x] if x is not None else []) + [weights[idx] for idx in indices]
+        if not leaves:
+            return None
         if self.store.grads_in_params:
-            if weights:
+            if indices:
                 self.store.note_grads(g)
             torch.autograd.backward(output, grad_output, inputs=leaves)
             return None if x is None else x.grad if x.grad is not None else torch.zeros_like(x)
         out = torch.autograd.grad(output, leaves, grad_output, materialize_grads=True)
-        if weights:
-            self.store.add_grads(g, out[len(leaves) - len(weights) :], indices=indices)
+        if indices:
+            self.store.add_grads(g, out[len(leaves) - len(indices) :], indices=indices)
         return out[0] if x is not None else None
 
     def _below(self, i: int) -> list[int]:
@@ -437,14 +454,17 @@ class L2L:
 
     # ---- weight binding -------------------------------------------------------------------------
     def _leaves(
-        self, binding: Binding, weights: Sequence[torch.Tensor]
+        self, binding: Binding, weights: Sequence[torch.Tensor], g: int
     ) -> tuple[dict[int, torch.Tensor], list[int]]:
-        """Autograd leaves over the group's device weights that `binding` uses, keyed by index: the
-        masters themselves when they are bound directly, else fresh leaves over the device copies."""
+        """The group `g` device weights that `binding` uses, keyed by index, and the indices of the
+        trainable ones, which are autograd leaves: the masters themselves when they are bound directly,
+        else fresh leaves over the device copies. Frozen weights are plain tensors: no gradient."""
         indices = sorted({idx for _, idx in binding})
+        trainable = set(self.store.groups[g].trainable)
+        train = [idx for idx in indices if idx in trainable]
         if self.store.binds_masters:
-            return {idx: weights[idx] for idx in indices}, indices
-        return {idx: weights[idx].detach().requires_grad_() for idx in indices}, indices
+            return {idx: weights[idx] for idx in indices}, train
+        return {idx: weights[idx].detach().requires_grad_(idx in trainable) for idx in indices}, train
 
     def _call(
         self,
@@ -471,12 +491,9 @@ class L2L:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict (the fp32 masters); the original model loads it with strict=True. On the
         disk tier it is read from disk into new tensors (O(model) memory)."""
-        self.store.synchronize()
-        if not hasattr(self.store, "materialize"):
-            return self.model.state_dict()
         self.store.materialize()
         try:
-            return {k: v.clone() for k, v in self.model.state_dict().items()}
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         finally:
             self.store.release()
 
@@ -491,33 +508,93 @@ class L2L:
 
         save(self, path)
 
-    def save_pretrained(self, path) -> None:
-        """Export the trained Hugging Face model in `save_pretrained` format."""
-        if self.parts.kind != "hf":
-            raise L2LInputError(
-                "save_pretrained exports Hugging Face models; use engine.state_dict() or save()"
-            )
+    def save_pretrained(self, path, *, tokenizer=None, dtype: torch.dtype | None = None) -> None:
+        """Export the trained Hugging Face model (`save_pretrained` format, with its config) in `dtype`
+        (default: the dtype the model came in), and `tokenizer` beside it when given."""
+        from ecru.l2l.export import save_pretrained
+
+        save_pretrained(self, path, tokenizer=tokenizer, dtype=dtype or self.model_dtype)
+
+    def model_on(self, device: str | torch.device = "cpu", *, dtype: torch.dtype | None = None) -> nn.Module:
+        """Close the engine and hand the model back whole on one `device` (parameters and buffers; the
+        disk tier reads every block back), in `dtype` (default: fp32 masters), for evaluation or
+        generation with the model's own forward."""
+        from ecru.l2l.export import model_on
+
+        return model_on(self, torch.device(device), dtype=dtype)
+
+    @torch.no_grad()
+    def forward(self, batch: Any, *, blocks: Sequence[int] | None = None) -> ForwardOutput:
+        """Evaluate `batch` layer by layer as `step` streams it (so a model larger than memory can be
+        evaluated too), in eval mode, without autograd and without touching weights or optimizer state:
+        the batch's loss as the model defines it and the outputs (HF: logits), on the CPU. An HF batch
+        without labels gives the logits only."""
+        from ecru.l2l.evaluate import forward
+
+        return forward(self, batch, order=self._order(blocks))
+
+    def lr_scheduler(self, factory: Callable[[torch.optim.Optimizer], Any]) -> None:
+        """Give every block's optimizer (and the stem/head's) the scheduler `factory(optimizer)`, e.g.
+        `lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup)`; each is stepped after every
+        training step. Set it after a resume too: it is fast-forwarded to the engine's step count."""
         self.store.synchronize()
-        if hasattr(self.store, "materialize"):  # the disk tier: read every block back for the export
-            self.store.materialize()
-        try:
-            self.model.save_pretrained(path)
-        finally:
-            if hasattr(self.store, "release"):
-                self.store.release()
+        self._schedulers = [factory(g.optimizer) for g in self.store.groups if g.optimizer is not None]
+        for _ in range(self.steps):
+            for s in self._schedulers:
+                s.step()
 
     def close(self) -> None:
-        """Finish pending updates and stop the optimizer thread."""
-        self.store.close()
+        """Finish pending updates, stop the optimizer thread and release the store_dir lock."""
+        try:
+            self.store.close()
+        finally:
+            self.stash.close()
+            if self.workspace is not None:
+                self.workspace.close()
 
 
-def _data_parallel_group():
-    """The default process group when torch.distributed runs more than one rank, else None."""
-    import torch.distributed as dist
+def _workspace(config: L2LConfig, comm: Collectives | None) -> Workspace | None:
+    """The engine's locked folder in store_dir (disk tier or disk stash), one per data-parallel rank."""
+    if config.store != "disk" and config.stash != "disk":
+        return None
+    rank = comm.rank if comm is not None and comm.world > 1 else None
+    return Workspace(config.store_dir, rank=rank)
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
+
+def _make_store(
+    config: L2LConfig,
+    groups: list[list[nn.Parameter]],
+    optimizer: OptimizerFactory,
+    device: torch.device,
+    workspace: Workspace | None,
+) -> ParameterStore:
+    kw = dict(
+        optimizer=optimizer,
+        device=device,
+        dtype=config.dtype,
+        resident=RESIDENT,
+        slots=config.prefetch + 2,
+        max_pending=config.max_pending_updates,
+    )
+    if config.store != "disk":
+        return ParameterStore(groups, **kw)
+    from ecru.l2l.disk import DiskParameterStore
+
+    return DiskParameterStore(
+        groups,
+        directory=workspace.folder("store"),
+        fsync=config.fsync,
+        read_ahead=max(1, config.prefetch),
+        **kw,
+    )
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype most of the model's parameters have (what save_pretrained writes back)."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    return max(sizes, key=sizes.get) if sizes else torch.float32
 
 
 def _fp32_masters_(model: nn.Module) -> None:

@@ -39,6 +39,16 @@ class MicroBatch:
 
 
 @dataclass
+class ForwardOutput:
+    """What `L2L.forward` returns."""
+
+    loss: float | None
+    """The batch's loss as the model defines it (None: no target in the batch)."""
+    outputs: torch.Tensor
+    """HF: the logits [batch, time, vocab]; a Sequential: its last block's output; on the CPU."""
+
+
+@dataclass
 class ModelParts:
     """A model seen by the engine; `split` validates a batch and cuts it into micro-batches."""
 
@@ -59,6 +69,9 @@ class ModelParts:
     """Blocks accept `output_used=False` (see the module docstring)."""
     options: dict[str, Any] = field(default_factory=dict)
     """Adapter options a checkpoint must record to rebuild the same parts (e.g. the loss reduction)."""
+    logits: nn.Module | None = None
+    """`logits(hidden) -> outputs` of the head without the loss (HF: final norm + LM head), for
+    `L2L.forward`; None: the last block's output is the model's output."""
 
 
 def move(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:

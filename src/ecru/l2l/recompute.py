@@ -12,6 +12,9 @@ layer runs exactly that code (`replayable`); anything else recomputes the ordina
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
 from typing import Any
 
 import torch
@@ -38,17 +41,30 @@ class LinearGradOnly(torch.autograd.Function):
         return grad_x, grad_w
 
 
-def replayable(layer: nn.Module) -> bool:
-    """Whether `llama_layer_graph` reproduces `layer`'s graph: a transformers `LlamaDecoderLayer` and
-    `LlamaMLP` running their own forward, a bias-free `nn.Linear` down projection, and no module hooks
-    that the replay would bypass."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
+# sha256 (first 16 hex digits) of the source of `LlamaDecoderLayer.forward` and `LlamaMLP.forward` in
+# transformers 5.x, the code `llama_layer_graph` replays: a layer whose forward has other source (a newer
+# transformers, another family) recomputes the ordinary way. Families that copy Llama's code verbatim
+# (Mistral, Qwen2, Qwen3, OLMo in 5.23) match too.
+LAYER_SOURCE, MLP_SOURCE = "75d1d62e173e8c57", "03df2d7685cf8446"
 
+
+@functools.cache
+def source_hash(fn) -> str | None:
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return None
+
+
+def replayable(layer: nn.Module) -> bool:
+    """Whether `llama_layer_graph` reproduces `layer`'s graph: its forward and its MLP's are Llama's own
+    code (by source hash), a bias-free `nn.Linear` down projection, and no module hooks that the replay
+    would bypass."""
     mlp = getattr(layer, "mlp", None)
     down = getattr(mlp, "down_proj", None)
     return (
-        type(layer).forward is LlamaDecoderLayer.forward
-        and type(mlp).forward is LlamaMLP.forward
+        source_hash(type(layer).forward) == LAYER_SOURCE
+        and source_hash(type(mlp).forward) == MLP_SOURCE
         and type(down) is nn.Linear
         and down.bias is None
         and not _has_hooks(layer, mlp, down)

@@ -3,14 +3,15 @@
 "host" is the constant-device-memory variant: each input is copied to (pinned) host memory on a side
 stream as soon as it is produced and copied back when its block's backward needs it; the copy back
 waits on the event of the copy out, so it never reads an unfinished transfer. "disk" keeps host memory
-flat in depth too: each input is written to its own file (synchronously) and read back, then deleted,
-in the backward.
+flat in depth too: each input is written to its own file (synchronously) in the engine's own folder
+(ecru.l2l.workspace) and read back, then deleted, in the backward. Only a tensor's own bytes are saved
+(`torch.save` of a view writes its whole storage: a micro-batch slice of a batch tensor would carry the
+batch), and only files the stash created are ever deleted.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -21,10 +22,10 @@ class ActivationStash:
 
     def __init__(self, place: str, device: torch.device, directory: str | os.PathLike | None = None):
         self.place, self.device = place, device
-        self.directory = Path(directory) / "stash" if place == "disk" else None
-        if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)  # leftovers of an interrupted step
-            self.directory.mkdir(parents=True)
+        self.directory = Path(directory) if place == "disk" else None
+        if self.directory is not None:  # the engine's own (locked) folder: leftovers are an old run's
+            for path in self.directory.glob("b*-m*.pt"):
+                path.unlink()
         self.cuda = device.type == "cuda"
         self._items: dict[tuple[int, int], tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._stream = torch.cuda.Stream(device) if self.cuda and place == "host" else None
@@ -34,7 +35,7 @@ class ActivationStash:
 
     def put(self, block: int, j: int, x: torch.Tensor) -> None:
         if self.place == "disk":
-            torch.save(x.detach().cpu(), self._file(block, j))
+            torch.save(own_bytes(x.detach().cpu()), self._file(block, j))
             self._items[(block, j)] = (None, None)
             return
         if self.place == "device":
@@ -66,8 +67,21 @@ class ActivationStash:
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x, _ in self._items.values() if x is not None)
 
+    def close(self) -> None:
+        """Delete what is left and the stash folder itself when it is empty."""
+        self.clear()
+        if self.directory is not None and self.directory.is_dir() and not any(self.directory.iterdir()):
+            self.directory.rmdir()
+
     def clear(self) -> None:
         if self.place == "disk":
             for block, j in self._items:
                 self._file(block, j).unlink(missing_ok=True)
         self._items.clear()
+
+
+def own_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself when it owns exactly its storage, else a compact copy (what `torch.save` should write)."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)

@@ -18,6 +18,7 @@ device-to-host copy.
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -48,7 +49,9 @@ def _warn_if_slow(optimizer: torch.optim.Optimizer | None, device: torch.device)
 
 
 class ParamGroup:
-    """Masters, optimizer and wire copy of one group; `version` counts the updates submitted."""
+    """Masters, optimizer and wire copy of one group; `version` counts the updates submitted. Only the
+    parameters with `requires_grad` (`trainable`, fixed at construction) get a gradient, optimizer state
+    and updates; frozen ones travel on the wire only and are never written."""
 
     def __init__(
         self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer, wire: torch.Tensor | None
@@ -57,8 +60,27 @@ class ParamGroup:
         self.sizes = [p.numel() for p in params]
         self.shapes = [p.shape for p in params]  # kept: the disk tier empties evicted parameters
         self.numel = sum(self.sizes)
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self.grad_numel = sum(self.sizes[i] for i in self.trainable)
         self.version = 0
         self.pending: Future | None = None
+
+    @property
+    def trainable_params(self) -> list[nn.Parameter]:
+        return [self.params[i] for i in self.trainable]
+
+    def grad_views(self, flat: torch.Tensor, indices: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """`flat` (a gradient buffer: trainable parameters only, packed) cut into one view per trainable
+        parameter, or per parameter index in `indices` (each trainable)."""
+        sizes = [self.sizes[i] for i in self.trainable]
+        views = [
+            v.view(self.shapes[i])
+            for v, i in zip(flat[: self.grad_numel].split(sizes), self.trainable, strict=True)
+        ]
+        if indices is None:
+            return views
+        pos = {i: k for k, i in enumerate(self.trainable)}
+        return [views[pos[i]] for i in indices]
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """`flat` cut into tensors shaped like the group's parameters."""
@@ -66,11 +88,13 @@ class ParamGroup:
             v.view(shape) for v, shape in zip(flat[: self.numel].split(self.sizes), self.shapes, strict=True)
         ]
 
-    def refresh_wire(self) -> None:
+    def refresh_wire(self, *, trainable_only: bool = False) -> None:
+        """Copy the masters into the wire (after an update only the trainable ones changed)."""
         if self.wire is not None:
+            views = self.views(self.wire)
             with torch.no_grad():
-                for view, p in zip(self.views(self.wire), self.params, strict=True):
-                    view.copy_(p)
+                for i in self.trainable if trainable_only else range(len(self.params)):
+                    views[i].copy_(self.params[i])
 
 
 class _Slot:
@@ -103,7 +127,16 @@ class _BufferPool:
 
 
 class ParameterStore:
-    """The EPS. Group `resident` (the stem and head) stays on the device; the others are streamed."""
+    """The EPS. Group `resident` (the stem and head) stays on the device; the others are streamed.
+
+    With `snapshots` (L2LConfig.rollback) a step is all or nothing: before a group's first update in a
+    step its trainable masters and optimizer state are copied aside, and `rollback` puts them back when
+    the step fails. The copies cost host memory up to the trainable masters and optimizer states (2x the
+    training state of a full fine-tune at the end of a step; little for LoRA), so the RAM tier makes
+    them only on request; without them `rollback` leaves the engine usable and warns when some groups
+    were already updated. The disk tier needs no copies: its committed files are the snapshot."""
+
+    snapshots = False
 
     def __init__(
         self,
@@ -119,17 +152,19 @@ class ParameterStore:
         self.device, self.dtype, self.resident = device, dtype, resident
         self.cuda = device.type == "cuda"
         self._factory, self._slot_count = optimizer, slots
-        self.process_group = None  # set for data parallel: block gradients are all-reduced before updates
+        self.comm = None  # data parallel (ecru.l2l.collectives): block gradients are summed before updates
         self.shard: tuple[int, int] | None = None  # (rank, world size) when optimizer states are sharded
         needs_wire = self.cuda or dtype != torch.float32
         self.groups = [self._make_group(list(ps), optimizer, needs_wire=needs_wire) for ps in groups]
         self._make_pools()
         self._acc: dict[int, torch.Tensor] = {}
         # the resident group's buffers persist: its update is waited for before the next step touches them
-        n_res = self.groups[resident].numel
+        n_res = self.groups[resident].grad_numel
         self._resident_acc = torch.empty(n_res, dtype=torch.float32, device=device)
         self._resident_host = torch.empty(n_res, dtype=torch.float32, pin_memory=True) if self.cuda else None
         self._collected: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._undo: dict[int, tuple[list[torch.Tensor], dict]] = {}  # group -> masters, optimizer state
+        self._updated: set[int] = set()  # groups updated in the step in flight
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ecru-l2l-optimizer")
         self._queue: collections.deque[Future] = collections.deque()
         self._max_pending = max_pending
@@ -140,8 +175,9 @@ class ParameterStore:
     def _make_pools(self) -> None:
         """Gradient buffers and device slots sized for the largest streamed group."""
         streamed = max([g.numel for i, g in enumerate(self.groups) if i != self.resident] or [0])
-        self._acc_pool = _BufferPool(streamed, self.device, pin=False)
-        self._host_pool = _BufferPool(streamed, torch.device("cpu"), pin=self.cuda)
+        grads = max([g.grad_numel for i, g in enumerate(self.groups) if i != self.resident] or [0])
+        self._acc_pool = _BufferPool(grads, self.device, pin=False)
+        self._host_pool = _BufferPool(grads, torch.device("cpu"), pin=self.cuda)
         if self.cuda:
             self._slots = [_Slot(streamed, self.dtype, self.device) for _ in range(self._slot_count)]
 
@@ -150,7 +186,7 @@ class ParameterStore:
         self.synchronize()
         needs_wire = self.cuda or self.dtype != torch.float32
         self.groups.append(self._make_group(list(params), self._factory, needs_wire=needs_wire))
-        if self.groups[-1].numel > self._acc_pool.numel:
+        if self.groups[-1].numel > self._acc_pool.numel or self.groups[-1].grad_numel > self._acc_pool.numel:
             self._make_pools()
         return len(self.groups) - 1
 
@@ -162,29 +198,30 @@ class ParameterStore:
         """The step is complete on the device: wait for every update (the disk tier commits it). With
         sharded optimizer states, each group's owner then broadcasts its updated weights."""
         self.synchronize()
+        self._undo.clear()
+        self._updated.clear()
         if self.shard is not None:
-            import torch.distributed as dist
-
             for g, group in enumerate(self.groups):
-                if group.params:
-                    for p in group.params:
-                        dist.broadcast(p.data, src=self.owner(g), group=self.process_group)
+                if group.trainable:
+                    self.comm.broadcast_([p.data for p in group.trainable_params], src=self.owner(g))
                     if self.owner(g) != self.shard[0]:
                         group.version += 1
-                        group.refresh_wire()
+                        group.refresh_wire(trainable_only=True)
 
     def owner(self, g: int) -> int:
-        """The rank that holds group `g`'s optimizer state: round robin over the groups with parameters."""
+        """The rank that holds group `g`'s optimizer state: round robin over the groups with trainable
+        parameters."""
         if self.shard is None:
             return 0
-        return sum(1 for group in self.groups[:g] if group.params) % self.shard[1]
+        return sum(1 for group in self.groups[:g] if group.trainable) % self.shard[1]
 
     def _make_group(
         self, params: list[nn.Parameter], factory: OptimizerFactory, *, needs_wire: bool
     ) -> ParamGroup:
         numel = sum(p.numel() for p in params)
         wire = torch.empty(numel, dtype=self.dtype, pin_memory=self.cuda) if needs_wire and params else None
-        group = ParamGroup(params, factory(params) if params else None, wire)
+        trainable = [p for p in params if p.requires_grad]
+        group = ParamGroup(params, factory(trainable) if trainable else None, wire)
         _warn_if_slow(group.optimizer, self.device)
         group.refresh_wire()
         return group
@@ -199,7 +236,7 @@ class ParameterStore:
         """True when gradients accumulate in the masters' own `.grad` (bound masters, one process): the
         engine lets autograd accumulate there (see `note_grads`) and no flat buffer is used. Data parallel
         keeps the flat buffer: one all-reduce per block."""
-        return self.binds_masters and self.process_group is None
+        return self.binds_masters and self.comm is None
 
     # ---- weights: host -> device -------------------------------------------------------------------
     def weights(self, g: int) -> list[torch.Tensor]:
@@ -262,9 +299,11 @@ class ParameterStore:
         the device. The resident group is zeroed on first touch: stem and head each fill only a part."""
         if self.grads_in_params:  # into the masters' .grad (the engine lets autograd accumulate there)
             self.note_grads(g)
-            params = self.groups[g].params
+            group = self.groups[g]
             for p, grad in zip(
-                params if indices is None else [params[i] for i in indices], grads, strict=True
+                [group.params[i] for i in (group.trainable if indices is None else indices)],
+                grads,
+                strict=True,
             ):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -279,8 +318,7 @@ class ParameterStore:
                 if reusable is not None:  # its previous gradient may still be on its way to the host
                     torch.cuda.current_stream(self.device).wait_event(reusable)
             self._acc[g] = buf
-        views = self.groups[g].views(self._acc[g])
-        targets = views if indices is None else [views[i] for i in indices]
+        targets = self.groups[g].grad_views(self._acc[g], indices)
         copy = first and g != self.resident
         for view, grad in zip(targets, grads, strict=True):
             view.copy_(grad) if copy else view.add_(grad)
@@ -298,14 +336,12 @@ class ParameterStore:
     def _all_reduce(self, g: int) -> None:
         """Data parallel: sum group `g`'s gradient over the ranks (each rank pre-weighted its share); to
         the group's owner only when optimizer states are sharded."""
-        if self.process_group is not None:
-            import torch.distributed as dist
-
-            grad = self._acc[g][: self.groups[g].numel]
+        if self.comm is not None:
+            grad = self._acc[g][: self.groups[g].grad_numel]
             if self.shard is None:
-                dist.all_reduce(grad, group=self.process_group)
+                self.comm.all_reduce_(grad)
             else:
-                dist.reduce(grad, dst=self.owner(g), group=self.process_group)
+                self.comm.reduce_(grad, dst=self.owner(g))
 
     def update(self, g: int) -> None:
         """Send group `g`'s gradient to the host once and step its optimizer in the worker thread."""
@@ -336,7 +372,8 @@ class ParameterStore:
         done = torch.cuda.Event()
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._d2h):
-            host[: self.groups[g].numel].copy_(acc[: self.groups[g].numel], non_blocking=True)
+            n = self.groups[g].grad_numel
+            host[:n].copy_(acc[:n], non_blocking=True)
             done.record(self._d2h)
         if g != self.resident:
             self._acc_pool.give(acc, done)
@@ -346,13 +383,15 @@ class ParameterStore:
         if copied is not None:
             copied.synchronize()  # never read a non-blocking device-to-host copy before it has landed
         group = self.groups[g]
+        self._snapshot(g)
         if host is not None:  # else the gradients are in the masters' .grad already
-            for p, grad in zip(group.params, group.views(host), strict=True):
+            for p, grad in zip(group.trainable_params, group.grad_views(host), strict=True):
                 p.grad = grad
         group.optimizer.step()
+        self._updated.add(g)
         for p in group.params:
             p.grad = None
-        group.refresh_wire()
+        group.refresh_wire(trainable_only=True)
         self._give_back(g, host)
 
     def _give_back(self, g: int, host: torch.Tensor | None) -> None:
@@ -369,14 +408,14 @@ class ParameterStore:
             host, copied = self._collected[g]
             if copied is not None:
                 copied.synchronize()
-            params = self.groups[g].params
+            params = self.groups[g].trainable_params
             for p, grad in zip(
                 params,
-                self.groups[g].views(host) if host is not None else [p.grad for p in params],
+                self.groups[g].grad_views(host) if host is not None else [p.grad for p in params],
                 strict=True,
             ):
                 p.grad = grad.mul_(inv_scale) if inv_scale != 1.0 and grad is not None else grad
-        params = [p for g in order for p in self.groups[g].params]
+        params = [p for g in order for p in self.groups[g].trainable_params]
         grads = [p.grad for p in params if p.grad is not None]  # None: a parameter the step did not use
         finite = all(bool(torch.isfinite(gr).all()) for gr in grads)
         norm = None
@@ -385,13 +424,61 @@ class ParameterStore:
         for g in order:
             group = self.groups[g]
             if finite:
+                self._snapshot(g)
                 group.optimizer.step()
+                self._updated.add(g)
                 group.version += 1
-                group.refresh_wire()
+                group.refresh_wire(trainable_only=True)
             for p in group.params:
                 p.grad = None
             self._give_back(g, self._collected.pop(g)[0])
         return finite, norm
+
+    # ---- all or nothing -----------------------------------------------------------------------------
+    def _snapshot(self, g: int) -> None:
+        """Copy group `g`'s trainable masters and optimizer state aside before its first update this step."""
+        if self.snapshots and g not in self._undo:
+            group = self.groups[g]
+            masters = [p.detach().clone() for p in group.trainable_params]
+            self._undo[g] = (masters, copy.deepcopy(group.optimizer.state_dict()))
+
+    def _drain(self) -> None:
+        """Wait for every submitted update, dropping their errors (the step that failed re-raises its own)."""
+        for group in self.groups:
+            if group.pending is not None:
+                try:
+                    group.pending.result()
+                except BaseException:  # noqa: BLE001, S110 - the failed step is being undone
+                    pass
+                group.pending = None
+        self._queue.clear()
+
+    def rollback(self) -> None:
+        """Undo a failed step: masters and optimizer states as before it, no gradient left, engine usable."""
+        self._drain()
+        lost = self._updated - set(self._undo)
+        self._updated.clear()
+        if lost:
+            warnings.warn(
+                f"the failed step had already updated {len(lost)} of {len(self.groups)} parameter groups "
+                "(RAM tier without L2LConfig(rollback=True)); they keep the update, the others do not",
+                stacklevel=3,
+            )
+        with torch.no_grad():
+            for g, (masters, state) in self._undo.items():
+                group = self.groups[g]
+                for p, saved in zip(group.trainable_params, masters, strict=True):
+                    p.copy_(saved)
+                group.optimizer.load_state_dict(state)
+        self._undo.clear()
+        self.discard_grads()
+        for g in list(self._collected):
+            self._give_back(g, self._collected.pop(g)[0])
+        for group in self.groups:  # device copies may hold updated weights: reload them
+            for p in group.params:
+                p.grad = None
+            group.version += 1
+            group.refresh_wire()
 
     # ---- synchronisation and state ----------------------------------------------------------------
     def wait(self, g: int) -> None:
@@ -413,16 +500,33 @@ class ParameterStore:
             group.version += 1
             group.refresh_wire()
 
-    def optimizer_state(self) -> list[dict]:
+    def materialize(self) -> None:
+        """Every group's masters in host memory (they always are here; the disk tier reads them back)."""
         self.synchronize()
-        return [g.optimizer.state_dict() if g.optimizer is not None else {} for g in self.groups]
+
+    def release(self) -> None:
+        """Drop what `materialize` read (nothing here)."""
+
+    def optimizer_state(self) -> list[dict]:
+        """Every group's optimizer `state_dict`; with sharded states (ZeRO-1) each is sent from its owner,
+        so every rank returns the whole optimizer state (a collective: all ranks call it)."""
+        self.synchronize()
+        states = [g.optimizer.state_dict() if g.optimizer is not None else {} for g in self.groups]
+        if self.shard is not None:
+            states = [
+                self.comm.broadcast_object(state, src=self.owner(g)) if self.groups[g].trainable else state
+                for g, state in enumerate(states)
+            ]
+        return states
 
     def load_optimizer_state(self, states: list[dict]) -> None:
+        """Load `optimizer_state()`'s list; with sharded states a rank keeps only the groups it owns."""
         self.synchronize()
         if len(states) != len(self.groups):
             raise ValueError(f"optimizer state has {len(states)} groups, this engine {len(self.groups)}")
-        for group, state in zip(self.groups, states, strict=True):
-            if group.optimizer is not None:
+        for g, (group, state) in enumerate(zip(self.groups, states, strict=True)):
+            owned = self.shard is None or self.owner(g) == self.shard[0]
+            if group.optimizer is not None and owned:
                 group.optimizer.load_state_dict(state)
 
     def close(self) -> None:

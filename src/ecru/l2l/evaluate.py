@@ -1,0 +1,74 @@
+"""`L2L.forward`: evaluation layer by layer, as the training step streams the model, without autograd.
+
+Each block's weights are loaded once and run over every micro-batch (the disk tier reads them and drops
+them again), so a model larger than memory can be evaluated too. The model is in eval mode meanwhile
+(no dropout); weights, optimizer states, the step count and the random stream are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ecru.l2l.parts import ForwardOutput, MicroBatch
+
+if TYPE_CHECKING:
+    from ecru.l2l.engine import L2L
+
+RESIDENT = 0
+
+
+def forward(engine: L2L, batch: Any, *, order: list[int]) -> ForwardOutput:
+    engine.store.synchronize()
+    micro = [mb.to(engine.device, engine.config.dtype) for mb in _split(engine, batch)]
+    modes = {m: m.training for m in engine.model.modules()}
+    engine.model.eval()
+    try:
+        hidden = _through_blocks(engine, micro, order)
+        return _head(engine, hidden, micro)
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def _split(engine: L2L, batch: Any) -> list[MicroBatch]:
+    """The engine's split; an HF batch without labels gets all-ignored labels (logits only)."""
+    if engine.parts.kind == "hf" and isinstance(batch, dict) and batch.get("labels") is None:
+        batch = {**batch, "labels": torch.full_like(batch["input_ids"], -100)}
+    return engine.parts.split(batch, engine.config.micro_batch_size)
+
+
+def _through_blocks(engine: L2L, micro: list[MicroBatch], order: list[int]):
+    stem = engine.store.weights(RESIDENT)
+    pairs = [engine._call(engine.parts.stem, engine._bindings["stem"], stem, (mb.inputs,)) for mb in micro]
+    hidden, contexts = [h for h, _ in pairs], [c for _, c in pairs]
+    engine.store.begin("forward", [i + 1 for i in order])
+    for pos, i in enumerate(order):
+        weights = engine.store.weights(i + 1)
+        for nxt in order[pos + 1 : pos + 1 + engine.config.prefetch]:
+            engine.store.prefetch(nxt + 1)
+        block, binding = engine.parts.blocks[i], engine._block_bindings[i]
+        hidden = [
+            engine._call(block, binding, weights, (h, c)) for h, c in zip(hidden, contexts, strict=True)
+        ]
+        engine.store.done_with(i + 1)
+    return hidden
+
+
+def _head(engine: L2L, hidden: list[torch.Tensor], micro: list[MicroBatch]) -> ForwardOutput:
+    weights = engine.store.weights(RESIDENT)
+    count = engine.parts.count(micro) if engine.parts.count is not None else 1.0
+    loss = None
+    if count:
+        binding = engine._bindings["head"]
+        loss = sum(
+            float(engine._call(engine.parts.head, binding, weights, (h, mb.targets, mb.weight)))
+            for h, mb in zip(hidden, micro, strict=True)
+        )
+    outputs = hidden
+    if engine.parts.logits is not None:
+        binding = engine._bindings["logits"]
+        outputs = [engine._call(engine.parts.logits, binding, weights, (h,)) for h in hidden]
+    engine.store.done_with(RESIDENT)
+    return ForwardOutput(loss, torch.cat([o.float().cpu() for o in outputs]))

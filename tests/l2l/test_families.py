@@ -1,0 +1,107 @@
+"""`L2L.from_hf` on decoder families beyond Llama and GPT-2: parity with plain training, generic guards."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from ecru.l2l import L2L, L2LConfig, L2LInputError
+from ecru.l2l.hf import cut_logits, hf_parts, layer_kinds
+
+from .helpers import FAMILIES, assert_params_close, lm_batch, reference_step, tiny_family
+
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_training_matches_plain(name):
+    """3 SGD steps, micro-batches of 2 (5 padded rows of 12 tokens, sliding windows of 4-5 tokens)."""
+    ref = tiny_family(name)
+    engine = L2L.from_hf(copy.deepcopy(ref), optimizer=SGD, config=L2LConfig(micro_batch_size=2))
+    opt = SGD(ref.parameters())
+    for step in range(3):
+        batch = lm_batch(seed=step)
+        assert engine.step(batch) == pytest.approx(reference_step(ref, opt, batch), rel=1e-6, abs=0)
+    assert_params_close(ref, engine.state_dict(), atol=1e-6, rtol=1e-5)
+    assert (ref.lm_head.weight - tiny_family(name).lm_head.weight).abs().max() > 1e-3  # it moved
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral"])
+def test_family_adamw_bf16_wire_close_to_plain(name):
+    """bfloat16 compute with fp32 masters against fp32 plain AdamW: close, not equal (bf16 rounding)."""
+    ref = tiny_family(name, tie=True)
+    engine = L2L.from_hf(
+        copy.deepcopy(ref), optimizer=ADAMW, config=L2LConfig(micro_batch_size=3, compute_dtype="bfloat16")
+    )
+    opt = ADAMW(ref.parameters())
+    for step in range(2):
+        batch = lm_batch(seed=step)
+        assert engine.step(batch) == pytest.approx(reference_step(ref, opt, batch), rel=2e-2)
+
+
+def test_sliding_window_layers_get_the_sliding_mask():
+    """Qwen2 with max_window_layers=1: layer 0 full attention, layers 1-2 sliding, as the model's forward."""
+    model = tiny_family("qwen2")
+    assert layer_kinds(model.config, 3) == ["full_attention", "sliding_attention", "sliding_attention"]
+    parts = hf_parts(model)
+    assert [b.kind for b in parts.blocks] == layer_kinds(model.config, 3)
+    batch = lm_batch(seed=3)
+    want = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    got = cut_logits(parts, batch["input_ids"], batch["attention_mask"])
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    for block in parts.blocks:  # a wrong mask kind would change the logits: the comparison can fail
+        block.kind = "full_attention"
+    wrong = cut_logits(parts, batch["input_ids"], batch["attention_mask"])
+    assert (wrong[real] - want[real]).abs().max() > 1e-3
+
+
+def test_a_forward_the_cut_does_not_reproduce_is_refused():
+    """A model whose forward scales the embeddings (as Gemma does) differs from the generic cut."""
+    model = tiny_family("mistral")
+    decoder = model.model
+    original = decoder.forward
+
+    def scaled(*args, inputs_embeds=None, input_ids=None, **kw):
+        return original(*args, inputs_embeds=decoder.embed_tokens(input_ids) * 3.0, **kw)
+
+    decoder.forward = scaled
+    with pytest.raises(L2LInputError, match="differs from the model's own forward"):
+        L2L.from_hf(model, optimizer=SGD)
+
+
+def test_a_parameter_outside_the_known_pieces_is_refused():
+    model = tiny_family("olmo")
+    model.model.extra = nn.Linear(2, 2)
+    with pytest.raises(L2LInputError, match="does not know where"):
+        L2L.from_hf(model, optimizer=SGD)
+
+
+def test_unknown_batch_keys_are_refused():
+    engine = L2L.from_hf(tiny_family("qwen3"), optimizer=SGD)
+    batch = lm_batch()
+    batch["position_ids"] = torch.arange(12).expand(5, 12)
+    with pytest.raises(L2LInputError, match=r"\['position_ids'\]"):
+        engine.step(batch)
+
+
+def test_progressive_stacking_from_zero_layers_equals_the_stacked_model():
+    """add_block on a 0-layer Qwen2 (layer 0 full attention, later ones sliding): each appended layer
+    gets its own mask kind and training equals plain training of the stacked model."""
+    full = tiny_family("qwen2", num_layers=3)
+    empty = tiny_family("qwen2", num_layers=0)
+    empty.load_state_dict(full.state_dict(), strict=False)
+    engine = L2L.from_hf(empty, optimizer=SGD, config=L2LConfig(micro_batch_size=2))
+    for layer in full.model.layers:
+        engine.add_block(copy.deepcopy(layer))
+    assert [b.kind for b in engine.parts.blocks] == layer_kinds(full.config, 3)
+    opt = SGD(full.parameters())
+    for step in range(2):
+        batch = lm_batch(seed=step)
+        assert engine.step(batch) == pytest.approx(reference_step(full, opt, batch), rel=1e-6, abs=0)
+    assert_params_close(full, engine.state_dict(), atol=1e-6, rtol=1e-5)
