@@ -47,6 +47,12 @@ def file_digest(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _save_tensors(tensors: dict[str, Tensor], path: Path, generation: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -54,6 +60,7 @@ def _save_tensors(tensors: dict[str, Tensor], path: Path, generation: str) -> No
         save_file(
             {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, {"generation": generation}
         )
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 otherwise: the file gets the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
