@@ -215,7 +215,7 @@ def test_hashing_folder_and_avazu_round_trip(tmp_path, capsys):
     rc, _, err = run([*argv, "--out", str(out), *FAST, "--epochs", "3"], capsys)
     assert rc == 0 and "skipped 1 malformed" in err and not (out / "vocab.safetensors").exists()
     model = load_model(out)
-    assert model.data_format == "avazu" and model.encoder.hash_buckets == 64
+    assert model.data_format == "avazu" and model.encoder.buckets == 64
     probs = model.predict(tmp_path / "score.csv")
     labels = torch.tensor([float(r.split(",")[1]) for r in rows[1000:]])
     assert len(probs) == 200 and auc(labels, probs) > 0.7  # the click follows C0: learnable

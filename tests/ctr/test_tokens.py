@@ -6,7 +6,15 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ecru.ctr.tokens import Encoder, VocabularyBuilder, splitmix64, token_keys
+from ecru.ctr.tokens import (
+    HashingEncoder,
+    VocabularyBuilder,
+    VocabularyEncoder,
+    encode,
+    load_encoder,
+    splitmix64,
+    token_keys,
+)
 
 
 def test_short_tokens_are_their_bytes_and_sort_like_tokens():
@@ -31,7 +39,7 @@ def test_long_tokens_hash_with_the_top_bit_set():
 
 
 def test_hashing_spreads_ids_over_the_buckets():
-    enc = Encoder(1, 101)
+    enc = HashingEncoder(1, 101)
     ids = enc.encode_distinct(0, np.arange(1, 100_001, dtype=np.uint64))
     counts = np.bincount(ids, minlength=101)
     assert counts[0] == 0 and ids.min() == 1 and ids.max() == 100
@@ -56,7 +64,9 @@ def test_one_pass_vocabulary_equals_two_pass_reference(min_count):
     )
     expect = [kept.index(t) + 1 if t in kept else 0 for t in flat]
     assert final[pids].tolist() == expect
-    enc = Encoder(1, 0, [keys], [ids], (len(keys) + 1,))
-    assert enc.encode(0, pa.array(flat, pa.binary())).tolist() == expect
-    back = Encoder.from_state(1, 0, enc.cardinalities, enc.state())
-    assert back.encode(0, pa.array(flat)).tolist() == expect
+    enc = VocabularyEncoder([keys], [ids], (len(keys) + 1,))
+    assert encode(enc, 0, pa.array(flat, pa.binary())).tolist() == expect
+    back = load_encoder(enc.settings(), enc.state())
+    assert encode(back, 0, pa.array(flat)).tolist() == expect
+    hashed = load_encoder(HashingEncoder(3, 16).settings(), {})
+    assert hashed == HashingEncoder(3, 16) and hashed.cardinalities == (16, 16, 16)

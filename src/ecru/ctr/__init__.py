@@ -12,7 +12,7 @@ from ecru.plugins import lazy_exports
 _EXPORTS = {
     "ecru.ctr.data": ("CTRData",),
     "ecru.ctr.reader": ("MalformedLineError", "ReaderConfig", "load_ctr_file", "read_ctr_file"),
-    "ecru.ctr.tokens": ("Encoder",),
+    "ecru.ctr.tokens": ("Encoder", "HashingEncoder", "VocabularyEncoder"),
     "ecru.ctr.metrics": ("auc", "group_auc", "logloss"),
     "ecru.ctr.model_dir": ("CTRPredictor", "load_model", "save_model"),
     "ecru.ctr.models": (

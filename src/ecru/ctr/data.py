@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ecru.ctr.tokens import VocabularyEncoder
 from ecru.errors import EcruError
 
 
@@ -123,8 +124,9 @@ def restrict_vocabulary_to_train(train: CTRData, test: CTRData, *, min_count: in
         for cats in (train_cats, test_cats):
             cats[:, f] = torch.where(rare[cats[:, f].long()], 0, cats[:, f])
     train_info, test_info = dict(train.info), dict(test.info)
-    if train.info.get("encoder") is not None:  # the saved vocabulary maps the freed tokens to id 0 as well
-        train_info["encoder"] = test_info["encoder"] = train.info["encoder"].restricted(live)
+    encoder = train.info.get("encoder")
+    if isinstance(encoder, VocabularyEncoder):  # the saved vocabulary maps the freed tokens to id 0 as well
+        train_info["encoder"] = test_info["encoder"] = encoder.restricted(live)
     return (
         CTRData(train.dense, train_cats, train.labels, train.cardinalities, train_info),
         CTRData(test.dense, test_cats, test.labels, test.cardinalities, test_info),

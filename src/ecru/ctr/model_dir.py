@@ -31,8 +31,8 @@ from torch import Tensor
 from ecru.cliargs import atomic_write_json
 from ecru.ctr.data import CTRData
 from ecru.ctr.models import CTRConfig, CTRModel, build_model
-from ecru.ctr.reader import FORMATS, ReaderConfig, load_ctr_file, malformed_lines, n_fields, sniff_layout
-from ecru.ctr.tokens import Encoder
+from ecru.ctr.reader import FORMATS, ReaderConfig, load_ctr_file, malformed_lines, sniff_layout
+from ecru.ctr.tokens import Encoder, load_encoder
 from ecru.errors import EcruError, MissingAssetError
 
 FOLDER_FORMAT, FOLDER_VERSION = "ecru-ctr-model", 1
@@ -47,6 +47,12 @@ def file_digest(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _save_tensors(tensors: dict[str, Tensor], path: Path, generation: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -54,6 +60,7 @@ def _save_tensors(tensors: dict[str, Tensor], path: Path, generation: str) -> No
         save_file(
             {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, {"generation": generation}
         )
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 otherwise: the file gets the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -88,8 +95,7 @@ def save_model(
         "model": name,
         "ctr_config": {**asdict(model.cfg), "sparse": False},
         "data_format": data_format,
-        "encoder": encoder
-        and {"hash_buckets": encoder.hash_buckets, "cardinalities": list(encoder.cardinalities)},
+        "encoder": encoder.settings() if encoder else None,
         "dense_transform": "log(1 + max(x, 0)), empty -> 0",
         **extra,
     }
@@ -216,8 +222,11 @@ def load_model(folder: str | os.PathLike[str], *, device: str = "cpu") -> CTRPre
         raise EcruError(f"{folder / 'model.safetensors'} does not fit its config ({exc})") from None
     enc, encoder = config["encoder"], None
     if enc:
-        vocab = {} if enc["hash_buckets"] else _load_tensors(folder / "vocab.safetensors", generation)
-        state = {k: v.numpy() for k, v in vocab.items()}
-        fields = n_fields(config["data_format"])
-        encoder = Encoder.from_state(fields, enc["hash_buckets"], tuple(enc["cardinalities"]), state)
+        vocab = (
+            _load_tensors(folder / "vocab.safetensors", generation) if enc.get("kind") == "vocabulary" else {}
+        )
+        try:
+            encoder = load_encoder(enc, {k: v.numpy() for k, v in vocab.items()})
+        except (KeyError, ValueError) as exc:
+            raise EcruError(f"{folder}: the saved token encoder is unreadable ({exc})") from None
     return CTRPredictor(model.to(device).eval(), encoder, config["data_format"], config)

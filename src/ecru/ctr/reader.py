@@ -27,7 +27,14 @@ import pyarrow.csv as pacsv
 import torch
 
 from ecru.ctr.data import CTRData, concat
-from ecru.ctr.tokens import Encoder, VocabularyBuilder, dictionary
+from ecru.ctr.tokens import (
+    Encoder,
+    HashingEncoder,
+    VocabularyBuilder,
+    VocabularyEncoder,
+    dictionary,
+    encode,
+)
 from ecru.errors import EcruError, MissingAssetError
 
 CRITEO_FIELDS, CRITEO_DENSE = 26, 13
@@ -318,7 +325,7 @@ def read_ctr_file(
     """
     source = _Source(path, fmt, cfg)
     for labels, dense, cats in source.blocks():
-        ids = _rows([encoder.encode(f, c) for f, c in enumerate(cats)])
+        ids = _rows([encode(encoder, f, c) for f, c in enumerate(cats)])
         yield _block(labels, dense, ids, encoder.cardinalities, source)
         if skipped is not None:
             skipped["lines"] = source.skipped
@@ -351,7 +358,7 @@ def load_ctr_file(
         return data, skipped["lines"]
     source = _Source(path, fmt, cfg)
     if cfg.hash_buckets:
-        hashed = Encoder(n_fields(fmt), cfg.hash_buckets)
+        hashed = HashingEncoder(n_fields(fmt), cfg.hash_buckets)
         return load_ctr_file(path, fmt, cfg=cfg, encoder=hashed)
     builders = [VocabularyBuilder() for _ in range(n_fields(fmt))]
     labels, dense, pids = [], [], [[] for _ in builders]
@@ -365,7 +372,7 @@ def load_ctr_file(
     for b, field_pids in zip(builders, pids, strict=True):
         k, i, final = b.finish(cfg.min_count)
         keys.append(k), ids.append(i), columns.append(final[np.concatenate(field_pids)])
-    encoder = Encoder(n_fields(fmt), 0, keys, ids, tuple(len(k) + 1 for k in keys))
+    encoder = VocabularyEncoder(keys, ids, tuple(len(k) + 1 for k in keys))
     y = None if labels[0] is None else np.concatenate(labels)
     data = _block(y, torch.cat(dense), _rows(columns), encoder.cardinalities, source)
     data.info.update(encoder=encoder, skipped_lines=source.skipped)

@@ -153,6 +153,9 @@ def write_criteo_tsv(data: CTRData, path: str | Path) -> Path:
     path = Path(path)
     counts, cats = data.info["counts"].long().tolist(), data.cats.long().tolist()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; the data file gets the usual permissions
     try:
         with os.fdopen(fd, "w") as f:
             for y, row_counts, row_cats in zip(data.labels.long().tolist(), counts, cats, strict=True):

@@ -6,9 +6,9 @@ exact path); a longer token is its 64-bit FNV-1a hash with the top bit set (a co
 tokens of one field has probability ~n^2 / 2^64). The empty token has key 0 and always maps to id 0.
 
 An `Encoder` maps keys to ids in one of two ways:
-- hashing: id = splitmix64(key) mod (buckets - 1) + 1 (id 0 kept for the empty token);
-- vocabulary: per field a sorted array of keys and their ids (1..); unknown keys get the out-of-vocabulary
-  id 0. `VocabularyBuilder` builds it in one streaming pass: ids are handed out provisionally in order of
+- `HashingEncoder`: id = splitmix64(key) mod (buckets - 1) + 1 (id 0 kept for the empty token);
+- `VocabularyEncoder`: per field a sorted array of keys and their ids (1..); unknown keys get the
+  out-of-vocabulary id 0. `VocabularyBuilder` builds it in one streaming pass: ids are handed out provisionally in order of
   first appearance, counted, and renumbered at the end (tokens in sorted order, rarer than `min_count` -> 0).
 
 Lookups run on each chunk's distinct tokens (`pyarrow.compute.dictionary_encode`), then one gather maps
@@ -18,6 +18,7 @@ every row: a chunk of n rows with u distinct tokens costs O(n + u log V).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -79,73 +80,109 @@ def distinct(column: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray
     return keys, indices.to_numpy(zero_copy_only=False)
 
 
-@dataclass
-class Encoder:
-    """Token keys -> per-field ids, by hashing or by per-field vocabularies (sorted keys and their ids)."""
+class Encoder(Protocol):
+    """Token keys -> per-field ids (id 0: empty or unknown token)."""
 
-    n_fields: int
-    """Categorical fields."""
-    hash_buckets: int = 0
-    """> 0: hash every field into this many ids (0 = empty); 0: use `keys`/`ids`."""
-    keys: list[np.ndarray] | None = None
-    """Vocabulary mode: per field, the sorted uint64 keys of the tokens that have an id."""
-    ids: list[np.ndarray] | None = None
-    """Vocabulary mode: per field, the id (int32, >= 1) of each key."""
-    cardinalities: tuple[int, ...] = ()
-    """Ids per field (hashing: `hash_buckets` each); ids freed by `keep` are still counted."""
-
-    def __post_init__(self) -> None:
-        if self.hash_buckets == 1 or self.hash_buckets < 0:
-            raise ValueError(f"hash_buckets must be 0 (vocabularies) or >= 2, got {self.hash_buckets}")
-        if self.hash_buckets:
-            self.cardinalities = (self.hash_buckets,) * self.n_fields
-        elif self.keys is None or self.ids is None or len(self.keys) != self.n_fields:
-            raise ValueError("vocabulary mode needs keys and ids for every field")
+    cardinalities: tuple[int, ...]
+    """Ids per field (the model's table sizes)."""
 
     def encode_distinct(self, field: int, keys: np.ndarray) -> np.ndarray:
         """Ids (int32) of a field's distinct keys."""
-        if self.hash_buckets:
-            ids = (splitmix64(keys) % np.uint64(self.hash_buckets - 1) + np.uint64(1)).astype(np.int32)
-            return np.where(keys == 0, np.int32(0), ids)
+        ...
+
+    def settings(self) -> dict:
+        """What rebuilds the encoder with `load_encoder` (JSON-able), beside `state()`."""
+        ...
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Named arrays for a safetensors file (empty if the settings suffice)."""
+        ...
+
+
+def encode(encoder: Encoder, field: int, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Ids [n] (int32) of one field's column, looked up on its distinct tokens."""
+    keys, index = distinct(column)
+    return encoder.encode_distinct(field, keys)[index]
+
+
+@dataclass(frozen=True)
+class HashingEncoder:
+    """id = splitmix64(key) mod (buckets - 1) + 1; the empty token -> 0."""
+
+    n_fields: int
+    """Categorical fields."""
+    buckets: int
+    """Ids per field (>= 2; id 0 is the empty token's)."""
+
+    def __post_init__(self) -> None:
+        if self.buckets < 2:
+            raise ValueError(f"hash buckets must be >= 2 (id 0 is the empty token's), got {self.buckets}")
+
+    @property
+    def cardinalities(self) -> tuple[int, ...]:
+        return (self.buckets,) * self.n_fields
+
+    def encode_distinct(self, field: int, keys: np.ndarray) -> np.ndarray:
+        ids = (splitmix64(keys) % np.uint64(self.buckets - 1) + np.uint64(1)).astype(np.int32)
+        return np.where(keys == 0, np.int32(0), ids)
+
+    def settings(self) -> dict:
+        return {"kind": "hashing", "hash_buckets": self.buckets, "n_fields": self.n_fields}
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {}
+
+
+@dataclass(frozen=True)
+class VocabularyEncoder:
+    """Per field, the sorted keys of the tokens that have an id, and their ids; other tokens -> 0."""
+
+    keys: list[np.ndarray]
+    """Per field: sorted uint64 keys."""
+    ids: list[np.ndarray]
+    """Per field: the id (int32, >= 1) of each key."""
+    cardinalities: tuple[int, ...]
+    """Ids per field (ids freed by `restricted` are still counted)."""
+
+    def __post_init__(self) -> None:
+        if not len(self.keys) == len(self.ids) == len(self.cardinalities):
+            raise ValueError("a vocabulary needs keys, ids and a cardinality for every field")
+
+    def encode_distinct(self, field: int, keys: np.ndarray) -> np.ndarray:
         vocab, ids = self.keys[field], self.ids[field]  # key 0 (empty) is never in a vocabulary
         if not len(vocab):
             return np.zeros(len(keys), np.int32)
         pos = np.minimum(np.searchsorted(vocab, keys), len(vocab) - 1)
         return np.where(vocab[pos] == keys, ids[pos], 0).astype(np.int32)
 
-    def encode(self, field: int, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
-        """Ids [n] (int32) of one field's column; empty and unknown tokens -> 0."""
-        keys, index = distinct(column)
-        return self.encode_distinct(field, keys)[index]
-
-    def restricted(self, live: list[np.ndarray]) -> Encoder:
-        """A copy whose vocabularies keep only the ids with `live[field][id]` (the others map to id 0)."""
-        if self.hash_buckets:
-            return self
+    def restricted(self, live: list[np.ndarray]) -> VocabularyEncoder:
+        """A copy that keeps only the ids with `live[field][id]` (the others map to id 0)."""
         kept = [mask[ids] for mask, ids in zip(live, self.ids, strict=True)]
         keys = [k[m] for k, m in zip(self.keys, kept, strict=True)]
         ids = [i[m] for i, m in zip(self.ids, kept, strict=True)]
-        return Encoder(self.n_fields, 0, keys, ids, self.cardinalities)
+        return VocabularyEncoder(keys, ids, self.cardinalities)
+
+    def settings(self) -> dict:
+        return {"kind": "vocabulary", "cardinalities": list(self.cardinalities)}
 
     def state(self) -> dict[str, np.ndarray]:
-        """The vocabularies as named arrays (keys as int64 bit patterns), for a safetensors file."""
-        if self.hash_buckets:
-            return {}
+        """Keys as int64 bit patterns (safetensors has no uint64), ids as int32."""
         out = {}
-        for f in range(self.n_fields):
-            out[f"keys.{f}"] = self.keys[f].view(np.int64)
-            out[f"ids.{f}"] = self.ids[f].astype(np.int32)
+        for f, (keys, ids) in enumerate(zip(self.keys, self.ids, strict=True)):
+            out[f"keys.{f}"], out[f"ids.{f}"] = keys.view(np.int64), ids.astype(np.int32)
         return out
 
-    @classmethod
-    def from_state(
-        cls, n_fields: int, hash_buckets: int, cardinalities: tuple[int, ...], state: dict
-    ) -> Encoder:
-        if hash_buckets:
-            return cls(n_fields, hash_buckets)
-        keys = [np.asarray(state[f"keys.{f}"]).view(np.uint64) for f in range(n_fields)]
-        ids = [np.asarray(state[f"ids.{f}"]).astype(np.int32) for f in range(n_fields)]
-        return cls(n_fields, 0, keys, ids, tuple(cardinalities))
+
+def load_encoder(settings: dict, state: dict[str, np.ndarray]) -> Encoder:
+    """The encoder that `settings()` and `state()` describe."""
+    if settings.get("kind") == "hashing":
+        return HashingEncoder(int(settings["n_fields"]), int(settings["hash_buckets"]))
+    if settings.get("kind") == "vocabulary":
+        fields = range(len(settings["cardinalities"]))
+        keys = [np.asarray(state[f"keys.{f}"]).view(np.uint64) for f in fields]
+        ids = [np.asarray(state[f"ids.{f}"]).astype(np.int32) for f in fields]
+        return VocabularyEncoder(keys, ids, tuple(settings["cardinalities"]))
+    raise ValueError(f"unknown encoder settings {settings!r}")
 
 
 class VocabularyBuilder:
