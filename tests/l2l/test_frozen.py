@@ -115,3 +115,18 @@ def test_peft_lora_through_from_hf_trains_as_plain_peft(family):
             assert not torch.equal(got[name], value), name  # every adapter trained
     n_state = sum(len(g.optimizer.state) for g in engine.store.groups if g.optimizer)
     assert n_state == len(trainable)
+
+
+def test_peft_export_saves_the_trained_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        tiny_llama(num_layers=2), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    engine = L2L.from_hf(model, optimizer=ADAMW, config=L2LConfig(micro_batch_size=2))
+    engine.step(lm_batch())
+    engine.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    back = peft.PeftModel.from_pretrained(tiny_llama(num_layers=2), tmp_path / "adapter").state_dict()
+    trained = engine.state_dict()
+    lora = [k for k in trained if "lora_" in k]
+    assert lora and all(torch.equal(back[k], trained[k]) for k in lora)

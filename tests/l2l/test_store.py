@@ -7,6 +7,7 @@ import functools
 import threading
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -201,4 +202,29 @@ def test_a_step_that_fails_mid_backward_leaves_no_gradient_behind():
         opt.step()
         engine.step((x, y))
     assert_params_close(ref, engine.state_dict())
+    engine.close()
+
+
+def test_with_rollback_a_step_that_fails_mid_backward_changes_nothing(recwarn):
+    """The last block was updated before block 1's recompute failed: rollback=True puts it back."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 8), _FailsInRecompute(), nn.Linear(8, 2))
+    adamw = functools.partial(torch.optim.AdamW, lr=0.1)
+    engine = L2L.from_sequential(
+        seq, loss_fn=nn.MSELoss(), optimizer=adamw, config=L2LConfig(micro_batch_size=2, rollback=True)
+    )
+    x, y = torch.randn(5, 8), torch.randn(5, 2)
+    engine.step((x, y))
+    before = copy.deepcopy(engine.state_dict())
+    states = [copy.deepcopy(g.optimizer.state_dict()) for g in engine.store.groups if g.optimizer]
+    seq[1].fail, seq[1].recomputed = True, 0
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step((x, y))
+    for name, value in engine.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    for g, state in zip([g for g in engine.store.groups if g.optimizer], states, strict=True):
+        torch.testing.assert_close(g.optimizer.state_dict()["state"], state["state"], atol=0, rtol=0)
+    assert not [w for w in recwarn if "already updated" in str(w.message)]
+    seq[1].fail = False
+    engine.step((x, y))
     engine.close()

@@ -43,3 +43,21 @@ def test_readme_snippet_disk_tier_and_layer_drop(tmp_path):
     losses = [engine.step((x, y), blocks=[0, 2, 4, 5, 6] if s % 2 else None) for s in range(10)]  # layer drop
     engine.close()
     assert losses[-1] < losses[0]
+
+
+def test_readme_snippet_any_decoder_forward_and_export(tmp_path):
+    import functools
+
+    import torch
+
+    from ecru.l2l import L2L, L2LConfig
+    from ecru.models import tiny_llama
+
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-2, fused=True)
+    engine = L2L.from_hf(tiny_llama(num_layers=4), optimizer=adamw, config=L2LConfig(micro_batch_size=2))
+    ids = torch.randint(3, 128, (6, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    losses = [engine.step(batch) for _ in range(5)]
+    print(f"train {losses[0]:.3f} -> {losses[-1]:.3f}, eval {engine.forward(batch).loss:.3f}")
+    engine.save_pretrained(tmp_path / "hf")
+    assert losses[-1] < losses[0] and (tmp_path / "hf" / "config.json").is_file()
