@@ -1,6 +1,6 @@
 """`ecru l2l train`: fine-tune a causal LM on text with layer-to-layer training.
 
-The model is a bundled name (smollm2, tiny-llama) or any local Hugging Face model folder; the text is
+The model is a bundled name (smollm2, tiny) or any local Hugging Face model folder; the text is
 CLINC150 or the user's .txt (one text per line) / .jsonl (a "text" field per line). Everything the run
 writes goes to --out DIR: `state.json` (arguments, losses, data position), `checkpoint/` (the full
 training state, every --save-every steps and at the end; on the disk tier the store under DIR/ecru-l2l
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ecru.cliargs import add_out_dir, non_negative_float, non_negative_int, positive_float, positive_int
 
-MODELS = ("smollm2", "tiny-llama")
+MODELS = ("smollm2", "tiny")  # "tiny" as in `ecru serve`; "tiny-llama" is still accepted
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 STATE, CHECKPOINT = "state.json", "checkpoint"
 
@@ -30,8 +30,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train = sub.add_parser("train", help="fine-tune a causal LM with L2L", description=__doc__)
     train.add_argument(
         "--model",
-        default="tiny-llama",
-        help="smollm2 (SmolLM2-135M-Instruct), tiny-llama (random, byte tokens) or a local Hugging Face "
+        default="tiny",
+        help="smollm2 (SmolLM2-135M-Instruct), tiny (a random Llama, byte tokens) or a local Hugging Face "
         "model folder (a decoder-only causal LM with its tokenizer)",
     )
     train.add_argument(
@@ -82,7 +82,7 @@ def load_model(name: str, *, seed: int = 0):
         from ecru.models import load_smollm2
 
         return load_smollm2()
-    if name == "tiny-llama":
+    if name in ("tiny", "tiny-llama"):
         from ecru.models import tiny_llama
 
         tok = ByteTokenizer()
