@@ -106,16 +106,30 @@ class Admitter:
 
     def __init__(self, queue: RequestQueue, prompt_lens: Sequence[int], config: ContinuousConfig,
                  reserve: Sequence[float] | None = None):  # fmt: skip
-        cap = config.max_new_tokens
         if reserve is not None and len(reserve) != len(prompt_lens):
             raise ValueError(f"reserve has {len(reserve)} entries for {len(prompt_lens)} prompts")
         self.queue, self.held, self.config = queue, deque(), config
-        self.prompt_lens = list(prompt_lens)
-        self.initial = (
-            [cap] * len(prompt_lens) if reserve is None else [min(cap, max(1, int(r))) for r in reserve]
-        )
+        self.prompt_lens: dict[int, int] = {}
+        self.initial: dict[int, int] = {}
+        self.caps: dict[int, int] = {}
+        for i, n in enumerate(prompt_lens):
+            self.add(i, n, None if reserve is None else reserve[i])
         self.reserved: dict[int, int] = {}
         self.preemptions = 0
+
+    def add(self, i: int, prompt_len: int, reserve: float | None = None, *, cap: int | None = None) -> None:
+        """Register request `i` (before it is pushed to the queue): its prompt length, the answer tokens
+        it reserves (None: the cap) and its own cap (None: `config.max_new_tokens`). Requests may be added
+        while others run (a server's arrivals)."""
+        cap = self.config.max_new_tokens if cap is None else min(cap, self.config.max_new_tokens)
+        self.prompt_lens[i], self.caps[i] = prompt_len, cap
+        self.initial[i] = cap if reserve is None else min(cap, max(1, int(reserve)))
+
+    def forget(self, i: int) -> None:
+        """Request `i` is done for good (finished or cancelled): drop what is kept about it."""
+        self.reserved.pop(i, None)
+        for table in (self.prompt_lens, self.initial, self.caps):
+            table.pop(i, None)
 
     def __len__(self) -> int:
         return len(self.queue) + len(self.held)
@@ -130,6 +144,8 @@ class Admitter:
         picked, left = [], self._left()
         while len(picked) < n and len(self):
             i = self.held.popleft() if self.held else self.queue.pop()
+            if i not in self.prompt_lens:
+                continue  # forgotten while it waited (a cancelled request)
             need = self.prompt_lens[i] + self.initial[i]
             if need > left and (picked or self.reserved):
                 self.held.appendleft(i)
@@ -149,13 +165,13 @@ class Admitter:
         Returns the preempted ones; they wait first in line, in their admission order."""
         for i, g in zip(running, generated, strict=True):
             if g >= self.reserved[i]:
-                self.reserved[i] = self.config.max_new_tokens
+                self.reserved[i] = self.caps[i]
         out = []
         for i in reversed(running):
             if self._left() >= 0 or len(self.reserved) == 1:
                 break
             del self.reserved[i]
-            self.initial[i] = self.config.max_new_tokens  # its prediction proved short: readmit at the cap
+            self.initial[i] = self.caps[i]  # its prediction proved short: readmit at the cap
             self.held.appendleft(i)
             out.append(i)
         self.preemptions += len(out)
