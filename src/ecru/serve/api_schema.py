@@ -86,8 +86,8 @@ class _Sampling(_Strict):
         try:
             return SamplingParams(**values)
         except ValueError as exc:
-            param = str(exc).split(" ", 1)[0]
-            raise APIError(400, str(exc), param=param if param in values else None) from None
+            named = [(str(exc).find(k), k) for k in values if k in str(exc)]
+            raise APIError(400, str(exc), param=min(named)[1] if named else None) from None
 
     @property
     def include_usage(self) -> bool:

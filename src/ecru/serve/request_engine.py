@@ -195,11 +195,12 @@ class RequestEngine:
             raise ValueError("stop strings need a tokenizer: give the engine one")
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request: a waiting one never runs, a running one leaves the batch at the next step."""
+        """Cancel a request (between steps): a waiting one never runs, a running one leaves the batch now."""
         seq = self._ids.get(request_id)
         if seq is None:
             return False
         self._finish(self.requests[seq], "abort")
+        self._drop_finished_rows()
         return True
 
     def has_unfinished(self) -> bool:
