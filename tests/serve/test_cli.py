@@ -87,3 +87,44 @@ def test_bench_runs_cb_ljf_when_asked(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["policies"]) == {"fcfs", "cb", "cb-ljf"}
     assert all(m["outputs_match_fcfs"] for m in result["policies"].values())
+
+
+def test_bad_predicted_len_and_labels_are_one_line_errors_before_any_work(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 3, "output_len": 4, "predicted_len": "soon"}\n')
+    assert main(["serve", "simulate", "--trace", str(trace), "--policy", "sorted"]) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:1:" in err and "Traceback" not in err
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text('{"prompt": "x", "lengths": [3], "max_new_tokens": 8}\n{"prompt": "y"}\n')
+    args = [
+        "serve",
+        "bench",
+        "--model",
+        "tiny",
+        "--n",
+        "2",
+        "--labels",
+        str(labels),
+        "--predictor",
+        "constant",
+    ]
+    assert main(args) == 2  # before the model is even loaded
+    err = capsys.readouterr().err
+    assert err.strip().startswith(f"ecru: error: {labels}:2:") and len(err.strip().splitlines()) == 1
+
+
+def test_output_folders_are_created_or_refused_before_work(tmp_path, capsys):
+    out = tmp_path / "missing" / "dir" / "cost.json"
+    assert main(["serve", "cost", "--model", "tiny", "--reps", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["source"].startswith("tiny")
+    assert main(["serve", "cost", "--model", "tiny", "--out", str(tmp_path)]) == 2  # a folder, not a file
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_bench_defaults_say_they_run_long(monkeypatch, capsys):
+    import ecru.serve.bench as bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda config: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(["serve", "bench"]) == 130
+    assert "note: " in capsys.readouterr().err
