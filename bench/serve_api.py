@@ -163,9 +163,41 @@ def drive(url: str, texts: list[str], cap: int, clients: int) -> tuple[dict, lis
     return summary(sum(tokens), wall, done, latencies=lat, ttfts=[t for t in ttft if t]), texts_out
 
 
+def run_level(url: str, texts: list[str], reference: list[str], cap: int, clients: int) -> dict:
+    result, answers = drive(url, texts, cap, clients)
+    result["outputs_identical"] = answers == reference
+    result["mismatches"] = sum(a != r for a, r in zip(answers, reference, strict=True))
+    print(f"server, {clients} clients: {result['tokens_per_s']:.1f} tok/s, TTFT {result['mean_ttft_s']:.2f} s, "
+          f"latency {result['mean_latency_s']:.2f} s (p99 {result['p99_latency_s']:.2f}), "
+          f"same outputs {result['outputs_identical']}", flush=True)  # fmt: skip
+    return result
+
+
+def run_batch(served, prompts, ref_tokens, cap: int, rows: int) -> dict:
+    batch, tokens = generate_batch(served, prompts, cap, rows)
+    batch["outputs_identical"] = tokens == ref_tokens
+    print(f"generate_batch: {batch['tokens_per_s']:.1f} tok/s, same outputs {batch['outputs_identical']}",
+          flush=True)  # fmt: skip
+    return batch
+
+
+def compare_top(served, url, texts, prompts, reference, ref_tokens, args, top: int):
+    """generate_batch and the server at `top` clients in the order A B B A, so that a load drifting
+    linearly during the run weighs on both alike; each side's mean tokens/s is compared."""
+    batches, tops = [run_batch(served, prompts, ref_tokens, args.max_new_tokens, args.max_batch_size)], []
+    for _ in range(2):
+        tops.append(run_level(url, texts, reference, args.max_new_tokens, top))
+    batches.append(run_batch(served, prompts, ref_tokens, args.max_new_tokens, args.max_batch_size))
+    return batches, tops
+
+
+def mean_of(runs: list[dict], key: str) -> float:
+    return statistics.fmean(r[key] for r in runs)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="16 prompts, cap 64 (a few minutes)")
+    ap.add_argument("--quick", action="store_true", help="16 prompts, cap 64 (about 7 minutes on 2 cores)")
     ap.add_argument("--n", type=int, default=None, help="prompts (default 32; --quick 16)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="cap on answer tokens")
     ap.add_argument("--concurrency", default="1,4,16", help="concurrent clients, comma-separated")
@@ -185,38 +217,33 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_out_file(args.json, flag="--json")
     n, cap = args.n or (16 if args.quick else 32), args.max_new_tokens
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = sorted(int(c) for c in args.concurrency.split(","))
     served = ServedModel.load("smollm2")
     texts = load_prompts("mixed", n=n, split="test")
     prompts = [served.encode_chat([{"role": "user", "content": t}]) for t in texts]
     decode = Decoder(served.tokenizer)
-    print(f"{n} prompts, cap {cap}, torch threads {torch.get_num_threads()}", flush=True)
+    load_before = os.getloadavg()
+    print(f"{n} prompts, cap {cap}, torch threads {torch.get_num_threads()}, load {load_before}", flush=True)
 
     single, ref_tokens = one_at_a_time(served, prompts, cap)
     reference = [decode(t) for t in ref_tokens]
     print(f"one at a time: {single['tokens_per_s']:.1f} tok/s, {single['wall_s']:.1f} s", flush=True)
-    batch, batch_tokens = generate_batch(served, prompts, cap, args.max_batch_size)
-    batch["outputs_identical"] = batch_tokens == ref_tokens
-    print(f"generate_batch: {batch['tokens_per_s']:.1f} tok/s, same outputs {batch['outputs_identical']}",
-          flush=True)  # fmt: skip
-    bench_rss = psutil.Process().memory_info().rss / 2**20
-    del served
-
     server, levels_out = Server(cap, args.max_batch_size, args.policy), {}
     try:
-        for c in levels:
-            result, answers = drive(server.url, texts, cap, c)
-            result["outputs_identical"] = answers == reference
-            result["mismatches"] = sum(a != r for a, r in zip(answers, reference, strict=True))
-            levels_out[str(c)] = result
-            print(f"server, {c} clients: {result['tokens_per_s']:.1f} tok/s, TTFT {result['mean_ttft_s']:.2f} s, "
-                  f"latency {result['mean_latency_s']:.2f} s (p99 {result['p99_latency_s']:.2f}), "
-                  f"same outputs {result['outputs_identical']}", flush=True)  # fmt: skip
+        for c in levels[:-1]:
+            levels_out[str(c)] = run_level(server.url, texts, reference, cap, c)
+        batches, tops = compare_top(
+            served, server.url, texts, prompts, reference, ref_tokens, args, levels[-1]
+        )
         server_rss = server.rss_mb()
     finally:
         server.close()
-
-    top = levels_out[str(max(levels))]
+    top = {**tops[0], **{k: mean_of(tops, k) for k in ("tokens_per_s", "mean_ttft_s", "p99_ttft_s",
+                                                        "mean_latency_s", "p99_latency_s")}, "runs": tops}  # fmt: skip
+    top["outputs_identical"] = all(r["outputs_identical"] for r in tops)
+    levels_out[str(levels[-1])] = top
+    batch = {"tokens_per_s": mean_of(batches, "tokens_per_s"), "runs": batches,
+             "outputs_identical": all(b["outputs_identical"] for b in batches)}  # fmt: skip
     ratios = {
         "x_one_at_a_time": top["tokens_per_s"] / single["tokens_per_s"],
         "x_generate_batch": top["tokens_per_s"] / batch["tokens_per_s"],
@@ -239,15 +266,28 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "order": [
+                "one_at_a_time",
+                *[f"server {c}" for c in levels[:-1]],
+                "generate_batch",
+                f"server {levels[-1]}",
+                f"server {levels[-1]}",
+                "generate_batch",
+            ],
             "command": " ".join(["python", "bench/serve_api.py", *(argv or sys.argv[1:])]),
         },  # fmt: skip
         "one_at_a_time": single,
         "generate_batch": batch,
         "server": levels_out,
-        f"ratios_at_{max(levels)}_clients": ratios,
+        f"ratios_at_{levels[-1]}_clients": ratios,
         "targets": TARGETS,
         "met": met,
-        "peak_rss_mb": {"bench_process": bench_rss, "server_process": server_rss},
+        "peak_rss_mb": {
+            "bench_process": psutil.Process().memory_info().rss / 2**20,
+            "server_process": server_rss,
+        },
     }
     atomic_write_json(args.json, result)
     print(json.dumps({"ratios": ratios, "met": met}, indent=2))
