@@ -4,12 +4,14 @@ batching (`generate_batch`), on the same prompts in the same run.
     OMP_NUM_THREADS=1 python bench/serve_api.py --quick --json bench/results/serve_api_quick.json
 
 Prompts: held-out CLINC150/Banking77 queries (mixed test split) in SmolLM2-135M-Instruct's chat template,
-greedy, cap `--max-new-tokens`. In order:
-1. one request at a time: Hugging Face `model.generate` on each prompt alone;
-2. `model.generate_batch` (transformers' paged continuous batching) on all prompts at once;
-3. the server (`python -m ecru serve api`, its own process) driven through HTTP by 1, 4 and 16 concurrent
-   clients (the official `openai` client, streaming, so time to first token is measured); each client
-   sends its next prompt as soon as its previous answer has ended.
+greedy, cap `--max-new-tokens`. Measured:
+- one request at a time: Hugging Face `model.generate` on each prompt alone (first, it is the reference);
+- the server (`python -m ecru serve api`, its own process) driven through HTTP by 1, 4 and 16 concurrent
+  clients (the official `openai` client, streaming, so time to first token is measured); each client
+  sends its next prompt as soon as its previous answer has ended;
+- `model.generate_batch` (transformers' paged continuous batching) on all prompts at once (A), the same
+  engine in this process without HTTP (B, what the transport costs) and the server at 16 clients (C), in
+  the order A B C C B A so that a load drifting linearly weighs on all three alike (the machine is shared).
 Tokens/s is generated tokens (EOS included) / wall seconds of the whole group. Every greedy answer is
 compared, as text, with the one-at-a-time answer. Prints a table, writes JSON.
 """
@@ -181,14 +183,33 @@ def run_batch(served, prompts, ref_tokens, cap: int, rows: int) -> dict:
     return batch
 
 
+def engine_alone(served, prompts, ref_tokens, args) -> dict:
+    """The same engine in this process, no HTTP: what the server's transport costs."""
+    from ecru.serve import EngineConfig, SamplingParams
+
+    engine = served.engine(EngineConfig(policy=args.policy, max_batch_size=args.max_batch_size,
+                                        max_new_tokens=args.max_new_tokens))  # fmt: skip
+    start = time.perf_counter()
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=args.max_new_tokens))
+    out = summary(sum(len(r.output) for r in reqs), time.perf_counter() - start,
+                  [r.finish_s - start for r in reqs])  # fmt: skip
+    out["outputs_identical"] = [r.output for r in reqs] == ref_tokens
+    print(
+        f"engine alone: {out['tokens_per_s']:.1f} tok/s, same outputs {out['outputs_identical']}", flush=True
+    )
+    return out
+
+
 def compare_top(served, url, texts, prompts, reference, ref_tokens, args, top: int):
-    """generate_batch and the server at `top` clients in the order A B B A, so that a load drifting
-    linearly during the run weighs on both alike; each side's mean tokens/s is compared."""
-    batches, tops = [run_batch(served, prompts, ref_tokens, args.max_new_tokens, args.max_batch_size)], []
-    for _ in range(2):
-        tops.append(run_level(url, texts, reference, args.max_new_tokens, top))
-    batches.append(run_batch(served, prompts, ref_tokens, args.max_new_tokens, args.max_batch_size))
-    return batches, tops
+    """generate_batch (A), the engine alone (B) and the server at `top` clients (C) in the order
+    A B C C B A, so that a load drifting linearly during the run weighs on all three alike."""
+    cap, rows = args.max_new_tokens, args.max_batch_size
+    batches = [run_batch(served, prompts, ref_tokens, cap, rows)]
+    alone = [engine_alone(served, prompts, ref_tokens, args)]
+    tops = [run_level(url, texts, reference, cap, top) for _ in range(2)]
+    alone.append(engine_alone(served, prompts, ref_tokens, args))
+    batches.append(run_batch(served, prompts, ref_tokens, cap, rows))
+    return batches, alone, tops
 
 
 def mean_of(runs: list[dict], key: str) -> float:
@@ -232,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for c in levels[:-1]:
             levels_out[str(c)] = run_level(server.url, texts, reference, cap, c)
-        batches, tops = compare_top(
+        batches, alone, tops = compare_top(
             served, server.url, texts, prompts, reference, ref_tokens, args, levels[-1]
         )
         server_rss = server.rss_mb()
@@ -244,13 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     levels_out[str(levels[-1])] = top
     batch = {"tokens_per_s": mean_of(batches, "tokens_per_s"), "runs": batches,
              "outputs_identical": all(b["outputs_identical"] for b in batches)}  # fmt: skip
+    engine = {"tokens_per_s": mean_of(alone, "tokens_per_s"), "runs": alone,
+              "outputs_identical": all(r["outputs_identical"] for r in alone)}  # fmt: skip
     ratios = {
         "x_one_at_a_time": top["tokens_per_s"] / single["tokens_per_s"],
         "x_generate_batch": top["tokens_per_s"] / batch["tokens_per_s"],
+        "engine_alone_x_generate_batch": engine["tokens_per_s"] / batch["tokens_per_s"],
+        "server_x_engine_alone": top["tokens_per_s"] / engine["tokens_per_s"],
     }
-    met = {k: ratios[k] >= v for k, v in TARGETS.items()}
-    met["identical_greedy_outputs"] = batch["outputs_identical"] and all(
-        r["outputs_identical"] for r in levels_out.values()
+    met: dict[str, bool] = {k: ratios[k] >= v for k, v in TARGETS.items()}
+    met["identical_greedy_outputs"] = (
+        batch["outputs_identical"]
+        and engine["outputs_identical"]
+        and all(r["outputs_identical"] for r in levels_out.values())
     )
     result = {
         "setup": {
@@ -280,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         },  # fmt: skip
         "one_at_a_time": single,
         "generate_batch": batch,
+        "engine_alone": engine,
         "server": levels_out,
         f"ratios_at_{levels[-1]}_clients": ratios,
         "targets": TARGETS,

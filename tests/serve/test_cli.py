@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ecru.cli import main
 
 
@@ -128,3 +130,19 @@ def test_bench_defaults_say_they_run_long(monkeypatch, capsys):
     monkeypatch.setattr(bench, "run_bench", lambda config: (_ for _ in ()).throw(KeyboardInterrupt))
     assert main(["serve", "bench"]) == 130
     assert "note: " in capsys.readouterr().err
+
+
+def test_api_and_run_refuse_bad_arguments_in_one_line(tmp_path, capsys):
+    assert main(["serve", "api", "--model", str(tmp_path / "no-model")]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    for bad in (["--port", "0"], ["--max-batch-size", "-1"], ["--policy", "lifo"]):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "api", *bad])
+        assert info.value.code == 2
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    with pytest.raises(SystemExit):
+        main(["serve", "run", "--in", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "a.jsonl")])
+    assert "not found" in capsys.readouterr().err
+    assert main(["serve", "run", "--in", str(prompts), "--out", str(tmp_path), "--model", "tiny"]) == 2
+    assert "is a folder" in capsys.readouterr().err

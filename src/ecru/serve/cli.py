@@ -92,10 +92,13 @@ def _run(args: argparse.Namespace) -> int:
     lines, skipped = batch_run.read_batch(args.input, skip_invalid=args.skip_invalid)
     done = {r["id"] for r in batch_run.read_answers(out)}
     todo_lines = [line for line in lines if line.id not in done]
-    served = ServedModel.load(args.model) if todo_lines else None
-    todo = batch_run.encode_lines(
-        served, todo_lines, base, path=args.input, skip_invalid=args.skip_invalid, skipped=skipped
-    ) if served else []  # fmt: skip
+    _engine_config(args, max_new_tokens=args.max_new_tokens)  # checked before the model loads
+    served, todo = None, []
+    if todo_lines:
+        served = ServedModel.load(args.model)
+        todo = batch_run.encode_lines(
+            served, todo_lines, base, path=args.input, skip_invalid=args.skip_invalid, skipped=skipped
+        )
     cap = max([args.max_new_tokens, *(e.params.max_tokens for e in todo)])
     config = _engine_config(args, max_new_tokens=cap)
     for message in skipped:

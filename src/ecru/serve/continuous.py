@@ -183,7 +183,7 @@ def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return F.pad(t, (0, 0) * (-dim - 1) + (width - t.shape[dim], 0))
 
 
-class _Running:
+class RunningBatch:
     """The running batch: request ids, pending (not yet cached) tokens, attention mask, KV cache."""
 
     def __init__(self, model):
@@ -243,7 +243,7 @@ def generate_continuous(
     eos = torch.tensor(gen.eos_token_ids)
     out: list[list[int]] = [[] for _ in range(n)]
     finish = [0.0] * n
-    run, step, slots, prefills, order, start = _Running(model), 0, 0, 0, [], time.perf_counter()
+    run, step, slots, prefills, order, start = RunningBatch(model), 0, 0, 0, [], time.perf_counter()
     admitter = Admitter(queue, [len(p) for p in prompts], config, reserve)
 
     def record(ids: list[int], tok: torch.Tensor) -> torch.Tensor:

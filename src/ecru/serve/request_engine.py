@@ -4,7 +4,7 @@ One engine, several front ends (`ecru serve run`, `ecru serve api`, the benchmar
 vLLM v1's three calls: schedule (drop cancelled rows, admit waiting requests through the admission policy),
 run the model (prefill the admitted prompts in one forward, then one decode step for every running row),
 update (append each row's token, stream its text, finish it on EOS, a stop string or its cap). The running
-batch is `continuous._Running`: one left-padded KV cache whose rows keep their own positions, so a greedy
+batch is `continuous.RunningBatch`: one left-padded KV cache whose rows keep their own positions, so a greedy
 request's tokens equal Hugging Face `generate` whatever else shares the batch.
 
 Admission (`EngineConfig.policy`) is `continuous.Admitter` over a waiting queue: `cb` first come first
@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from ecru.serve.continuous import Admitter, ContinuousConfig, _Running, admissions
+from ecru.serve.continuous import Admitter, ContinuousConfig, RunningBatch, admissions
 from ecru.serve.detok import Decoder, TextStream
 from ecru.serve.engine import forward, left_pad, new_cache
 from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
@@ -147,7 +147,7 @@ class RequestEngine:
             else FCFSQueue()
         )
         self.admitter = Admitter(queue, [], self.config.continuous())
-        self.run, self.stats = _Running(model), EngineStats()
+        self.run, self.stats = RunningBatch(model), EngineStats()
         self.requests: dict[int, Request] = {}  # unfinished, by seq
         self._ids: dict[str, int] = {}
         self._seq = itertools.count()
@@ -331,5 +331,5 @@ class RequestEngine:
         failed = list(self.requests.values())
         for req in failed:
             self._finish(req, reason)
-        self.run = _Running(self.model)
+        self.run = RunningBatch(self.model)
         return failed
