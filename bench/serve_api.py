@@ -212,6 +212,17 @@ def compare_top(served, url, texts, prompts, reference, ref_tokens, args, top: i
     return batches, alone, tops
 
 
+def ABCCBA(top: int) -> list[str]:  # noqa: N802 - the name is the order
+    return [
+        "generate_batch",
+        "engine alone",
+        f"server {top}",
+        f"server {top}",
+        "engine alone",
+        "generate_batch",
+    ]
+
+
 def mean_of(runs: list[dict], key: str) -> float:
     return statistics.fmean(r[key] for r in runs)
 
@@ -295,14 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
-            "order": [
-                "one_at_a_time",
-                *[f"server {c}" for c in levels[:-1]],
-                "generate_batch",
-                f"server {levels[-1]}",
-                f"server {levels[-1]}",
-                "generate_batch",
-            ],
+            "order": ["one_at_a_time", *[f"server {c}" for c in levels[:-1]], *ABCCBA(levels[-1])],
             "command": " ".join(["python", "bench/serve_api.py", *(argv or sys.argv[1:])]),
         },  # fmt: skip
         "one_at_a_time": single,

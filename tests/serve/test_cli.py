@@ -133,7 +133,15 @@ def test_bench_defaults_say_they_run_long(monkeypatch, capsys):
 
 
 def test_api_and_run_refuse_bad_arguments_in_one_line(tmp_path, capsys):
-    assert main(["serve", "api", "--model", str(tmp_path / "no-model")]) == 2
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert main(["serve", "api", "--model", "tiny", "--port", port]) == 2  # before the model loads
+        assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+    assert main(["serve", "api", "--model", str(tmp_path / "no-model"), "--port", port]) == 2
     assert "unknown model" in capsys.readouterr().err
     for bad in (["--port", "0"], ["--max-batch-size", "-1"], ["--policy", "lifo"]):
         with pytest.raises(SystemExit) as info:

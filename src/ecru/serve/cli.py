@@ -51,11 +51,28 @@ def _engine_config(args: argparse.Namespace, *, max_new_tokens: int):
     )
 
 
+def _check_bindable(host: str, port: int) -> None:
+    """A busy port or a foreign address is refused before the model loads."""
+    import socket
+
+    from ecru.errors import EcruError
+
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        raise EcruError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or --host"
+        ) from None
+
+
 def _api(args: argparse.Namespace) -> int:
     from ecru.serve.models import ServedModel
     from ecru.serve.server import serve_forever
 
     config = _engine_config(args, max_new_tokens=args.max_new_tokens)
+    _check_bindable(args.host, args.port)
     served = ServedModel.load(args.model)
     print(
         f"serving {served.name} on http://{args.host}:{args.port}/v1 (policy {config.policy})",
