@@ -154,3 +154,13 @@ def test_api_and_run_refuse_bad_arguments_in_one_line(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
     assert main(["serve", "run", "--in", str(prompts), "--out", str(tmp_path), "--model", "tiny"]) == 2
     assert "is a folder" in capsys.readouterr().err
+
+
+def test_prompt_files_refuse_null_and_empty_prompts(tmp_path):
+    from ecru.errors import EcruError
+    from ecru.serve.prompts import read_jsonl_prompts
+
+    for bad in ('{"prompt": null}', '{"prompt": ""}', '{"prompt": 3}'):
+        (tmp_path / "p.jsonl").write_text('{"prompt": "fine"}\n' + bad + "\n")
+        with pytest.raises(EcruError, match=r"p.jsonl:2: .*non-empty string"):
+            read_jsonl_prompts(tmp_path / "p.jsonl")
