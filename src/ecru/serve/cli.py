@@ -143,18 +143,36 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy; OpenAI's 0..2")
+    p.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="0 (the default): greedy; OpenAI's range is 0..2",
+    )
     p.add_argument("--top-p", type=positive_float, default=1.0, help="nucleus sampling mass, (0, 1]")
-    p.add_argument("--top-k", type=non_negative_int, default=0, help="keep the k likeliest tokens (0: off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of every line (same answer on rerun)")
+    p.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="keep the k likeliest tokens (0, the default: off)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed of every line, default 0 (the same answer on a rerun)",
+    )
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeat for up to 4)")
-    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty, -2..2")
-    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty, -2..2")
+    p.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty, -2..2 (default 0)"
+    )
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty, -2..2 (default 0)"
+    )
 
 
 def _configure_api_run(sub) -> None:
     api = sub.add_parser("api", help="OpenAI-compatible HTTP server (chat, completions, streaming, /metrics)")
-    _add_engine_flags(api, max_new_tokens_help="default and largest max_tokens of a request")
+    _add_engine_flags(
+        api, max_new_tokens_help="max_tokens of a request that gives none, and the largest one may ask"
+    )
     api.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
     api.add_argument("--port", type=positive_int, default=8000, help="TCP port")
     api.set_defaults(func=_api)
