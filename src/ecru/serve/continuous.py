@@ -5,6 +5,10 @@ cache rows are dropped); when enough rows are free, waiting requests are admitte
 prefilled together in a fresh cache, which is left-padded to the running cache's width (or the other way
 round) and concatenated on the batch axis. Every row keeps its own positions (from its attention mask),
 so outputs equal unbatched generation; columns that are padding in every row are trimmed.
+
+This module holds the pieces (limits, admission, the running batch); the loop that drives them is
+`request_engine.RequestEngine`, and `generate_continuous` is its offline front end for measurements (all
+prompts known, arrivals in decode steps), with exactly the admissions the simulator replays.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ecru.serve.engine import GenerationConfig, forward, left_pad, new_cache, next_tokens
+from ecru.serve.engine import GenerationConfig, new_cache
 from ecru.serve.queues import RequestQueue
 
 
@@ -222,7 +226,6 @@ class RunningBatch:
             layer.keys, layer.values = layer.keys[index, :, first:], layer.values[index, :, first:]
 
 
-@torch.no_grad()
 def generate_continuous(
     model,
     prompts: Sequence[Sequence[int]],
@@ -233,73 +236,39 @@ def generate_continuous(
     arrivals: Sequence[int] | None = None,
     reserve: Sequence[float] | None = None,
 ) -> ContinuousResult:
-    """Serve every prompt; request i joins `queue` at decode step `arrivals[i]` (all at 0 by default).
-    With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the cap; see `Admitter`)."""
+    """Serve every prompt on the request engine; request i joins `queue` at decode step `arrivals[i]` (all
+    at 0 by default). With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the
+    cap; see `Admitter`); a preempted request restarts from its prompt, as the simulator models it."""
+    from ecru.serve.request_engine import RequestEngine
+    from ecru.serve.sampling import SamplingParams
+
     if gen.temperature != 0:
         raise ValueError("continuous batching here is greedy only (temperature=0)")
-    n = len(prompts)
-    arrivals = list(arrivals) if arrivals is not None else [0] * n
-    incoming = sorted(range(n), key=lambda i: arrivals[i])
-    eos = torch.tensor(gen.eos_token_ids)
-    out: list[list[int]] = [[] for _ in range(n)]
-    finish = [0.0] * n
-    run, step, slots, prefills, order, start = RunningBatch(model), 0, 0, 0, [], time.perf_counter()
-    admitter = Admitter(queue, [len(p) for p in prompts], config, reserve)
-
-    def record(ids: list[int], tok: torch.Tensor) -> torch.Tensor:
-        for i, t in zip(ids, tok.tolist(), strict=True):
-            out[i].append(t)
-        alive = ~torch.isin(tok, eos) & torch.tensor([len(out[i]) < config.max_new_tokens for i in ids])
-        now = time.perf_counter() - start
-        for i, a in zip(ids, alive.tolist(), strict=True):
-            if not a:
-                finish[i] = now
-        return alive
-
-    while incoming or len(admitter) or run.ids:
+    if reserve is not None and len(reserve) != len(prompts):
+        raise ValueError(f"reserve has {len(reserve)} entries for {len(prompts)} prompts")
+    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                           context_len=10**9, queue=queue, limits=config, discard_preempted=True)  # fmt: skip
+    engine.admission_log = []
+    arrivals = list(arrivals) if arrivals is not None else [0] * len(prompts)
+    incoming = deque(sorted(range(len(prompts)), key=lambda i: arrivals[i]))
+    params, requests = SamplingParams(max_tokens=config.max_new_tokens), {}
+    start = time.perf_counter()
+    while incoming or engine.has_unfinished():
+        step = engine.stats.decode_steps
         while incoming and arrivals[incoming[0]] <= step:
-            queue.push(incoming.pop(0), now=step)
-        n_admit = admissions(
-            free=config.max_batch_size - len(run.ids),
-            waiting=len(admitter),
-            upcoming=len(incoming),
-            running=len(run.ids),
-            refill_min=config.refill_min,
-        )
-        admit = admitter.admit(n_admit)
-        if admit:
-            order += admit
-            ids, mask = left_pad([prompts[i] for i in admit], gen.pad_token_id)
-            cache = new_cache(model)
-            tok = next_tokens(forward(model, ids, mask, cache), temperature=0.0, generator=None)
-            prefills, slots = prefills + 1, slots + len(admit)
-            alive = record(admit, tok)
-            for i, a in zip(admit, alive.tolist(), strict=True):
-                if not a:
-                    admitter.leave(i)
-            if alive.any():
-                index = alive.nonzero().flatten()
-                cache.batch_select_indices(index)
-                run.merge([admit[i] for i in index.tolist()], tok[index], mask[index], cache)
-        if not run.ids:
-            if incoming and not len(admitter):
-                step = max(step + 1, arrivals[incoming[0]])
-            continue
-        run.mask = torch.cat([run.mask, torch.ones_like(run.mask[:, :1])], dim=1)
-        tok = next_tokens(
-            forward(model, run.pending[:, None], run.mask, run.cache), temperature=0.0, generator=None
-        )
-        slots += len(run.ids)
-        alive = record(run.ids, tok)
-        for i, a in zip(run.ids, alive.tolist(), strict=True):
-            if not a:
-                admitter.leave(i)
-        run.pending = tok
-        run.keep(alive)
-        preempted = admitter.preempt(run.ids, [len(out[i]) for i in run.ids])
-        if preempted:
-            for i in preempted:
-                out[i] = []  # recomputed from scratch when readmitted
-            run.keep(torch.tensor([i not in preempted for i in run.ids]))
-        step += 1
-    return ContinuousResult(out, finish, step, slots, prefills, order, admitter.preemptions)
+            i = incoming.popleft()
+            extra = {} if reserve is None else {"reserve": reserve[i]}
+            requests[i] = engine.add_request(prompts[i], params, key=i, **extra)
+        engine.upcoming = len(incoming)
+        engine.step()
+        if (
+            engine.stats.decode_steps == step
+            and incoming
+            and not engine.num_waiting
+            and not engine.num_running
+        ):
+            engine.stats.decode_steps = max(step + 1, arrivals[incoming[0]])  # idle until the next arrival
+    reqs = [requests[i] for i in range(len(prompts))]
+    s = engine.stats
+    return ContinuousResult([r.output for r in reqs], [r.finish_s - start for r in reqs], s.decode_steps,
+                            s.tokens, s.prefills, engine.admission_log, s.preemptions)  # fmt: skip

@@ -116,8 +116,10 @@ class EngineStats:
     """Counters since the engine started."""
 
     steps: int = 0
+    decode_steps: int = 0
     prefills: int = 0
     tokens: int = 0
+    """Token slots computed: one per admitted request per prefill, one per running row per decode step."""
     preemptions: int = 0
 
 
@@ -134,19 +136,28 @@ class RequestEngine:
         tokenizer=None,
         context_len: int | None = None,
         predict: Callable[[Sequence[int], SamplingParams], float] | None = None,
+        queue: RequestQueue | None = None,
+        limits: ContinuousConfig | None = None,
+        discard_preempted: bool = False,
     ):
+        """`queue` and `limits` replace the ones `config` implies (offline measurements bring their own);
+        `discard_preempted`: a preempted request restarts from its prompt (its tokens are recomputed, as
+        the simulator models) instead of keeping them; only for requests that stream nothing."""
         self.model, self.config = model, config or EngineConfig()
         self.eos, self.pad = torch.tensor(sorted(set(eos_token_ids))), pad_token_id
         self.decode = Decoder(tokenizer) if tokenizer is not None else None
         self.context_len = context_len or getattr(model.config, "max_position_embeddings", None) or 2048
         self.predict = predict or (lambda prompt, params: float(params.max_tokens))
         self._predicted: dict[int, float] = {}
-        queue: RequestQueue = (
-            SJFQueue(self._predicted, aging=self.config.aging)
-            if self.config.policy == "cb-sjf"
-            else FCFSQueue()
-        )
-        self.admitter = Admitter(queue, [], self.config.continuous())
+        if queue is None:
+            cb_sjf = self.config.policy == "cb-sjf"
+            queue = SJFQueue(self._predicted, aging=self.config.aging) if cb_sjf else FCFSQueue()
+        self.admitter = Admitter(queue, [], limits or self.config.continuous())
+        self.discard_preempted = discard_preempted
+        self.upcoming = 0
+        """Requests the caller will add later: admission waits for `refill_min` of them (offline runs)."""
+        self.admission_log: list[int] | None = None
+        """When a list, the keys of admitted requests are appended in admission order."""
         self.run, self.stats = RunningBatch(model), EngineStats()
         self.requests: dict[int, Request] = {}  # unfinished, by seq
         self._ids: dict[str, int] = {}
@@ -160,10 +171,17 @@ class RequestEngine:
         *,
         request_id: str | None = None,
         listener: Listener | None = None,
+        key: int | None = None,
+        reserve: float | None = None,
     ) -> Request:
-        """Queue a request; raises ValueError when it cannot be served (checked before it waits)."""
+        """Queue a request; raises ValueError when it cannot be served (checked before it waits).
+        `key`: its key in the queue (offline runs pass the request's index, which their queue's
+        predictions are indexed by; default: a counter). `reserve`: cb-kv answer tokens it reserves
+        (default: `predict`, at most max_tokens)."""
         self.check(prompt, params)
-        seq = next(self._seq)
+        seq = next(self._seq) if key is None else key
+        if seq in self.requests:
+            raise ValueError(f"request key {seq} is already in use")
         request_id = request_id if request_id is not None else f"req-{seq}"
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -172,9 +190,10 @@ class RequestEngine:
         req.generator = None if params.greedy else torch.Generator().manual_seed(seed)
         req.stream = TextStream(self.decode, params.stop) if self.decode is not None else None
         self.requests[seq], self._ids[request_id] = req, seq
-        self._predicted[seq] = min(float(params.max_tokens), self.predict(req.prompt, params))
+        predicted = self.predict(req.prompt, params) if reserve is None else reserve
+        self._predicted[seq] = min(float(params.max_tokens), predicted)
         self.admitter.add(seq, len(prompt), self._predicted[seq], cap=params.max_tokens)
-        self.admitter.queue.push(seq, now=self.stats.steps)
+        self.admitter.queue.push(seq, now=self.stats.decode_steps)
         del self._predicted[seq]  # the queue keyed it on push
         return req
 
@@ -182,10 +201,9 @@ class RequestEngine:
         """Why a request cannot be served (ValueError), before it is queued."""
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
-        if params.max_tokens > self.config.max_new_tokens:
-            raise ValueError(
-                f"max_tokens {params.max_tokens} is above this server's cap of {self.config.max_new_tokens}"
-            )
+        cap = self.admitter.config.max_new_tokens
+        if params.max_tokens > cap:
+            raise ValueError(f"max_tokens {params.max_tokens} is above this server's cap of {cap}")
         if len(prompt) + params.max_tokens > self.context_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
@@ -244,11 +262,14 @@ class RequestEngine:
         n = admissions(
             free=self.max_rows - len(self.run.ids),
             waiting=len(self.admitter),
-            upcoming=0,
+            upcoming=self.upcoming,
             running=len(self.run.ids),
-            refill_min=self.config.refill_min,
+            refill_min=self.admitter.config.refill_min,
         )
-        admitted = [self.requests[i] for i in self.admitter.admit(n)]
+        keys = self.admitter.admit(n)
+        if self.admission_log is not None:
+            self.admission_log += keys
+        admitted = [self.requests[i] for i in keys]
         for req in admitted:
             req.status = RequestStatus.RUNNING
         return admitted
@@ -270,6 +291,7 @@ class RequestEngine:
         rows = [self.requests[i] for i in run.ids]
         run.mask = torch.cat([run.mask, torch.ones_like(run.mask[:, :1])], dim=1)
         tok = self._sample(forward(self.model, run.pending[:, None], run.mask, run.cache), rows)
+        self.stats.decode_steps += 1
         alive = self._update(rows, tok, finished)
         run.pending = tok
         run.keep(alive)
@@ -277,6 +299,8 @@ class RequestEngine:
         if preempted:
             for i in preempted:
                 self.requests[i].status = RequestStatus.WAITING
+                if self.discard_preempted:
+                    self.requests[i].output.clear()
             self.stats.preemptions += len(preempted)
             run.keep(torch.tensor([i not in preempted for i in run.ids]))
 
