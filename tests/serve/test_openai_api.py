@@ -56,6 +56,9 @@ def get(server, path):
 
 def test_models_health_and_metrics(server, served):
     assert [m.id for m in server.client.models.list().data] == [served.name]
+    assert server.client.models.retrieve(served.name).id == served.name
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("gpt-4")
     assert get(server, "/health") == (200, '{"status":"ok"}')
     ask(server, "warm up", max_tokens=3, temperature=0)
     status, text = get(server, "/metrics")

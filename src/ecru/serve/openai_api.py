@@ -82,6 +82,7 @@ class OpenAIServer:
         app.post("/v1/chat/completions")(self.chat)
         app.post("/v1/completions")(self.completions)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model_id:path}")(self.model_card)
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
 
@@ -100,8 +101,16 @@ class OpenAIServer:
         return await self._serve(body, self.served.encode(body.text), "completion", http)
 
     async def models(self):
-        card = {"id": self.served.name, "object": "model", "created": 0, "owned_by": "ecru"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [self._card()]}
+
+    async def model_card(self, model_id: str):
+        if model_id != self.served.name:
+            raise APIError(404, f"model {model_id!r} not found; this server has {self.served.name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+        return self._card()
+
+    def _card(self) -> dict:
+        return {"id": self.served.name, "object": "model", "created": 0, "owned_by": "ecru"}
 
     async def health(self):
         if not self.threads.alive:
