@@ -59,3 +59,26 @@ def reference(model, prompts, gen):
 @pytest.fixture(scope="session")
 def max_new():
     return MAX_NEW
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory):
+    """A local Hugging Face model folder (save_pretrained): a chaotic random Llama with SmolLM2's tokenizer
+    and chat template, so greedy answers are varied text. Served as `--model PATH`."""
+    from ecru.models import load_smollm2
+
+    _, tokenizer = load_smollm2()
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    model.config.eos_token_id = model.config.pad_token_id = tokenizer.eos_token_id
+    model.config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    path = tmp_path_factory.mktemp("models") / "tiny-chat"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ecru.cli import main
 
 
@@ -87,3 +89,78 @@ def test_bench_runs_cb_ljf_when_asked(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["policies"]) == {"fcfs", "cb", "cb-ljf"}
     assert all(m["outputs_match_fcfs"] for m in result["policies"].values())
+
+
+def test_bad_predicted_len_and_labels_are_one_line_errors_before_any_work(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 3, "output_len": 4, "predicted_len": "soon"}\n')
+    assert main(["serve", "simulate", "--trace", str(trace), "--policy", "sorted"]) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:1:" in err and "Traceback" not in err
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text('{"prompt": "x", "lengths": [3], "max_new_tokens": 8}\n{"prompt": "y"}\n')
+    args = [
+        "serve",
+        "bench",
+        "--model",
+        "tiny",
+        "--n",
+        "2",
+        "--labels",
+        str(labels),
+        "--predictor",
+        "constant",
+    ]
+    assert main(args) == 2  # before the model is even loaded
+    err = capsys.readouterr().err
+    assert err.strip().startswith(f"ecru: error: {labels}:2:") and len(err.strip().splitlines()) == 1
+
+
+def test_output_folders_are_created_or_refused_before_work(tmp_path, capsys):
+    out = tmp_path / "missing" / "dir" / "cost.json"
+    assert main(["serve", "cost", "--model", "tiny", "--reps", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["source"].startswith("tiny")
+    assert main(["serve", "cost", "--model", "tiny", "--out", str(tmp_path)]) == 2  # a folder, not a file
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_bench_defaults_say_they_run_long(monkeypatch, capsys):
+    import ecru.serve.bench as bench
+
+    monkeypatch.setattr(bench, "run_bench", lambda config: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(["serve", "bench"]) == 130
+    assert "note: " in capsys.readouterr().err
+
+
+def test_api_and_run_refuse_bad_arguments_in_one_line(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert main(["serve", "api", "--model", "tiny", "--port", port]) == 2  # before the model loads
+        assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+    assert main(["serve", "api", "--model", str(tmp_path / "no-model"), "--port", port]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    for bad in (["--port", "0"], ["--max-batch-size", "-1"], ["--policy", "lifo"]):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "api", *bad])
+        assert info.value.code == 2
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    with pytest.raises(SystemExit):
+        main(["serve", "run", "--in", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "a.jsonl")])
+    assert "not found" in capsys.readouterr().err
+    assert main(["serve", "run", "--in", str(prompts), "--out", str(tmp_path), "--model", "tiny"]) == 2
+    assert "is a folder" in capsys.readouterr().err
+
+
+def test_prompt_files_refuse_null_and_empty_prompts(tmp_path):
+    from ecru.errors import EcruError
+    from ecru.serve.prompts import read_jsonl_prompts
+
+    for bad in ('{"prompt": null}', '{"prompt": ""}', '{"prompt": 3}'):
+        (tmp_path / "p.jsonl").write_text('{"prompt": "fine"}\n' + bad + "\n")
+        with pytest.raises(EcruError, match=r"p.jsonl:2: .*non-empty string"):
+            read_jsonl_prompts(tmp_path / "p.jsonl")

@@ -10,6 +10,13 @@ import importlib
 from typing import TYPE_CHECKING
 
 _LAZY: dict[str, str] = {
+    "EngineConfig": "ecru.serve.request_engine",
+    "EngineThread": "ecru.serve.background",
+    "Request": "ecru.serve.request_engine",
+    "RequestEngine": "ecru.serve.request_engine",
+    "SamplingParams": "ecru.serve.sampling",
+    "ServedModel": "ecru.serve.models",
+    "create_app": "ecru.serve.openai_api",
     "Batch": "ecru.serve.policies",
     "BatchResult": "ecru.serve.engine",
     "ConstantPredictor": "ecru.serve.predictors",
@@ -55,6 +62,7 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # static analysers see the real imports
+    from ecru.serve.background import EngineThread
     from ecru.serve.continuous import (
         ContinuousConfig,
         ContinuousResult,
@@ -64,6 +72,8 @@ if TYPE_CHECKING:  # static analysers see the real imports
     from ecru.serve.cost import SMOLLM2_CPU, CostModel, measure_cost_model
     from ecru.serve.engine import BatchResult, GenerationConfig, generate_static, left_pad
     from ecru.serve.labels import LengthLabel, label_prompts, read_labels
+    from ecru.serve.models import ServedModel
+    from ecru.serve.openai_api import create_app
     from ecru.serve.policies import (
         STATIC_POLICIES,
         Batch,
@@ -83,7 +93,9 @@ if TYPE_CHECKING:  # static analysers see the real imports
         timed_predict,
     )
     from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue, make_queue
+    from ecru.serve.request_engine import EngineConfig, Request, RequestEngine
     from ecru.serve.runner import POLICIES, PolicyRun, run_policy
+    from ecru.serve.sampling import SamplingParams
     from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
     from ecru.serve.simulator import SimResult, TraceRequest, read_trace, simulate, simulate_continuous
 
@@ -101,6 +113,13 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "EngineConfig",
+    "EngineThread",
+    "Request",
+    "RequestEngine",
+    "SamplingParams",
+    "ServedModel",
+    "create_app",
     "POLICIES",
     "SMOLLM2_CPU",
     "STATIC_POLICIES",

@@ -1,41 +1,221 @@
-"""`ecru serve ...`: simulate, label, bench, cost. Heavy imports happen inside the handlers."""
+"""`ecru serve ...`: api, run, simulate, label, bench, cost. Heavy imports happen inside the handlers."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from pathlib import Path
 
+from ecru.cliargs import (
+    ArgumentParser,
+    existing_file,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from ecru.serve.policies import STATIC_POLICIES
 from ecru.serve.queues import CONTINUOUS_POLICIES
 
 POLICY_NAMES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
+ENGINE_POLICIES = ("cb", "cb-sjf", "cb-kv")  # request_engine.ENGINE_POLICIES (imports torch)
+MODEL_HELP = "smollm2 (bundled), tiny (random, for tests) or the path of a local Hugging Face model folder"
 
 
 def _write_json(data: dict, path: str | None) -> None:
-    text = json.dumps(data, indent=2)
+    from ecru.cliargs import atomic_write_json
+
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n")
-    print(text if not path else f"wrote {path}")
+        atomic_write_json(path, data)
+    print(json.dumps(data, indent=2) if not path else f"wrote {path}")
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def _out_file(path: str | None, flag: str = "--json") -> None:
+    """Check an output file's folder before any work (created if missing)."""
+    from ecru.cliargs import prepare_out_file
+
+    if path:
+        prepare_out_file(path, flag=flag)
+
+
+# ---- api and run: the request engine -------------------------------------------------------------------
+def _engine_config(args: argparse.Namespace, *, max_new_tokens: int):
+    from ecru.cliargs import config_from
+    from ecru.serve.request_engine import EngineConfig
+
+    return config_from(
+        EngineConfig,
+        policy=args.policy,
+        max_batch_size=args.max_batch_size,
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """A busy port or a foreign address is refused before the model loads."""
+    import socket
+
     from ecru.errors import EcruError
+
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        raise EcruError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or --host"
+        ) from None
+
+
+def _api(args: argparse.Namespace) -> int:
+    from ecru.serve.models import ServedModel
+    from ecru.serve.server import serve_forever
+
+    config = _engine_config(args, max_new_tokens=args.max_new_tokens)
+    _check_bindable(args.host, args.port)
+    served = ServedModel.load(args.model)
+    print(
+        f"serving {served.name} on http://{args.host}:{args.port}/v1 (policy {config.policy})",
+        file=sys.stderr,
+    )
+    serve_forever(served, config, host=args.host, port=args.port)
+    return 0
+
+
+def _sampling(args: argparse.Namespace):
+    from ecru.cliargs import config_from
+    from ecru.serve.sampling import SamplingParams
+
+    return config_from(
+        SamplingParams,
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop or ()),
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ecru.cliargs import prepare_out_file
+    from ecru.serve import batch_run
+    from ecru.serve.models import ServedModel
+
+    out = prepare_out_file(args.out)
+    base = _sampling(args)
+    lines, skipped = batch_run.read_batch(args.input, skip_invalid=args.skip_invalid)
+    done = {r["id"] for r in batch_run.read_answers(out)}
+    todo_lines = [line for line in lines if line.id not in done]
+    _engine_config(args, max_new_tokens=args.max_new_tokens)  # checked before the model loads
+    served, todo = None, []
+    if todo_lines:
+        served = ServedModel.load(args.model)
+        todo = batch_run.encode_lines(
+            served, todo_lines, base, path=args.input, skip_invalid=args.skip_invalid, skipped=skipped
+        )
+    cap = max([args.max_new_tokens, *(e.params.max_tokens for e in todo)])
+    config = _engine_config(args, max_new_tokens=cap)
+    for message in skipped:
+        print(f"skipped {message}", file=sys.stderr)
+    tokens = batch_run.run_batch(served, todo, out=out, config=config) if todo else 0
+    batch_run.reorder(out, lines)
+    print(
+        f"{len(todo)} answered ({tokens} tokens), {len(done & {line.id for line in lines})} already in "
+        f"{out}, {len(skipped)} invalid line(s) skipped"
+    )
+    return 0
+
+
+def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -> None:
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    p.add_argument(
+        "--policy",
+        choices=ENGINE_POLICIES,
+        default="cb",
+        help="admission: cb first come first served, cb-sjf shortest max_tokens first (aged), "
+        "cb-kv KV memory reserved per request (more rows)",
+    )
+    p.add_argument("--max-batch-size", type=positive_int, default=16, help="rows decoded together at most")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help=max_new_tokens_help)
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="0 (the default): greedy; OpenAI's range is 0..2",
+    )
+    p.add_argument("--top-p", type=positive_float, default=1.0, help="nucleus sampling mass, (0, 1]")
+    p.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="keep the k likeliest tokens (0, the default: off)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed of every line, default 0 (the same answer on a rerun)",
+    )
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeat for up to 4)")
+    p.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty, -2..2 (default 0)"
+    )
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty, -2..2 (default 0)"
+    )
+
+
+def _configure_api_run(sub) -> None:
+    api = sub.add_parser("api", help="OpenAI-compatible HTTP server (chat, completions, streaming, /metrics)")
+    _add_engine_flags(
+        api, max_new_tokens_help="max_tokens of a request that gives none, and the largest one may ask"
+    )
+    api.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
+    api.add_argument("--port", type=positive_int, default=8000, help="TCP port")
+    api.set_defaults(func=_api)
+
+    run = sub.add_parser(
+        "run", help="offline batch inference: a JSONL file of prompts -> answers (resumable)"
+    )
+    _add_engine_flags(run, max_new_tokens_help="cap on generated tokens per line (a line's max_tokens wins)")
+    run.add_argument(
+        "--in",
+        dest="input",
+        required=True,
+        type=existing_file,
+        help='JSONL: {"prompt": str} or {"messages": [...]}, optional "id" and "max_tokens"',
+    )
+    run.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="answers JSONL {id, text, output_tokens, finish_reason}; rerunning skips the ids it holds",
+    )
+    run.add_argument(
+        "--skip-invalid", action="store_true", help="skip and count bad lines instead of stopping"
+    )
+    _add_sampling_flags(run)
+    run.set_defaults(func=_run)
+
+
+# ---- simulate, label, bench, cost: the scheduling measurements ----------------------------------------
+def _simulate(args: argparse.Namespace) -> int:
+    from ecru.cliargs import config_from
     from ecru.serve.cost import SMOLLM2_CPU, CostModel
     from ecru.serve.policies import PlanConfig
     from ecru.serve.simulator import read_trace, simulate
 
-    try:
-        config = PlanConfig(
-            batch_size=args.batch_size,
-            max_new_tokens=args.max_new_tokens,
-            token_budget=args.token_budget,
-            max_batch_size=args.max_batch_size,
-        )
-    except ValueError as exc:
-        raise EcruError(str(exc)) from exc
+    _out_file(args.json)
+    config = config_from(
+        PlanConfig,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        token_budget=args.token_budget,
+        max_batch_size=args.max_batch_size,
+    )
     cost = CostModel.load(args.cost_model) if args.cost_model else SMOLLM2_CPU
     trace = read_trace(args.trace)
     if args.policy.startswith("cb"):
@@ -83,10 +263,12 @@ def _simulate_continuous(args: argparse.Namespace, trace, cost):
 
 
 def _label(args: argparse.Namespace) -> int:
-    from ecru.serve.labels import label_prompts
+    from ecru.serve.labels import label_prompts, read_labels
     from ecru.serve.models import load_model
     from ecru.serve.prompts import load_prompts
 
+    _out_file(args.out, "--out")
+    read_labels(args.out)  # a malformed cache stops here, before any work
     prompts = load_prompts(args.prompts, n=args.n, split=args.split)
     model, tokenizer = load_model(args.model)
     labels = label_prompts(
@@ -99,14 +281,15 @@ def _label(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
     )
     lengths = sorted(r.label for r in labels)
-    print(
-        f"{len(labels)} labels in {args.out}; median {lengths[len(lengths) // 2]}, at cap {sum(x >= args.max_new_tokens for x in lengths)}"
-    )
+    at_cap = sum(x >= args.max_new_tokens for x in lengths)
+    print(f"{len(labels)} labels in {args.out}; median {lengths[len(lengths) // 2]}, at cap {at_cap}")
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from ecru.cliargs import note_long_run
     from ecru.serve.bench import BenchConfig, format_bench, run_bench
+    from ecru.serve.labels import read_labels
 
     chosen = (
         {}
@@ -121,12 +304,21 @@ def _bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         **chosen,
         predictor=args.predictor,
-        labels=args.labels,
+        labels=str(args.labels) if args.labels else None,
         train_n=args.train_n,
         aging=args.aging,
         lora_epochs=args.lora_epochs,
         repeats=args.repeats,
     )
+    _out_file(args.json)
+    if args.labels:
+        read_labels(args.labels)  # malformed: one line now, not a traceback after the run
+    if config.model == "smollm2" and config.n * config.max_new_tokens * config.repeats >= 8192:
+        # ~14 ms per row-token at batch 16 on one CPU thread (docs/serve.md), every row to the cap at worst
+        hours = config.n * config.max_new_tokens * 0.014 * len(config.policies) * config.repeats / 3600
+        note_long_run(f"{len(config.policies)} policies x {config.repeats} repeat(s) x {config.n} prompts x cap "
+                      f"{config.max_new_tokens} on SmolLM2: up to ~{hours:.1f} h on a CPU, plus the predictor's "
+                      "training (less with --n, --max-new-tokens or --policies)")  # fmt: skip
     result = run_bench(config)
     print(format_bench(result))
     _write_json(result, args.json)
@@ -139,6 +331,7 @@ def _cost(args: argparse.Namespace) -> int:
     from ecru.serve.cost import measure_cost_model
     from ecru.serve.models import load_model
 
+    _out_file(args.out, "--out")
     model, _ = load_model(args.model)
     cost = measure_cost_model(
         model, reps=args.reps, source=f"{args.model}, {torch.get_num_threads()} thread(s), measured"
@@ -148,88 +341,122 @@ def _cost(args: argparse.Namespace) -> int:
     return 0
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="serve_command", metavar="SUBCOMMAND", required=True)
-
+def _configure_simulate(sub) -> None:
     sim = sub.add_parser("simulate", help="replay a length trace through a policy (exact slot accounting)")
     sim.add_argument(
-        "--trace", required=True, help='JSONL lines {"prompt_len", "output_len", "predicted_len"}'
+        "--trace",
+        required=True,
+        type=existing_file,
+        help='JSONL lines {"prompt_len", "output_len", "predicted_len"}',
     )
-    sim.add_argument("--policy", choices=POLICY_NAMES, default="fcfs")
-    sim.add_argument("--batch-size", type=int, default=16)
-    sim.add_argument("--max-new-tokens", type=int, default=512)
+    sim.add_argument("--policy", choices=POLICY_NAMES, default="fcfs", help="scheduling policy")
+    sim.add_argument("--batch-size", type=positive_int, default=16, help="rows per batch")
+    sim.add_argument("--max-new-tokens", type=positive_int, default=512, help="global cap on answer tokens")
     sim.add_argument(
-        "--token-budget", type=int, default=None, help="fcr+vbs: rows x (prompt + cap) per batch"
+        "--token-budget", type=positive_int, default=None, help="fcr+vbs: rows x (prompt + cap) per batch"
     )
-    sim.add_argument("--max-batch-size", type=int, default=None, help="fcr+vbs: hard row limit per batch")
+    sim.add_argument(
+        "--max-batch-size", type=positive_int, default=None, help="fcr+vbs: hard row limit per batch"
+    )
     sim.add_argument(
         "--cost-model",
         default=None,
+        type=existing_file,
         help="cost model JSON from `ecru serve cost` (default: SmolLM2 on 1 CPU thread)",
     )
-    sim.add_argument("--refill-min", type=int, default=4, help="cb*: admit when this many rows are free")
     sim.add_argument(
-        "--aging", type=float, default=0.5, help="cb-sjf, cb-ljf: priority tokens per decode step waited"
+        "--refill-min", type=positive_int, default=4, help="cb*: admit when this many rows are free"
     )
-    sim.add_argument("--predict-s", type=float, default=0.0, help="seconds of length prediction to add")
+    sim.add_argument(
+        "--aging",
+        type=non_negative_float,
+        default=0.5,
+        help="cb-sjf, cb-ljf: priority tokens per step waited",
+    )
+    sim.add_argument(
+        "--predict-s", type=non_negative_float, default=0.0, help="seconds of length prediction to add"
+    )
     sim.add_argument("--json", default=None, help="write the result here (default: print it)")
     sim.set_defaults(func=_simulate)
 
+
+def _configure_label(sub) -> None:
     lab = sub.add_parser("label", help="record the model's own response lengths (max of k samples), cached")
-    lab.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    lab.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="model to label with")
     lab.add_argument("--prompts", default="mixed", help="clinc, banking, mixed or a JSONL file")
-    lab.add_argument("--split", choices=("train", "test"), default="train")
-    lab.add_argument("--n", type=int, default=256)
+    lab.add_argument("--split", choices=("train", "test"), default="train", help="bundled dataset split")
+    lab.add_argument("--n", type=positive_int, default=256, help="prompts to label")
     lab.add_argument(
-        "--samples", type=int, default=4, help="samples per prompt (temperatures 0, 0.3, 0.5, 0.7)"
+        "--samples", type=positive_int, default=4, help="samples per prompt (temperatures 0, 0.3, 0.5, 0.7)"
     )
-    lab.add_argument("--max-new-tokens", type=int, default=256)
-    lab.add_argument("--batch-size", type=int, default=16)
-    lab.add_argument("--out", required=True)
+    lab.add_argument("--max-new-tokens", type=positive_int, default=256, help="cap on each sample")
+    lab.add_argument("--batch-size", type=positive_int, default=16, help="prompts per static batch")
+    lab.add_argument("--out", required=True, metavar="FILE", help="labels JSONL (a cache: appended to)")
     lab.set_defaults(func=_label)
 
-    bench = sub.add_parser("bench", help="run the policies for real on held-out prompts")
-    bench.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+
+def _configure_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="run the scheduling policies for real on held-out prompts")
+    bench.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="model to serve")
     bench.add_argument(
         "--prompts", default="mixed", help="clinc, banking, mixed (test split) or a JSONL file"
     )
-    bench.add_argument("--n", type=int, default=256)
-    bench.add_argument("--max-new-tokens", type=int, default=256)
-    bench.add_argument("--batch-size", type=int, default=16)
+    bench.add_argument("--n", type=positive_int, default=256, help="prompts served")
+    bench.add_argument("--max-new-tokens", type=positive_int, default=256, help="global cap on answer tokens")
+    bench.add_argument("--batch-size", type=positive_int, default=16, help="rows per batch")
     bench.add_argument(
         "--policies",
         default=None,
         help=f"comma-separated, any of {', '.join(POLICY_NAMES)} (default: all but cb-ljf)",
     )
     bench.add_argument(
-        "--predictor", choices=("self-lora", "probe", "minilm", "oracle", "constant"), default="self-lora"
+        "--predictor",
+        choices=("self-lora", "probe", "minilm", "oracle", "constant"),
+        default="self-lora",
+        help="length predictor of the predicted policies",
     )
     bench.add_argument(
-        "--labels", default=None, help="train labels JSONL (default: cached, built on first use)"
+        "--labels",
+        default=None,
+        type=existing_file,
+        help="train labels JSONL (default: cached, built on first use)",
     )
-    bench.add_argument("--train-n", type=int, default=192)
-    bench.add_argument("--aging", type=float, default=0.5)
-    bench.add_argument("--lora-epochs", type=int, default=2, help="self-lora tuning epochs")
+    bench.add_argument("--train-n", type=positive_int, default=192, help="labelled train prompts used")
+    bench.add_argument(
+        "--aging", type=non_negative_float, default=0.5, help="cb-sjf priority tokens per step"
+    )
+    bench.add_argument("--lora-epochs", type=positive_int, default=2, help="self-lora tuning epochs")
     bench.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=1,
         help="run every policy R times, repetition k starting at policy k; report medians and paired ratios",
     )
-    bench.add_argument("--json", default=None)
+    bench.add_argument("--json", default=None, help="write the result here (default: print it)")
     bench.set_defaults(func=_bench)
 
+
+def _configure_cost(sub) -> None:
     cost = sub.add_parser(
         "cost", help="measure t_step(batch, context) on this machine, write a cost model JSON"
     )
-    cost.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
-    cost.add_argument("--reps", type=int, default=3)
-    cost.add_argument("--out", required=True)
+    cost.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="model to time")
+    cost.add_argument("--reps", type=positive_int, default=3, help="timings per point (median)")
+    cost.add_argument("--out", required=True, metavar="FILE", help="cost model JSON; its folder is created")
     cost.set_defaults(func=_cost)
 
 
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="serve_command", metavar="SUBCOMMAND", required=True)
+    _configure_api_run(sub)
+    _configure_simulate(sub)
+    _configure_label(sub)
+    _configure_bench(sub)
+    _configure_cost(sub)
+
+
 def main(argv=None) -> int:  # pragma: no cover - convenience for `python -m ecru.serve.cli`
-    parser = argparse.ArgumentParser(prog="ecru serve")
+    parser = ArgumentParser(prog="ecru serve")
     configure(parser)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -5,6 +5,10 @@ cache rows are dropped); when enough rows are free, waiting requests are admitte
 prefilled together in a fresh cache, which is left-padded to the running cache's width (or the other way
 round) and concatenated on the batch axis. Every row keeps its own positions (from its attention mask),
 so outputs equal unbatched generation; columns that are padding in every row are trimmed.
+
+This module holds the pieces (limits, admission, the running batch); the loop that drives them is
+`request_engine.RequestEngine`, and `generate_continuous` is its offline front end for measurements (all
+prompts known, arrivals in decode steps), with exactly the admissions the simulator replays.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ecru.serve.engine import GenerationConfig, forward, left_pad, new_cache, next_tokens
+from ecru.serve.engine import GenerationConfig, new_cache
 from ecru.serve.queues import RequestQueue
 
 
@@ -106,16 +110,30 @@ class Admitter:
 
     def __init__(self, queue: RequestQueue, prompt_lens: Sequence[int], config: ContinuousConfig,
                  reserve: Sequence[float] | None = None):  # fmt: skip
-        cap = config.max_new_tokens
         if reserve is not None and len(reserve) != len(prompt_lens):
             raise ValueError(f"reserve has {len(reserve)} entries for {len(prompt_lens)} prompts")
         self.queue, self.held, self.config = queue, deque(), config
-        self.prompt_lens = list(prompt_lens)
-        self.initial = (
-            [cap] * len(prompt_lens) if reserve is None else [min(cap, max(1, int(r))) for r in reserve]
-        )
+        self.prompt_lens: dict[int, int] = {}
+        self.initial: dict[int, int] = {}
+        self.caps: dict[int, int] = {}
+        for i, n in enumerate(prompt_lens):
+            self.add(i, n, None if reserve is None else reserve[i])
         self.reserved: dict[int, int] = {}
         self.preemptions = 0
+
+    def add(self, i: int, prompt_len: int, reserve: float | None = None, *, cap: int | None = None) -> None:
+        """Register request `i` (before it is pushed to the queue): its prompt length, the answer tokens
+        it reserves (None: the cap) and its own cap (None: `config.max_new_tokens`). Requests may be added
+        while others run (a server's arrivals)."""
+        cap = self.config.max_new_tokens if cap is None else min(cap, self.config.max_new_tokens)
+        self.prompt_lens[i], self.caps[i] = prompt_len, cap
+        self.initial[i] = cap if reserve is None else min(cap, max(1, int(reserve)))
+
+    def forget(self, i: int) -> None:
+        """Request `i` is done for good (finished or cancelled): drop what is kept about it."""
+        self.reserved.pop(i, None)
+        for table in (self.prompt_lens, self.initial, self.caps):
+            table.pop(i, None)
 
     def __len__(self) -> int:
         return len(self.queue) + len(self.held)
@@ -130,6 +148,8 @@ class Admitter:
         picked, left = [], self._left()
         while len(picked) < n and len(self):
             i = self.held.popleft() if self.held else self.queue.pop()
+            if i not in self.prompt_lens:
+                continue  # forgotten while it waited (a cancelled request)
             need = self.prompt_lens[i] + self.initial[i]
             if need > left and (picked or self.reserved):
                 self.held.appendleft(i)
@@ -149,13 +169,13 @@ class Admitter:
         Returns the preempted ones; they wait first in line, in their admission order."""
         for i, g in zip(running, generated, strict=True):
             if g >= self.reserved[i]:
-                self.reserved[i] = self.config.max_new_tokens
+                self.reserved[i] = self.caps[i]
         out = []
         for i in reversed(running):
             if self._left() >= 0 or len(self.reserved) == 1:
                 break
             del self.reserved[i]
-            self.initial[i] = self.config.max_new_tokens  # its prediction proved short: readmit at the cap
+            self.initial[i] = self.caps[i]  # its prediction proved short: readmit at the cap
             self.held.appendleft(i)
             out.append(i)
         self.preemptions += len(out)
@@ -167,7 +187,7 @@ def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return F.pad(t, (0, 0) * (-dim - 1) + (width - t.shape[dim], 0))
 
 
-class _Running:
+class RunningBatch:
     """The running batch: request ids, pending (not yet cached) tokens, attention mask, KV cache."""
 
     def __init__(self, model):
@@ -206,7 +226,6 @@ class _Running:
             layer.keys, layer.values = layer.keys[index, :, first:], layer.values[index, :, first:]
 
 
-@torch.no_grad()
 def generate_continuous(
     model,
     prompts: Sequence[Sequence[int]],
@@ -217,73 +236,39 @@ def generate_continuous(
     arrivals: Sequence[int] | None = None,
     reserve: Sequence[float] | None = None,
 ) -> ContinuousResult:
-    """Serve every prompt; request i joins `queue` at decode step `arrivals[i]` (all at 0 by default).
-    With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the cap; see `Admitter`)."""
+    """Serve every prompt on the request engine; request i joins `queue` at decode step `arrivals[i]` (all
+    at 0 by default). With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the
+    cap; see `Admitter`); a preempted request restarts from its prompt, as the simulator models it."""
+    from ecru.serve.request_engine import RequestEngine
+    from ecru.serve.sampling import SamplingParams
+
     if gen.temperature != 0:
         raise ValueError("continuous batching here is greedy only (temperature=0)")
-    n = len(prompts)
-    arrivals = list(arrivals) if arrivals is not None else [0] * n
-    incoming = sorted(range(n), key=lambda i: arrivals[i])
-    eos = torch.tensor(gen.eos_token_ids)
-    out: list[list[int]] = [[] for _ in range(n)]
-    finish = [0.0] * n
-    run, step, slots, prefills, order, start = _Running(model), 0, 0, 0, [], time.perf_counter()
-    admitter = Admitter(queue, [len(p) for p in prompts], config, reserve)
-
-    def record(ids: list[int], tok: torch.Tensor) -> torch.Tensor:
-        for i, t in zip(ids, tok.tolist(), strict=True):
-            out[i].append(t)
-        alive = ~torch.isin(tok, eos) & torch.tensor([len(out[i]) < config.max_new_tokens for i in ids])
-        now = time.perf_counter() - start
-        for i, a in zip(ids, alive.tolist(), strict=True):
-            if not a:
-                finish[i] = now
-        return alive
-
-    while incoming or len(admitter) or run.ids:
+    if reserve is not None and len(reserve) != len(prompts):
+        raise ValueError(f"reserve has {len(reserve)} entries for {len(prompts)} prompts")
+    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                           context_len=10**9, queue=queue, limits=config, discard_preempted=True)  # fmt: skip
+    engine.admission_log = []
+    arrivals = list(arrivals) if arrivals is not None else [0] * len(prompts)
+    incoming = deque(sorted(range(len(prompts)), key=lambda i: arrivals[i]))
+    params, requests = SamplingParams(max_tokens=config.max_new_tokens), {}
+    start = time.perf_counter()
+    while incoming or engine.has_unfinished():
+        step = engine.stats.decode_steps
         while incoming and arrivals[incoming[0]] <= step:
-            queue.push(incoming.pop(0), now=step)
-        n_admit = admissions(
-            free=config.max_batch_size - len(run.ids),
-            waiting=len(admitter),
-            upcoming=len(incoming),
-            running=len(run.ids),
-            refill_min=config.refill_min,
-        )
-        admit = admitter.admit(n_admit)
-        if admit:
-            order += admit
-            ids, mask = left_pad([prompts[i] for i in admit], gen.pad_token_id)
-            cache = new_cache(model)
-            tok = next_tokens(forward(model, ids, mask, cache), temperature=0.0, generator=None)
-            prefills, slots = prefills + 1, slots + len(admit)
-            alive = record(admit, tok)
-            for i, a in zip(admit, alive.tolist(), strict=True):
-                if not a:
-                    admitter.leave(i)
-            if alive.any():
-                index = alive.nonzero().flatten()
-                cache.batch_select_indices(index)
-                run.merge([admit[i] for i in index.tolist()], tok[index], mask[index], cache)
-        if not run.ids:
-            if incoming and not len(admitter):
-                step = max(step + 1, arrivals[incoming[0]])
-            continue
-        run.mask = torch.cat([run.mask, torch.ones_like(run.mask[:, :1])], dim=1)
-        tok = next_tokens(
-            forward(model, run.pending[:, None], run.mask, run.cache), temperature=0.0, generator=None
-        )
-        slots += len(run.ids)
-        alive = record(run.ids, tok)
-        for i, a in zip(run.ids, alive.tolist(), strict=True):
-            if not a:
-                admitter.leave(i)
-        run.pending = tok
-        run.keep(alive)
-        preempted = admitter.preempt(run.ids, [len(out[i]) for i in run.ids])
-        if preempted:
-            for i in preempted:
-                out[i] = []  # recomputed from scratch when readmitted
-            run.keep(torch.tensor([i not in preempted for i in run.ids]))
-        step += 1
-    return ContinuousResult(out, finish, step, slots, prefills, order, admitter.preemptions)
+            i = incoming.popleft()
+            extra = {} if reserve is None else {"reserve": reserve[i]}
+            requests[i] = engine.add_request(prompts[i], params, key=i, **extra)
+        engine.upcoming = len(incoming)
+        engine.step()
+        if (
+            engine.stats.decode_steps == step
+            and incoming
+            and not engine.num_waiting
+            and not engine.num_running
+        ):
+            engine.stats.decode_steps = max(step + 1, arrivals[incoming[0]])  # idle until the next arrival
+    reqs = [requests[i] for i in range(len(prompts))]
+    s = engine.stats
+    return ContinuousResult([r.output for r in reqs], [r.finish_s - start for r in reqs], s.decode_steps,
+                            s.tokens, s.prefills, engine.admission_log, s.preemptions)  # fmt: skip

@@ -75,7 +75,9 @@ class CostModel:
         return CostModel(*values, source=source or f"{self.source} x {factor:.3g}")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        from ecru.cliargs import atomic_write_json
+
+        atomic_write_json(path, asdict(self))
 
     @classmethod
     def load(cls, path: str | Path) -> CostModel:

@@ -97,9 +97,13 @@ def next_tokens(
 
 
 def forward(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
-    """Run `ids` [B, q] after the cached positions; `mask` [B, cached + q]. Returns last logits [B, V]."""
+    """Run `ids` [B, q] after the cached positions; `mask` [B, cached + q]. Returns last logits [B, V].
+
+    Only the last position goes through the LM head (`logits_to_keep=1`, as `generate` does): a prefill
+    would otherwise spend a vocabulary-sized matmul on every prompt token."""
     pos = positions(mask)[:, -ids.shape[1] :]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)  # fmt: skip
     return out.logits[:, -1]
 
 

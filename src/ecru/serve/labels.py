@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ecru.errors import EcruError
 from ecru.serve.engine import GenerationConfig, generate_static
 
 TEMPERATURES = (0.0, 0.3, 0.5, 0.7)
@@ -38,10 +39,30 @@ class LengthLabel:
 
 
 def read_labels(path: str | Path) -> list[LengthLabel]:
+    """The labels in a JSONL file (none if it does not exist); a malformed line is an `EcruError` naming
+    `file:line`."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [LengthLabel(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            out.append(_parse_label(line, f"{path}:{n}"))
+    return out
+
+
+def _parse_label(line: str, where: str) -> LengthLabel:
+    try:
+        row = json.loads(line)
+        label = LengthLabel(str(row["prompt"]), [int(x) for x in row["lengths"]], int(row["max_new_tokens"]))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise EcruError(
+            f'{where}: expected {{"prompt": str, "lengths": [int, ...], "max_new_tokens": int}} '
+            f"as written by `ecru serve label` ({type(exc).__name__}: {exc})"
+        ) from None
+    if not label.lengths:
+        raise EcruError(f"{where}: lengths is empty; relabel with `ecru serve label`")
+    return label
 
 
 def label_prompts(

@@ -1,6 +1,11 @@
-"""The models `ecru serve` runs: SmolLM2-135M-Instruct, or a tiny random Llama with SmolLM2's tokenizer."""
+"""The models `ecru serve` runs: SmolLM2-135M-Instruct, a tiny random Llama with SmolLM2's tokenizer (for
+tests), or any local Hugging Face causal-LM folder (its own tokenizer and chat template)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -10,14 +15,92 @@ MODELS = ("smollm2", "tiny")
 
 
 def load_model(name: str, *, seed: int = 0):
-    """`(model, tokenizer)` in eval mode on the CPU; "tiny" shares SmolLM2's tokenizer and chat template."""
+    """`(model, tokenizer)` in eval mode on the CPU: "smollm2", "tiny" (SmolLM2's tokenizer and chat
+    template on a random 2-layer Llama) or the path of a local Hugging Face model folder."""
+    if name not in MODELS:
+        return _load_folder(name)
     from ecru.models import load_smollm2, tiny_llama
 
-    if name not in MODELS:
-        raise EcruError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     model, tokenizer = load_smollm2()
     if name == "tiny":
         model = tiny_llama(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=seed)
         model.config.pad_token_id = tokenizer.pad_token_id
         model.config.eos_token_id = tokenizer.eos_token_id
     return model.to(torch.float32).eval(), tokenizer
+
+
+def _load_folder(name: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise EcruError(
+            f"unknown model {name!r}: give {', '.join(MODELS)} or a local Hugging Face model folder "
+            "(with config.json, weights and a tokenizer)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        raise EcruError(f"cannot load the model folder {path}: {exc}") from None
+    return model.eval(), tokenizer
+
+
+@dataclass
+class ServedModel:
+    """A loaded model with what serving needs: its name, EOS and padding ids, context length, chat template."""
+
+    name: str
+    model: object
+    tokenizer: object
+
+    @classmethod
+    def load(cls, name: str) -> ServedModel:
+        model, tokenizer = load_model(name)
+        return cls(name, model, tokenizer)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = {self.tokenizer.eos_token_id}
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos])
+        return tuple(sorted(int(i) for i in ids if i is not None))
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.eos_token_ids[0])
+
+    @property
+    def context_len(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", None) or 2048)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, prompt: str) -> list[int]:
+        """A raw completion prompt's token ids (the tokenizer's special tokens, e.g. BOS, included)."""
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        """Messages through the model's chat template, ready for the assistant's answer."""
+        if not self.has_chat_template:
+            raise ValueError(f"model {self.name} has no chat template: send a raw prompt to /v1/completions")
+        out = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(out["input_ids"])
+
+    def engine(self, config):
+        """A `RequestEngine` for this model."""
+        from ecru.serve.request_engine import RequestEngine
+
+        return RequestEngine(
+            self.model,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            config=config,
+            tokenizer=self.tokenizer,
+            context_len=self.context_len,
+        )

@@ -34,9 +34,12 @@ def read_jsonl_prompts(path: str | Path) -> list[str]:
         if not line.strip():
             continue
         try:
-            out.append(str(json.loads(line)["prompt"]))
+            prompt = json.loads(line)["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise EcruError(f'{path}:{n}: expected a JSON object with a "prompt" field ({exc})') from exc
+            raise EcruError(f'{path}:{n}: expected a JSON object with a "prompt" field ({exc})') from None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise EcruError(f'{path}:{n}: "prompt" must be a non-empty string, got {json.dumps(prompt)[:80]}')
+        out.append(prompt)
     return out
 
 

@@ -68,13 +68,19 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
             continue
         try:
             row = json.loads(line)
-            req = TraceRequest(int(row["prompt_len"]), int(row["output_len"]), row.get("predicted_len"))
+            predicted = row.get("predicted_len")
+            predicted = None if predicted is None else float(predicted)
+            req = TraceRequest(int(row["prompt_len"]), int(row["output_len"]), predicted)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise EcruError(
                 f"{path}:{n}: expected {{'prompt_len', 'output_len', 'predicted_len'}} ({exc})"
             ) from exc
         if req.prompt_len < 0 or req.output_len < 0:
             raise EcruError(f"{path}:{n}: lengths must be >= 0")
+        if req.predicted_len is not None and not 0 <= req.predicted_len < float("inf"):
+            raise EcruError(
+                f"{path}:{n}: predicted_len must be a finite number >= 0, got {req.predicted_len}"
+            )
         out.append(req)
     if not out:
         raise EcruError(f"trace {path} is empty")

@@ -1,0 +1,331 @@
+"""`ecru serve api` under load, against one-request-at-a-time generation and transformers' own continuous
+batching (`generate_batch`), on the same prompts in the same run.
+
+    OMP_NUM_THREADS=1 python bench/serve_api.py --quick --json bench/results/serve_api_quick.json
+
+Prompts: held-out CLINC150/Banking77 queries (mixed test split) in SmolLM2-135M-Instruct's chat template,
+greedy, cap `--max-new-tokens`. Measured:
+- one request at a time: Hugging Face `model.generate` on each prompt alone (first, it is the reference);
+- the server (`python -m ecru serve api`, its own process) driven through HTTP by 1, 4 and 16 concurrent
+  clients (the official `openai` client, streaming, so time to first token is measured); each client
+  sends its next prompt as soon as its previous answer has ended;
+- `model.generate_batch` (transformers' paged continuous batching) on all prompts at once (A), the same
+  engine in this process without HTTP (B, what the transport costs) and the server at 16 clients (C), in
+  the order A B C C B A so that a load drifting linearly weighs on all three alike (the machine is shared).
+Tokens/s is generated tokens (EOS included) / wall seconds of the whole group. Every greedy answer is
+compared, as text, with the one-at-a-time answer. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"x_one_at_a_time": 4.0, "x_generate_batch": 1.5}  # at 16 concurrent clients (issue 21)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def summary(tokens: int, wall: float, done: list[float], *, latencies=None, ttfts=None) -> dict:
+    """`done`: each request's end, seconds from the start of the group (all prompts ready at t=0);
+    `latencies`: from the moment its client sent it (server only, where clients send one at a time)."""
+    out = {
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "mean_completion_s": statistics.fmean(done),
+        "p99_completion_s": percentile(done, 0.99),
+    }
+    if latencies:
+        out |= {"mean_latency_s": statistics.fmean(latencies), "p99_latency_s": percentile(latencies, 0.99)}
+    if ttfts:
+        out |= {"mean_ttft_s": statistics.fmean(ttfts), "p99_ttft_s": percentile(ttfts, 0.99)}
+    return out
+
+
+def one_at_a_time(served, prompts: list[list[int]], cap: int) -> tuple[dict, list[list[int]]]:
+    """Hugging Face `generate`, one prompt alone after the other (every request waits from t=0)."""
+    import torch
+
+    outs, finish, start = [], [], time.perf_counter()
+    for p in prompts:
+        ids = torch.tensor([p])
+        full = served.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cap,
+                                     do_sample=False, eos_token_id=list(served.eos_token_ids),
+                                     pad_token_id=served.pad_token_id)  # fmt: skip
+        outs.append(full[0, len(p) :].tolist())
+        finish.append(time.perf_counter() - start)
+    return summary(sum(map(len, outs)), finish[-1], finish), outs
+
+
+def generate_batch(served, prompts: list[list[int]], cap: int, rows: int) -> tuple[dict, list[list[int]]]:
+    """transformers' continuous batching (paged KV cache, sdpa), the spec's CPU configuration."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=cap, do_sample=False, eos_token_id=list(served.eos_token_ids),
+                           pad_token_id=served.pad_token_id)  # fmt: skip
+    cb = ContinuousBatchingConfig(page_size=64, num_blocks=max(128, rows * (cap + 256) // 64 + 8),
+                                  max_batch_tokens=rows * 256, max_requests_per_batch=rows,
+                                  use_cuda_graph=False)  # fmt: skip
+    start = time.perf_counter()
+    results = served.model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
+                                          record_timestamps=False, progress_bar=False, warmup=False)  # fmt: skip
+    wall = time.perf_counter() - start
+    ordered = list(results.values())  # in input order (generate_batch re-orders them)
+    outs = [list(r.generated_tokens) for r in ordered]
+    ends = [r.lifespan[1] - start if r.lifespan[1] > 0 else wall for r in ordered]
+    return summary(sum(map(len, outs)), wall, ends), outs
+
+
+class Server:
+    """`python -m ecru serve api` in its own process on a free loopback port."""
+
+    def __init__(self, cap: int, rows: int, policy: str):
+        from ecru.serve.server import free_port
+
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "ecru", "serve", "api", "--model", "smollm2", "--port", str(self.port),
+               "--max-new-tokens", str(cap), "--max-batch-size", str(rows), "--policy", policy]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("the server exited at start") from None
+                time.sleep(0.5)
+        raise RuntimeError("the server did not answer /health in 300 s")
+
+    def rss_mb(self) -> float:
+        import psutil
+
+        return psutil.Process(self.proc.pid).memory_info().rss / 2**20
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def drive(url: str, texts: list[str], cap: int, clients: int) -> tuple[dict, list[str]]:
+    """`clients` concurrent streaming clients share the prompts (each takes the next when it is done)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    todo: queue.Queue = queue.Queue()
+    for i in range(len(texts)):
+        todo.put(i)
+    n = len(texts)
+    texts_out, tokens, lat, done, ttft = [""] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    start = time.perf_counter()
+
+    def worker():
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            sent = time.perf_counter()
+            stream = client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": texts[i]}], max_tokens=cap,
+                temperature=0, stream=True, stream_options={"include_usage": True})  # fmt: skip
+            parts = []
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    ttft[i] = ttft[i] or time.perf_counter() - sent
+                    parts.append(chunk.choices[0].delta.content)
+                if chunk.usage:
+                    tokens[i] = chunk.usage.completion_tokens
+            end = time.perf_counter()
+            texts_out[i], lat[i], done[i] = "".join(parts), end - sent, end - start
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    return summary(sum(tokens), wall, done, latencies=lat, ttfts=[t for t in ttft if t]), texts_out
+
+
+def run_level(url: str, texts: list[str], reference: list[str], cap: int, clients: int) -> dict:
+    result, answers = drive(url, texts, cap, clients)
+    result["outputs_identical"] = answers == reference
+    result["mismatches"] = sum(a != r for a, r in zip(answers, reference, strict=True))
+    print(f"server, {clients} clients: {result['tokens_per_s']:.1f} tok/s, TTFT {result['mean_ttft_s']:.2f} s, "
+          f"latency {result['mean_latency_s']:.2f} s (p99 {result['p99_latency_s']:.2f}), "
+          f"same outputs {result['outputs_identical']}", flush=True)  # fmt: skip
+    return result
+
+
+def run_batch(served, prompts, ref_tokens, cap: int, rows: int) -> dict:
+    batch, tokens = generate_batch(served, prompts, cap, rows)
+    batch["outputs_identical"] = tokens == ref_tokens
+    print(f"generate_batch: {batch['tokens_per_s']:.1f} tok/s, same outputs {batch['outputs_identical']}",
+          flush=True)  # fmt: skip
+    return batch
+
+
+def engine_alone(served, prompts, ref_tokens, args) -> dict:
+    """The same engine in this process, no HTTP: what the server's transport costs."""
+    from ecru.serve import EngineConfig, SamplingParams
+
+    engine = served.engine(EngineConfig(policy=args.policy, max_batch_size=args.max_batch_size,
+                                        max_new_tokens=args.max_new_tokens))  # fmt: skip
+    start = time.perf_counter()
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=args.max_new_tokens))
+    out = summary(sum(len(r.output) for r in reqs), time.perf_counter() - start,
+                  [r.finish_s - start for r in reqs])  # fmt: skip
+    out["outputs_identical"] = [r.output for r in reqs] == ref_tokens
+    print(
+        f"engine alone: {out['tokens_per_s']:.1f} tok/s, same outputs {out['outputs_identical']}", flush=True
+    )
+    return out
+
+
+def compare_top(served, url, texts, prompts, reference, ref_tokens, args, top: int):
+    """generate_batch (A), the engine alone (B) and the server at `top` clients (C) in the order
+    A B C C B A, so that a load drifting linearly during the run weighs on all three alike."""
+    cap, rows = args.max_new_tokens, args.max_batch_size
+    batches = [run_batch(served, prompts, ref_tokens, cap, rows)]
+    alone = [engine_alone(served, prompts, ref_tokens, args)]
+    tops = [run_level(url, texts, reference, cap, top) for _ in range(2)]
+    alone.append(engine_alone(served, prompts, ref_tokens, args))
+    batches.append(run_batch(served, prompts, ref_tokens, cap, rows))
+    return batches, alone, tops
+
+
+def ABCCBA(top: int) -> list[str]:  # noqa: N802 - the name is the order
+    return [
+        "generate_batch",
+        "engine alone",
+        f"server {top}",
+        f"server {top}",
+        "engine alone",
+        "generate_batch",
+    ]
+
+
+def mean_of(runs: list[dict], key: str) -> float:
+    return statistics.fmean(r[key] for r in runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="16 prompts, cap 64 (about 7 minutes on 2 cores)")
+    ap.add_argument("--n", type=int, default=None, help="prompts (default 32; --quick 16)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="cap on answer tokens")
+    ap.add_argument("--concurrency", default="1,4,16", help="concurrent clients, comma-separated")
+    ap.add_argument("--max-batch-size", type=int, default=16, help="server's rows (and generate_batch's)")
+    ap.add_argument("--policy", default="cb", help="server admission policy")
+    ap.add_argument("--json", required=True, help="result JSON")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))
+    import psutil
+    import torch
+    import transformers
+
+    from ecru.cliargs import atomic_write_json, prepare_out_file
+    from ecru.serve.detok import Decoder
+    from ecru.serve.models import ServedModel
+    from ecru.serve.prompts import load_prompts
+
+    prepare_out_file(args.json, flag="--json")
+    n, cap = args.n or (16 if args.quick else 32), args.max_new_tokens
+    levels = sorted(int(c) for c in args.concurrency.split(","))
+    served = ServedModel.load("smollm2")
+    texts = load_prompts("mixed", n=n, split="test")
+    prompts = [served.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    decode = Decoder(served.tokenizer)
+    load_before = os.getloadavg()
+    print(f"{n} prompts, cap {cap}, torch threads {torch.get_num_threads()}, load {load_before}", flush=True)
+
+    single, ref_tokens = one_at_a_time(served, prompts, cap)
+    reference = [decode(t) for t in ref_tokens]
+    print(f"one at a time: {single['tokens_per_s']:.1f} tok/s, {single['wall_s']:.1f} s", flush=True)
+    server, levels_out = Server(cap, args.max_batch_size, args.policy), {}
+    try:
+        for c in levels[:-1]:
+            levels_out[str(c)] = run_level(server.url, texts, reference, cap, c)
+        batches, alone, tops = compare_top(
+            served, server.url, texts, prompts, reference, ref_tokens, args, levels[-1]
+        )
+        server_rss = server.rss_mb()
+    finally:
+        server.close()
+    top = {**tops[0], **{k: mean_of(tops, k) for k in ("tokens_per_s", "mean_ttft_s", "p99_ttft_s",
+                                                        "mean_latency_s", "p99_latency_s")}, "runs": tops}  # fmt: skip
+    top["outputs_identical"] = all(r["outputs_identical"] for r in tops)
+    levels_out[str(levels[-1])] = top
+    batch = {"tokens_per_s": mean_of(batches, "tokens_per_s"), "runs": batches,
+             "outputs_identical": all(b["outputs_identical"] for b in batches)}  # fmt: skip
+    engine = {"tokens_per_s": mean_of(alone, "tokens_per_s"), "runs": alone,
+              "outputs_identical": all(r["outputs_identical"] for r in alone)}  # fmt: skip
+    ratios = {
+        "x_one_at_a_time": top["tokens_per_s"] / single["tokens_per_s"],
+        "x_generate_batch": top["tokens_per_s"] / batch["tokens_per_s"],
+        "engine_alone_x_generate_batch": engine["tokens_per_s"] / batch["tokens_per_s"],
+        "server_x_engine_alone": top["tokens_per_s"] / engine["tokens_per_s"],
+    }
+    met: dict[str, bool] = {k: ratios[k] >= v for k, v in TARGETS.items()}
+    met["identical_greedy_outputs"] = (
+        batch["outputs_identical"]
+        and engine["outputs_identical"]
+        and all(r["outputs_identical"] for r in levels_out.values())
+    )
+    result = {
+        "setup": {
+            "model": "SmolLM2-135M-Instruct",
+            "prompts": "mixed test split",
+            "n": n,
+            "max_new_tokens": cap,
+            "max_batch_size": args.max_batch_size,
+            "policy": args.policy,
+            "greedy": True,
+            "torch_threads": torch.get_num_threads(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "order": ["one_at_a_time", *[f"server {c}" for c in levels[:-1]], *ABCCBA(levels[-1])],
+            "command": " ".join(["python", "bench/serve_api.py", *(argv or sys.argv[1:])]),
+        },  # fmt: skip
+        "one_at_a_time": single,
+        "generate_batch": batch,
+        "engine_alone": engine,
+        "server": levels_out,
+        f"ratios_at_{levels[-1]}_clients": ratios,
+        "targets": TARGETS,
+        "met": met,
+        "peak_rss_mb": {
+            "bench_process": psutil.Process().memory_info().rss / 2**20,
+            "server_process": server_rss,
+        },
+    }
+    atomic_write_json(args.json, result)
+    print(json.dumps({"ratios": ratios, "met": met}, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

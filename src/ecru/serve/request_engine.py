@@ -1,0 +1,359 @@
+"""The request-level serving engine: continuous batching of requests that arrive, stream and leave.
+
+One engine, several front ends (`ecru serve run`, `ecru serve api`, the benchmarks). Each `step` is
+vLLM v1's three calls: schedule (drop cancelled rows, admit waiting requests through the admission policy),
+run the model (prefill the admitted prompts in one forward, then one decode step for every running row),
+update (append each row's token, stream its text, finish it on EOS, a stop string or its cap). The running
+batch is `continuous.RunningBatch`: one left-padded KV cache whose rows keep their own positions, so a greedy
+request's tokens equal Hugging Face `generate` whatever else shares the batch.
+
+Admission (`EngineConfig.policy`) is `continuous.Admitter` over a waiting queue: `cb` first come first
+served; `cb-sjf` shortest predicted answer first, aged; `cb-kv` first come first served with KV memory
+reserved by predicted length instead of the cap (more rows in the same memory; a row outgrowing its
+reservation may preempt the newest rows, which keep their tokens and are re-prefilled when readmitted).
+The predicted length is `predict(prompt, params)`, by default the request's own `max_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ecru.serve.continuous import Admitter, ContinuousConfig, RunningBatch, admissions
+from ecru.serve.detok import Decoder, TextStream
+from ecru.serve.engine import forward, left_pad, new_cache
+from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
+from ecru.serve.sampling import SamplingParams, next_token_ids
+
+ENGINE_POLICIES = ("cb", "cb-sjf", "cb-kv")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Batching limits and the admission policy."""
+
+    policy: str = "cb"
+    """Admission: cb (first come first served), cb-sjf (shortest predicted first, aged), cb-kv (KV
+    reserved by predicted length)."""
+    max_batch_size: int = 16
+    """Rows decoded together at most (cb-kv: the rows whose cap-length KV memory is shared)."""
+    max_new_tokens: int = 256
+    """The largest max_tokens a request may ask for (and the default in the front ends)."""
+    refill_min: int = 4
+    """Admit only when this many rows are free (or the batch is empty, or fewer wait)."""
+    aging: float = 0.5
+    """cb-sjf: priority tokens gained per decode step waited (no starvation)."""
+    kv_prompt_tokens: int = 128
+    """cb-kv: prompt tokens per row in the budget, max_batch_size x (max_new_tokens + this)."""
+    kv_row_factor: int = 4
+    """cb-kv: rows allowed, as a multiple of max_batch_size, when reservations are small."""
+
+    def __post_init__(self):
+        if self.policy not in ENGINE_POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(ENGINE_POLICIES)}")
+        ints = ("max_batch_size", "max_new_tokens", "refill_min", "kv_prompt_tokens", "kv_row_factor")
+        for name in ints:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.aging < 0:
+            raise ValueError(f"aging must be >= 0, got {self.aging}")
+
+    def continuous(self) -> ContinuousConfig:
+        """The admitter's limits."""
+        if self.policy != "cb-kv":
+            return ContinuousConfig(self.max_batch_size, self.max_new_tokens, self.refill_min)
+        budget = self.max_batch_size * (self.max_new_tokens + self.kv_prompt_tokens)
+        rows = self.max_batch_size * self.kv_row_factor
+        return ContinuousConfig(rows, self.max_new_tokens, self.refill_min, kv_budget=budget)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Listener(Protocol):
+    """Called after each token a request generates (with the text it released) and once when it ends."""
+
+    def __call__(self, request: Request, piece: str) -> None: ...
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's state; `text` is what its stream released (the answer once finished)."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seq: int
+    listener: Listener | None = None
+    stream: TextStream | None = None
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)
+    text: str = ""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    """stop (EOS or a stop string), length (max_tokens or the context), abort, error."""
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started."""
+
+    steps: int = 0
+    decode_steps: int = 0
+    prefills: int = 0
+    tokens: int = 0
+    """Token slots computed: one per admitted request per prefill, one per running row per decode step."""
+    preemptions: int = 0
+
+
+class RequestEngine:
+    """Continuous batching of requests with per-request sampling, caps, stop strings and cancellation."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        config: EngineConfig | None = None,
+        tokenizer=None,
+        context_len: int | None = None,
+        predict: Callable[[Sequence[int], SamplingParams], float] | None = None,
+        queue: RequestQueue | None = None,
+        limits: ContinuousConfig | None = None,
+        discard_preempted: bool = False,
+    ):
+        """`queue` and `limits` replace the ones `config` implies (offline measurements bring their own);
+        `discard_preempted`: a preempted request restarts from its prompt (its tokens are recomputed, as
+        the simulator models) instead of keeping them; only for requests that stream nothing."""
+        self.model, self.config = model, config or EngineConfig()
+        self.eos, self.pad = torch.tensor(sorted(set(eos_token_ids))), pad_token_id
+        self.decode = Decoder(tokenizer) if tokenizer is not None else None
+        self.context_len = context_len or getattr(model.config, "max_position_embeddings", None) or 2048
+        self.predict = predict or (lambda prompt, params: float(params.max_tokens))
+        self._predicted: dict[int, float] = {}
+        if queue is None:
+            cb_sjf = self.config.policy == "cb-sjf"
+            queue = SJFQueue(self._predicted, aging=self.config.aging) if cb_sjf else FCFSQueue()
+        self.admitter = Admitter(queue, [], limits or self.config.continuous())
+        self.discard_preempted = discard_preempted
+        self.upcoming = 0
+        """Requests the caller will add later: admission waits for `refill_min` of them (offline runs)."""
+        self.admission_log: list[int] | None = None
+        """When a list, the keys of admitted requests are appended in admission order."""
+        self.run, self.stats = RunningBatch(model), EngineStats()
+        self.requests: dict[int, Request] = {}  # unfinished, by seq
+        self._ids: dict[str, int] = {}
+        self._seq = itertools.count()
+
+    # ---- front-end API -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        listener: Listener | None = None,
+        key: int | None = None,
+        reserve: float | None = None,
+    ) -> Request:
+        """Queue a request; raises ValueError when it cannot be served (checked before it waits).
+        `key`: its key in the queue (offline runs pass the request's index, which their queue's
+        predictions are indexed by; default: a counter). `reserve`: cb-kv answer tokens it reserves
+        (default: `predict`, at most max_tokens)."""
+        self.check(prompt, params)
+        seq = next(self._seq) if key is None else key
+        if seq in self.requests:
+            raise ValueError(f"request key {seq} is already in use")
+        request_id = request_id if request_id is not None else f"req-{seq}"
+        if request_id in self._ids:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        req = Request(request_id, list(prompt), params, seq, listener)
+        req.generator = None if params.greedy else torch.Generator().manual_seed(seed)
+        req.stream = TextStream(self.decode, params.stop) if self.decode is not None else None
+        self.requests[seq], self._ids[request_id] = req, seq
+        predicted = self.predict(req.prompt, params) if reserve is None else reserve
+        self._predicted[seq] = min(float(params.max_tokens), predicted)
+        self.admitter.add(seq, len(prompt), self._predicted[seq], cap=params.max_tokens)
+        self.admitter.queue.push(seq, now=self.stats.decode_steps)
+        del self._predicted[seq]  # the queue keyed it on push
+        return req
+
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Why a request cannot be served (ValueError), before it is queued."""
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        cap = self.admitter.config.max_new_tokens
+        if params.max_tokens > cap:
+            raise ValueError(f"max_tokens {params.max_tokens} is above this server's cap of {cap}")
+        if len(prompt) + params.max_tokens > self.context_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.context_len} tokens; shorten the prompt or lower max_tokens"
+            )
+        if params.stop and self.decode is None:
+            raise ValueError("stop strings need a tokenizer: give the engine one")
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request (between steps): a waiting one never runs, a running one leaves the batch now."""
+        seq = self._ids.get(request_id)
+        if seq is None:
+            return False
+        self._finish(self.requests[seq], "abort")
+        self._drop_finished_rows()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.status is RequestStatus.WAITING for r in self.requests.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.run.ids)
+
+    @property
+    def max_rows(self) -> int:
+        return self.admitter.config.max_batch_size
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]):
+        """Serve `prompts` to completion (offline use); the finished requests in input order."""
+        many = params if isinstance(params, Sequence) else [params] * len(prompts)
+        reqs = [self.add_request(p, s) for p, s in zip(prompts, many, strict=True)]
+        while self.has_unfinished():
+            self.step()
+        return reqs
+
+    # ---- one iteration: schedule, run the model, update ----------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """One iteration; returns the requests that finished in it."""
+        finished: list[Request] = []
+        self._drop_finished_rows()
+        admitted = self._schedule()
+        if admitted:
+            self._prefill(admitted, finished)
+        if self.run.ids:
+            self._decode(finished)
+        self.stats.steps += 1
+        return finished
+
+    def _schedule(self) -> list[Request]:
+        n = admissions(
+            free=self.max_rows - len(self.run.ids),
+            waiting=len(self.admitter),
+            upcoming=self.upcoming,
+            running=len(self.run.ids),
+            refill_min=self.admitter.config.refill_min,
+        )
+        keys = self.admitter.admit(n)
+        if self.admission_log is not None:
+            self.admission_log += keys
+        admitted = [self.requests[i] for i in keys]
+        for req in admitted:
+            req.status = RequestStatus.RUNNING
+        return admitted
+
+    def _prefill(self, admitted: list[Request], finished: list[Request]) -> None:
+        # a preempted request keeps its tokens: its prompt and answer so far are prefilled together
+        ids, mask = left_pad([r.prompt + r.output for r in admitted], self.pad)
+        cache = new_cache(self.model)
+        tok = self._sample(forward(self.model, ids, mask, cache), admitted)
+        self.stats.prefills += 1
+        alive = self._update(admitted, tok, finished)
+        if alive.any():
+            index = alive.nonzero().flatten()
+            cache.batch_select_indices(index)
+            self.run.merge([admitted[i].seq for i in index.tolist()], tok[index], mask[index], cache)
+
+    def _decode(self, finished: list[Request]) -> None:
+        run = self.run
+        rows = [self.requests[i] for i in run.ids]
+        run.mask = torch.cat([run.mask, torch.ones_like(run.mask[:, :1])], dim=1)
+        tok = self._sample(forward(self.model, run.pending[:, None], run.mask, run.cache), rows)
+        self.stats.decode_steps += 1
+        alive = self._update(rows, tok, finished)
+        run.pending = tok
+        run.keep(alive)
+        preempted = self.admitter.preempt(run.ids, [len(self.requests[i].output) for i in run.ids])
+        if preempted:
+            for i in preempted:
+                self.requests[i].status = RequestStatus.WAITING
+                if self.discard_preempted:
+                    self.requests[i].output.clear()
+            self.stats.preemptions += len(preempted)
+            run.keep(torch.tensor([i not in preempted for i in run.ids]))
+
+    def _sample(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
+        return next_token_ids(
+            logits, [r.params for r in rows], [r.output for r in rows], [r.generator for r in rows]
+        )
+
+    def _update(self, rows: list[Request], tok: torch.Tensor, finished: list[Request]) -> torch.Tensor:
+        """Append each row's token, stream its text, finish the rows that ended; the rows still running."""
+        ended = torch.isin(tok, self.eos).tolist()
+        now = time.perf_counter()
+        for req, t, eos in zip(rows, tok.tolist(), ended, strict=True):
+            req.output.append(t)
+            req.first_token_s = req.first_token_s or now
+            piece = req.stream.push(t) if req.stream is not None else ""
+            req.text += piece
+            reason = self._reason(req, eos=eos)
+            if req.listener is not None and piece:
+                req.listener(req, piece)
+            if reason:
+                self._finish(req, reason)
+                finished.append(req)
+        self.stats.tokens += len(rows)
+        return torch.tensor([not r.finished for r in rows])
+
+    def _reason(self, req: Request, *, eos: bool) -> str | None:
+        if eos or (req.stream is not None and req.stream.stopped):
+            return "stop"
+        if len(req.output) >= req.params.max_tokens or len(req.prompt) + len(req.output) >= self.context_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.finished:
+            return
+        req.status, req.finish_reason, req.finish_s = RequestStatus.FINISHED, reason, time.perf_counter()
+        piece = req.stream.finish() if req.stream is not None else ""
+        req.text += piece
+        self.admitter.forget(req.seq)
+        del self.requests[req.seq], self._ids[req.request_id]
+        if req.listener is not None:
+            req.listener(req, piece)
+
+    def _drop_finished_rows(self) -> None:
+        """Rows of requests cancelled since the last step leave the batch now."""
+        if any(i not in self.requests for i in self.run.ids):
+            self.run.keep(torch.tensor([i in self.requests for i in self.run.ids]))
+
+    def fail_all(self, reason: str = "error") -> list[Request]:
+        """End every unfinished request (the model raised): the engine starts afresh."""
+        failed = list(self.requests.values())
+        for req in failed:
+            self._finish(req, reason)
+        self.run = RunningBatch(self.model)
+        return failed

@@ -1,0 +1,66 @@
+"""Starting the OpenAI-compatible server: in the foreground (`ecru serve api`) or on a background thread
+(tests, benchmarks), always uvicorn on the engine thread's batch."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from ecru.serve.background import EngineThread
+from ecru.serve.models import ServedModel
+from ecru.serve.openai_api import create_app
+from ecru.serve.request_engine import EngineConfig
+
+
+def build(served: ServedModel, config: EngineConfig):
+    """The engine thread and the FastAPI app on it."""
+    threads = EngineThread(served.engine(config))
+    return threads, create_app(served, threads, default_max_tokens=config.max_new_tokens)
+
+
+def serve_forever(served: ServedModel, config: EngineConfig, *, host: str, port: int) -> None:
+    """Run until Ctrl-C (uvicorn handles the signal and shuts down cleanly)."""
+    import uvicorn
+
+    threads, app = build(served, config)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        threads.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class BackgroundServer:
+    """`with BackgroundServer(served, config) as url:` a real uvicorn server on a free loopback port."""
+
+    def __init__(self, served: ServedModel, config: EngineConfig, *, host: str = "127.0.0.1"):
+        import uvicorn
+
+        self.threads, app = build(served, config)
+        self.host, self.port = host, free_port(host)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self.server.run, name="ecru-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the uvicorn server did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+        self.threads.close()

@@ -1,0 +1,116 @@
+"""`ecru serve run`: checked input lines, answers in input order, resumable after a crash (SIGKILL)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ecru.cli import main
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def write_lines(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def answers(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run(model_dir, src, out, *extra):
+    return main(["serve", "run", "--model", str(model_dir), "--in", str(src), "--out", str(out), *extra])
+
+
+def test_prompts_and_messages_answered_in_input_order(chat_model_dir, tmp_path, capsys):
+    src = write_lines(tmp_path / "in.jsonl", [
+        {"prompt": "Once upon a time"},
+        {"messages": [{"role": "user", "content": "hello"}], "id": "chat", "max_tokens": 3},
+        {"prompt": "The weather today", "id": 42},
+    ])  # fmt: skip
+    out = tmp_path / "deep" / "missing" / "out.jsonl"
+    assert run(chat_model_dir, src, out, "--max-new-tokens", "12", "--max-batch-size", "2") == 0
+    rows = answers(out)
+    assert [r["id"] for r in rows] == [1, "chat", 42]
+    assert [r["output_tokens"] for r in rows] == [12, 3, 12]
+    assert all(set(r) == {"id", "text", "output_tokens", "finish_reason"} and r["text"] for r in rows)
+    assert rows[1]["finish_reason"] == "length"
+    assert run(chat_model_dir, src, out, "--max-new-tokens", "12") == 0  # all done: nothing appended
+    assert answers(out) == rows and "0 answered" in capsys.readouterr().out
+
+
+BAD_LINES = [
+    ('{"prompt": null}', "non-empty string"),
+    ('{"prompt": ""}', "non-empty string"),
+    ('{"prompt": 5}', "non-empty string"),
+    ("not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    ('{"text": "x"}', "exactly one of"),
+    ('{"prompt": "x", "messages": []}', "exactly one of"),
+    ('{"messages": []}', "non-empty list"),
+    ('{"messages": [{"role": "user"}]}', '"content"'),
+    ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+    ('{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+    ('{"prompt": "x", "id": [1]}', '"id"'),
+    ('{"prompt": "x", "id": 1}', "appears twice"),
+    ('{"prompt": "' + "word " * 600 + '"}', "context"),
+]
+
+
+@pytest.mark.parametrize(("line", "why"), BAD_LINES, ids=[f"bad{i}" for i in range(len(BAD_LINES))])
+def test_a_bad_line_stops_the_run_before_any_work_with_file_and_line(
+    chat_model_dir, tmp_path, capsys, line, why
+):
+    src = write_lines(tmp_path / "in.jsonl", ['{"prompt": "fine"}', line])
+    out = tmp_path / "out.jsonl"
+    assert run(chat_model_dir, src, out, "--max-new-tokens", "4") == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # (above it, at most transformers' weight-loading bar)
+    assert last.startswith(f"ecru: error: {src}:2:") and why in last and "Traceback" not in err
+    assert not out.exists() or out.read_text() == ""
+
+
+def test_skip_invalid_counts_and_serves_the_rest(chat_model_dir, tmp_path, capsys):
+    src = write_lines(
+        tmp_path / "in.jsonl", ['{"prompt": null}', '{"prompt": "ok"}', "junk", '{"prompt": "ok2"}']
+    )
+    out = tmp_path / "out.jsonl"
+    assert run(chat_model_dir, src, out, "--max-new-tokens", "4", "--skip-invalid") == 0
+    captured = capsys.readouterr()
+    assert [r["id"] for r in answers(out)] == [2, 4]
+    assert "2 invalid line(s) skipped" in captured.out and f"{src}:3:" in captured.err
+
+
+def test_killed_mid_run_then_rerun_answers_each_id_once(chat_model_dir, tmp_path):
+    n = 24
+    src = write_lines(
+        tmp_path / "in.jsonl", [{"prompt": f"story number {i}", "id": f"q{i}"} for i in range(n)]
+    )
+    out = tmp_path / "out.jsonl"
+    flags = ["--max-new-tokens", "96", "--max-batch-size", "2"]
+    cmd = [sys.executable, "-m", "ecru", "serve", "run", "--model", str(chat_model_dir), "--in", str(src),
+           "--out", str(out), *flags]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.is_file() and len(out.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = answers(out) if out.read_text().strip() else []
+    assert 3 <= len(partial) < n, "the run should have been killed mid-way"
+
+    assert run(chat_model_dir, src, out, *flags) == 0
+    rows = answers(out)
+    assert [r["id"] for r in rows] == [f"q{i}" for i in range(n)]  # each once, in input order
+    fresh = tmp_path / "fresh.jsonl"
+    assert run(chat_model_dir, src, fresh, *flags) == 0
+    assert rows == answers(fresh)  # greedy: the resumed run answers exactly as an uninterrupted one

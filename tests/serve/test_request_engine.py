@@ -1,0 +1,138 @@
+"""The request-level engine: greedy outputs equal Hugging Face `generate` under every admission policy and
+any batch composition; per-request caps, stop tokens, sampling, streaming callbacks and cancellation."""
+
+import pytest
+import torch
+
+from ecru.serve.request_engine import ENGINE_POLICIES, EngineConfig, RequestEngine
+from ecru.serve.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24)  # conftest's MAX_NEW
+
+
+def make_engine(model, gen, **kw):
+    config = EngineConfig(**{"max_new_tokens": 24, "max_batch_size": 4, "refill_min": 2, **kw})
+    return RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, config=config)
+
+
+@pytest.mark.parametrize("policy", ENGINE_POLICIES)
+def test_greedy_equals_hf_generate_for_every_policy(model, prompts, reference, gen, policy):
+    engine = make_engine(model, gen, policy=policy, kv_prompt_tokens=1)
+    # cb-kv: every request reserves 2 answer tokens, so rows outgrow their reservations and get preempted
+    predict = (lambda prompt, params: 2.0) if policy == "cb-kv" else None
+    engine.predict = predict or engine.predict
+    reqs = engine.generate(prompts, GREEDY)
+    assert [r.output for r in reqs] == reference
+    assert all(r.finish_reason == ("stop" if r.output[-1] in gen.eos_token_ids else "length") for r in reqs)
+    if policy == "cb-kv":
+        assert engine.stats.preemptions > 0
+
+
+def test_requests_joining_mid_run_get_the_same_tokens(model, prompts, reference, gen):
+    engine = make_engine(model, gen, max_batch_size=3, refill_min=1)
+    reqs = []
+    for i, p in enumerate(prompts):
+        reqs.append(engine.add_request(p, GREEDY))
+        for _ in range(i % 3):  # arrivals between steps, into a batch of changing composition
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output for r in reqs] == reference
+
+
+def test_per_request_caps_and_sampling_do_not_disturb_greedy_rows(model, prompts, reference, gen):
+    engine = make_engine(model, gen, max_batch_size=8)
+    params = [
+        SamplingParams(max_tokens=3 + i % 5)
+        if i % 3 == 0
+        else SamplingParams(max_tokens=24, temperature=0.9, top_p=0.8, top_k=20, seed=i)
+        if i % 3 == 1
+        else GREEDY
+        for i in range(len(prompts))
+    ]
+    reqs = engine.generate(prompts, params)
+    for i, (r, ref) in enumerate(zip(reqs, reference, strict=True)):
+        if i % 3 == 0:
+            assert r.output == ref[: params[i].max_tokens]
+        elif i % 3 == 2:
+            assert r.output == ref
+        else:
+            assert 1 <= len(r.output) <= 24
+
+
+def test_seeded_sampling_repeats_whatever_the_batch(model, prompts, gen):
+    params = SamplingParams(
+        max_tokens=12, temperature=1.0, seed=7, presence_penalty=0.5, frequency_penalty=0.3
+    )
+    alone = make_engine(model, gen).generate(prompts[:1], params)[0].output
+    mixed = make_engine(model, gen).generate(prompts[:6], [params] + [GREEDY] * 5)[0].output
+    greedy = make_engine(model, gen).generate(prompts[:1], GREEDY)[0].output
+    assert alone == mixed and alone != greedy[:12]
+
+
+def test_listener_streams_and_cancel_frees_the_row(model, prompts, gen):
+    engine = make_engine(model, gen, max_batch_size=2, refill_min=1)
+    seen = []
+    long = engine.add_request(prompts[0], SamplingParams(max_tokens=24), listener=lambda r, p: seen.append(r))
+    other = engine.add_request(prompts[1], GREEDY)
+    waiting = engine.add_request(prompts[2], GREEDY)
+    engine.step()
+    assert engine.num_running == 2 and engine.num_waiting == 1
+    assert engine.abort(long.request_id) and long.finish_reason == "abort" and seen[-1].finished
+    engine.step()  # the cancelled row left: the waiting request took it
+    assert engine.num_running + len([r for r in (other, waiting) if r.finished]) == 2
+    assert long.seq not in engine.run.ids and waiting.status.value != "waiting"
+    while engine.has_unfinished():
+        engine.step()
+    assert not engine.abort(long.request_id)
+
+
+def test_a_cancelled_waiting_request_never_runs(model, prompts, gen):
+    engine = make_engine(model, gen, max_batch_size=1, refill_min=1)
+    first = engine.add_request(prompts[0], GREEDY)
+    queued = engine.add_request(prompts[1], GREEDY)
+    engine.abort(queued.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert first.finish_reason in ("stop", "length") and queued.output == []
+
+
+def test_context_and_cap_checked_before_queueing(model, gen):
+    engine = make_engine(model, gen)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request([5] * 500, SamplingParams(max_tokens=24))
+    with pytest.raises(ValueError, match="cap"):
+        engine.add_request([5], SamplingParams(max_tokens=25))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request([5], SamplingParams(max_tokens=4, stop=("x",)))
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_tokens": 0},
+        {"max_tokens": 2.5},
+        {"temperature": -0.1},
+        {"temperature": "hot"},
+        {"top_p": 0.0},
+        {"top_k": -1},
+        {"presence_penalty": 3.0},
+        {"stop": ("",)},
+        {"stop": ("a", "b", "c", "d", "e")},
+        {"seed": 1.5},
+    ],
+)
+def test_sampling_params_validated_on_construction(kw):
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)
+
+
+def test_penalties_match_openai_formula():
+    from ecru.serve.sampling import penalize
+
+    logits = torch.zeros(5)
+    out = penalize(logits, [1, 1, 3], presence=0.5, frequency=0.25)
+    torch.testing.assert_close(out, torch.tensor([0.0, -1.0, 0.0, -0.75, 0.0]))
