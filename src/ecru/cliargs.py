@@ -53,7 +53,9 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _number(kind: Callable[[str], T], name: str, ok: Callable[[T], bool], rule: str):
+def number_in(kind: Callable[[str], T], name: str, ok: Callable[[T], bool], rule: str):
+    """An argparse type: `kind(text)` that must satisfy `ok`; the messages say `name` and `rule`."""
+
     def parse(text: str) -> T:
         try:
             value = kind(text)
@@ -67,12 +69,12 @@ def _number(kind: Callable[[str], T], name: str, ok: Callable[[T], bool], rule: 
     return parse
 
 
-positive_int = _number(int, "an integer", lambda v: v > 0, "> 0")
-non_negative_int = _number(int, "an integer", lambda v: v >= 0, ">= 0")
-positive_float = _number(float, "a number", lambda v: v > 0 and v != float("inf"), "> 0 and finite")
-non_negative_float = _number(float, "a number", lambda v: 0 <= v < float("inf"), ">= 0 and finite")
-fraction = _number(float, "a number", lambda v: 0 < v < 1, "strictly between 0 and 1")
-probability = _number(float, "a number", lambda v: 0 <= v <= 1, "between 0 and 1")
+positive_int = number_in(int, "an integer", lambda v: v > 0, "> 0")
+non_negative_int = number_in(int, "an integer", lambda v: v >= 0, ">= 0")
+positive_float = number_in(float, "a number", lambda v: v > 0 and v != float("inf"), "> 0 and finite")
+non_negative_float = number_in(float, "a number", lambda v: 0 <= v < float("inf"), ">= 0 and finite")
+fraction = number_in(float, "a number", lambda v: 0 < v < 1, "strictly between 0 and 1")
+probability = number_in(float, "a number", lambda v: 0 <= v <= 1, "between 0 and 1")
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -90,7 +92,7 @@ def existing_file(text: str) -> Path:
     """An input file that must exist now: checked when parsed, before any work."""
     path = Path(text).expanduser()
     if not path.is_file():
-        what = "a folder" if path.is_dir() else "not found"
+        what = "a folder" if path.is_dir() else "not a regular file" if path.exists() else "not found"
         raise argparse.ArgumentTypeError(f"{text}: {what}; give the path of an existing file")
     return path
 

@@ -11,12 +11,14 @@ from ecru.cliargs import (
     existing_file,
     non_negative_float,
     non_negative_int,
+    number_in,
     positive_float,
     positive_int,
 )
 from ecru.serve.policies import STATIC_POLICIES
 from ecru.serve.queues import CONTINUOUS_POLICIES
 
+PENALTY = number_in(float, "a number", lambda v: -2 <= v <= 2, "between -2 and 2")  # OpenAI's range
 POLICY_NAMES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
 ENGINE_POLICIES = ("cb", "cb-sjf", "cb-kv")  # request_engine.ENGINE_POLICIES (imports torch)
 MODEL_HELP = "smollm2 (bundled), tiny (random, for tests) or the path of a local Hugging Face model folder"
@@ -155,16 +157,16 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="sampling seed of every line, default 0 (the same answer on a rerun)",
     )
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeat for up to 4)")
     p.add_argument(
-        "--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty, -2..2 (default 0)"
+        "--presence-penalty", type=PENALTY, default=0.0, help="OpenAI's presence penalty, -2..2 (default 0)"
     )
     p.add_argument(
-        "--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty, -2..2 (default 0)"
+        "--frequency-penalty", type=PENALTY, default=0.0, help="OpenAI's frequency penalty, -2..2 (default 0)"
     )
 
 
