@@ -78,6 +78,9 @@ def test_out_dir_not_writable(tmp_path):
 def test_out_file_and_atomic_json(tmp_path):
     with pytest.raises(EcruError, match="is a folder"):
         prepare_out_file(tmp_path, flag="--json")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(EcruError, match="^--json .*afile/x.json: its folder .*afile: is a file"):
+        prepare_out_file(tmp_path / "afile" / "x.json", flag="--json")
     path = prepare_out_file(tmp_path / "missing" / "x.json")
     atomic_write_json(path, {"a": 1})
     assert path.read_text() == '{\n  "a": 1\n}\n'

@@ -36,5 +36,7 @@ def test_report_renders_with_every_image(tmp_path):
     chromium(f"--screenshot={shot}", "--window-size=1100,1400", (out / "report.html").as_uri())
     assert shot.stat().st_size > 20_000  # a rendered page with text and a plot, not a blank one
     # a broken image is caught
-    (out / checked.name).write_text(page.replace('src="', 'src="missing-').replace("</body>", CHECK + "</body>"))
+    (out / checked.name).write_text(
+        page.replace('src="', 'src="missing-').replace("</body>", CHECK + "</body>")
+    )
     assert "IMAGES_BROKEN" in chromium("--virtual-time-budget=10000", "--dump-dom", checked.as_uri())

@@ -109,17 +109,17 @@ def add_out_dir(parser: argparse.ArgumentParser, *, default: str | None = None, 
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
 
 
-def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
+def prepare_out_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> Path:
     """Create `path` if missing and check that it is a writable folder, before any work is done."""
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
-        raise EcruError(f"--out {out}: is a file, not a folder; give a folder path")
+        raise EcruError(f"{flag} {out}: is a file, not a folder; give a folder path")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out, prefix=".ecru-write-check-"):
             pass
     except OSError as exc:
-        raise EcruError(f"--out {out}: cannot write there ({exc.strerror}); choose another folder") from None
+        raise EcruError(f"{flag} {out}: cannot write there ({exc.strerror}); choose another folder") from None
     return out
 
 
@@ -128,7 +128,7 @@ def prepare_out_file(path: str | os.PathLike[str], *, flag: str = "--out") -> Pa
     out = Path(path).expanduser()
     if out.is_dir():
         raise EcruError(f"{flag} {out}: is a folder; give a file path")
-    prepare_out_dir(out.parent)
+    prepare_out_dir(out.parent, flag=f"{flag} {out}: its folder")
     return out
 
 
