@@ -132,3 +132,18 @@ def test_cb_kv_with_cap_reservations_and_cb_rows_is_cb(model, prompts, reference
     assert (kv.admitted_order, kv.decode_steps, kv.prefills, kv.slots) == (
         cb.admitted_order, cb.decode_steps, cb.prefills, cb.slots
     )  # fmt: skip
+
+
+def test_peak_kv_tokens_counts_the_padded_cache(model):
+    """Two prompts (3 and 5 tokens), 4 answer tokens each, no EOS: the prefill holds 2 x 5 positions (left
+    padding included), decode step k holds 2 x (5 + k); the last of 3 decode steps holds 2 x 8 = 16."""
+    from ecru.serve import GenerationConfig
+
+    never = GenerationConfig(eos_token_ids=(10_000,), pad_token_id=0)
+    config = ContinuousConfig(max_batch_size=2, max_new_tokens=4, refill_min=1)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    result = generate_continuous(model, prompts, queue=FCFSQueue(), gen=never, config=config)
+    assert [len(t) for t in result.tokens] == [4, 4]
+    assert result.peak_kv_tokens == 16
+    one = generate_continuous(model, prompts[:1], queue=FCFSQueue(), gen=never, config=config)
+    assert one.peak_kv_tokens == 3 + 3  # one row: its prompt plus the tokens fed back

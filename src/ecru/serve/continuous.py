@@ -62,6 +62,8 @@ class ContinuousResult:
     admitted_order: list[int] = field(default_factory=list)
     """Requests in the order they were admitted (a preempted one appears again when readmitted)."""
     preemptions: int = 0
+    peak_kv_tokens: int = 0
+    """Most KV-cache positions held at once, padding included (`EngineStats.peak_kv_tokens`)."""
 
 
 def kv_budget_config(
@@ -271,4 +273,4 @@ def generate_continuous(
     reqs = [requests[i] for i in range(len(prompts))]
     s = engine.stats
     return ContinuousResult([r.output for r in reqs], [r.finish_s - start for r in reqs], s.decode_steps,
-                            s.tokens, s.prefills, engine.admission_log, s.preemptions)  # fmt: skip
+                            s.tokens, s.prefills, engine.admission_log, s.preemptions, s.peak_kv_tokens)  # fmt: skip

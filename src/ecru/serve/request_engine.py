@@ -121,6 +121,12 @@ class EngineStats:
     tokens: int = 0
     """Token slots computed: one per admitted request per prefill, one per running row per decode step."""
     preemptions: int = 0
+    peak_kv_tokens: int = 0
+    """Most KV-cache positions held at once (rows x cache width, left padding included): the memory the
+    engine really used, which a policy's reservations may understate."""
+
+    def observe_kv(self, tokens: int) -> None:
+        self.peak_kv_tokens = max(self.peak_kv_tokens, tokens)
 
 
 class RequestEngine:
@@ -279,6 +285,7 @@ class RequestEngine:
         ids, mask = left_pad([r.prompt + r.output for r in admitted], self.pad)
         cache = new_cache(self.model)
         tok = self._sample(forward(self.model, ids, mask, cache), admitted)
+        self.stats.observe_kv(self.run.mask.numel() + mask.numel())  # the running cache and the new one
         self.stats.prefills += 1
         alive = self._update(admitted, tok, finished)
         if alive.any():
@@ -291,6 +298,7 @@ class RequestEngine:
         rows = [self.requests[i] for i in run.ids]
         run.mask = torch.cat([run.mask, torch.ones_like(run.mask[:, :1])], dim=1)
         tok = self._sample(forward(self.model, run.pending[:, None], run.mask, run.cache), rows)
+        self.stats.observe_kv(run.mask.numel())
         self.stats.decode_steps += 1
         alive = self._update(rows, tok, finished)
         run.pending = tok

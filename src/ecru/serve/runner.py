@@ -29,6 +29,8 @@ class PolicyRun:
     """Token slots computed, first attempts and reruns included."""
     failures: int
     """Rows recomputed from scratch: FCR rows cut at their batch's cap, cb-kv rows preempted."""
+    peak_kv_tokens: int | None = None
+    """Most KV-cache positions held at once, padding included (continuous policies; None: not measured)."""
 
     @property
     def useful(self) -> int:
@@ -45,6 +47,7 @@ class PolicyRun:
             "mean_latency_s": sum(lat) / n,
             "p99_latency_s": lat[min(n - 1, int(round(0.99 * (n - 1))))],
             "wall_s": self.wall_s,
+            "peak_kv_tokens": self.peak_kv_tokens,
         }
 
 
@@ -111,7 +114,9 @@ def run_continuous(
     result = generate_continuous(model, prompts, queue=queue, gen=gen, config=config, reserve=reserve)
     wall = predict_s + time.perf_counter() - start
     finish = [predict_s + t for t in result.finish_s]
-    return PolicyRun(policy, result.tokens, finish, wall, result.slots, result.preemptions)
+    return PolicyRun(
+        policy, result.tokens, finish, wall, result.slots, result.preemptions, result.peak_kv_tokens
+    )
 
 
 def reservations(policy: str, predicted: Sequence[float] | None) -> Sequence[float] | None:
