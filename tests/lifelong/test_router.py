@@ -6,6 +6,7 @@ from ecru.datasets import humanize_intent, load_clinc, load_wiki_sentences
 from ecru.errors import EcruError
 from ecru.lifelong import RoutedConfig, StreamConfig, TrainConfig, build_clinc_stream, make_method
 from ecru.lifelong.methods.base import snapshot_steps
+from ecru.lifelong.methods.routed import TIE
 from ecru.lifelong.router import FROZEN, Router, knn_scores, route
 from ecru.models import load_minilm
 
@@ -217,3 +218,48 @@ def test_prototype_router_by_hand():
     torch.testing.assert_close(single, (emb[0] @ emb[2]).repeat(2))
     with pytest.raises(ValueError, match="two or more"):
         PrototypeRouter(percentile=5).add_task(emb[[0]], labels=torch.tensor([0]))
+
+
+def _variant(method, **fields):
+    """The trained `method`'s state under another decision rule (same adapters and router)."""
+    other = make_method("routed-lora", load_minilm(), train=TRAIN, config=RoutedConfig(**fields))
+    other.load_state_dict(method.state_dict())
+    return other.encoder()
+
+
+def test_margin_lets_the_frozen_model_veto_a_route(routed):
+    method, stream = routed
+    banking = [humanize_intent(i) for i in stream.tasks[0].intents]
+    foreign = ["book a flight", "what is the weather", "set an alarm", "report lost card"]
+    labels = banking + foreign
+    texts = [e.text for e in stream.tasks[0].train] + ["i lost my card yesterday", "flight to paris please"]
+    frozen = load_minilm()
+    F = frozen.encode(texts) @ frozen.encode(labels).T
+    own = torch.tensor([n in banking for n in labels])
+    for margin in (0.0, 0.1):
+        enc = _variant(method, margin=margin)
+        routes = enc.routes(texts)
+        lead = F[:, own].max(-1).values + margin - F[:, ~own].max(-1).values
+        accept, clear = lead >= 0, lead.abs() > 2 * TIE  # within TIE the adapter's score tips the balance
+        adapter = (enc.for_task(0).encode(texts) @ frozen.encode(banking).T).argmax(-1)
+        pred = enc.scores(texts, labels).argmax(-1)
+        to0 = (routes == 0) & clear
+        assert to0.sum() >= len(texts) // 2
+        torch.testing.assert_close(pred[to0 & accept], adapter[to0 & accept])
+        torch.testing.assert_close(pred[to0 & ~accept], F.argmax(-1)[to0 & ~accept])
+
+
+def test_prototype_weight_one_is_nearest_class_mean_within_the_task(routed):
+    method, stream = routed
+    cards = [humanize_intent(i) for i in stream.tasks[1].intents]
+    enc = _variant(method, prototype_weight=1.0)
+    texts = [e.text for e in stream.tasks[1].test] + [e.text for e in stream.tasks[1].train][:10]
+    routes = enc.routes(texts)
+    want = (load_minilm().encode(texts) @ method.router.prototypes[1].T).argmax(-1)
+    got = enc.scores(texts, cards).argmax(-1)
+    assert routes.eq(1).any()
+    torch.testing.assert_close(got[routes == 1], want[routes == 1])
+    # the gate (task given) uses the same blend
+    torch.testing.assert_close(enc.for_task(1).scores(texts, cards).argmax(-1), want)
+    with pytest.raises(EcruError, match="prototype_weight"):
+        RoutedConfig(router="knn", prototype_weight=0.5)

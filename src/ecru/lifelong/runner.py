@@ -156,6 +156,8 @@ def _summarise(costs: list[dict[str, float]]) -> dict[str, float | None]:
         "steps": sum(c["steps"] for c in costs),
         "peak_rss_mb": _mean_or_none(costs, "peak_rss_mb", max),
         "stored_bytes": sum(c["stored_bytes"] for c in costs) / len(costs),
+        # what the method keeps after the last task (adapters, exemplars, router, class means), per task
+        "stored_bytes_per_task": costs[-1]["stored_bytes"] / len(costs),
     }
 
 

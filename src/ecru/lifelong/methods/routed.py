@@ -74,6 +74,15 @@ class RoutedConfig:
     """A task's threshold: this percentile of its training utterances' leave-one-out scores."""
     frozen_labels: bool = True
     """Intent names always go through the frozen model; False = names are routed and trained like utterances."""
+    prototype_weight: float = 0.0
+    """Among a routed task's labels, score = (1 - w) x the adapter's cosine + w x the frozen text embedding's
+    cosine to the label's prototype (the router's class mean): nearest class mean and adapter as one
+    classifier. Needs router="prototypes"."""
+    margin: float | None = None
+    """None: a text routed to task t takes one of t's labels whenever one is a candidate. A number m: only if
+    the frozen model's best score for any of t's labels plus m reaches its best score for the other
+    candidates (the frozen model vetoes a route when another candidate fits the text clearly better); else
+    the frozen model decides among all candidates."""
     negative_quantile: float | None = None
     """If set, a task's threshold may go down to this quantile of the reference sentences' scores (texts of
     no task: CLINC out-of-scope queries, Wikipedia), so more of its own texts reach its adapter."""
@@ -99,6 +108,12 @@ class RoutedConfig:
             raise EcruError(f"percentile must be in [0, 100]; got {self.percentile}")
         if self.reference < 0:
             raise EcruError(f"reference must be >= 0; got {self.reference}")
+        if not 0 <= self.prototype_weight <= 1:
+            raise EcruError(f"prototype_weight must be in [0, 1]; got {self.prototype_weight}")
+        if self.prototype_weight > 0 and self.router != "prototypes":
+            raise EcruError("prototype_weight needs router='prototypes' (the class means it scores against)")
+        if self.margin is not None and not self.margin >= 0:
+            raise EcruError(f"margin must be >= 0 or None; got {self.margin}")
         if self.router not in ("prototypes", "knn"):
             raise EcruError(f"router must be 'prototypes' or 'knn'; got {self.router!r}")
         if self.negative_quantile is not None and not 0 < self.negative_quantile <= 1:
@@ -108,6 +123,10 @@ class RoutedConfig:
 OFFSET = 2.0
 """Subtracted from the frozen score of a label foreign to the routed task: cosines lie in [-1, 1], so the
 routed task's own labels always win when any of them is a candidate."""
+TIE = 1e-4
+"""With a `margin`, a routed task's labels all score (best frozen score over the task's labels + margin) plus
+TIE x their adapter score: the frozen side decides task against the other candidates, the adapter decides
+among the task's labels."""
 MEMO_ITEMS = 32_768
 """Embeddings an encoder keeps (least recently used first out): predicting a long file stays bounded."""
 
@@ -187,14 +206,33 @@ class RoutedEncoder:
             if task == FROZEN:
                 continue
             rows = (routes == task).nonzero().flatten()
-            own = torch.tensor([label in set(self.m.names[task]) for label in labels], dtype=torch.bool)
             emb = self._embed([ordered[i] for i in rows.tolist()], task, batch_size=batch_size)
-            block = out[rows] - OFFSET
-            block[:, own] = emb @ names[own].T
-            out[rows] = block
+            out[rows] = self._task_then_class(out[rows], frozen[rows], emb, names, labels, task)
         result = torch.empty_like(out)
         result[torch.tensor(order, dtype=torch.long)] = out
         return result
+
+    def _task_then_class(self, block: torch.Tensor, frozen: torch.Tensor, emb: torch.Tensor, names: torch.Tensor,
+                         labels: Sequence[str], task: int, *, gate: bool = True) -> torch.Tensor:  # fmt: skip
+        """Scores of texts routed to `task`: `block` [R, L] frozen scores, `frozen` [R, D] and `emb` [R, D] the
+        texts through the frozen model and the adapter, `names` [L, D] the candidate `labels`' embeddings.
+        `gate=False`: the task is given, not inferred (no margin veto)."""
+        own = torch.tensor([label in set(self.m.names[task]) for label in labels], dtype=torch.bool)
+        adapter = emb @ names[own].T
+        w = self.m.cfg.prototype_weight
+        if w > 0:
+            index = {n: k for k, n in enumerate(self.m.names[task])}
+            rows = [index[n] for n, o in zip(labels, own.tolist(), strict=True) if o]
+            protos = self.m.router.prototypes[task][rows].to(frozen.dtype)
+            adapter = (1 - w) * adapter + w * frozen @ protos.T
+        if self.m.cfg.margin is None or not gate:
+            block = block - OFFSET
+            block[:, own] = adapter
+            return block
+        # the task's best frozen score over all its labels (candidates or not: column independence)
+        best = (frozen @ self.encode_labels(self.m.names[task]).T).max(-1, keepdim=True).values
+        block[:, own] = best + self.m.cfg.margin + TIE * adapter
+        return block
 
     def for_task(self, task: int) -> TaskEncoder:
         """The encoder told the task (the label-gated protocol): every text through `task`'s adapter."""
@@ -214,6 +252,16 @@ class TaskEncoder:
 
     def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
         return self.routed.encode_labels(texts, batch_size=batch_size)
+
+    @torch.no_grad()
+    def scores(self, texts: Sequence[str], labels: Sequence[str], *, batch_size: int = 64) -> torch.Tensor:
+        """[Q, L] scores with every text routed to the given task (its labels through the adapter)."""
+        texts, labels = list(texts), list(labels)
+        frozen, names = self.routed.frozen(texts), self.encode_labels(labels)
+        emb = self.encode(texts, batch_size=batch_size)
+        return self.routed._task_then_class(
+            frozen @ names.T, frozen, emb, names, labels, self.task, gate=False
+        )
 
 
 class RoutedAdapters:
