@@ -230,7 +230,7 @@ def _variant(method, **fields):
 def test_margin_lets_the_frozen_model_veto_a_route(routed):
     method, stream = routed
     banking = [humanize_intent(i) for i in stream.tasks[0].intents]
-    foreign = ["book a flight", "what is the weather", "set an alarm", "report lost card"]
+    foreign = ["book a flight", "what is the weather", "set an alarm", "play music"]  # learned by no task
     labels = banking + foreign
     texts = [e.text for e in stream.tasks[0].train] + ["i lost my card yesterday", "flight to paris please"]
     frozen = load_minilm()
@@ -263,3 +263,24 @@ def test_prototype_weight_one_is_nearest_class_mean_within_the_task(routed):
     torch.testing.assert_close(enc.for_task(1).scores(texts, cards).argmax(-1), want)
     with pytest.raises(EcruError, match="prototype_weight"):
         RoutedConfig(router="knn", prototype_weight=0.5)
+
+
+def test_rejected_texts_prefer_unlearned_labels_and_routes_never_pick_another_task_s(routed):
+    method, stream = routed
+    banking, cards = ([humanize_intent(i) for i in t.intents] for t in stream.tasks)
+    unlearned = ["book a flight", "what is the weather", "set an alarm"]
+    wiki = load_wiki_sentences()[:10]
+    enc = _variant(method, reject_penalty=2.0, margin=0.0)
+    assert enc.routes(wiki).eq(FROZEN).all()  # below every threshold: rejected
+    assert (enc.scores(wiki, banking + unlearned).argmax(-1) >= len(banking)).all()  # an unlearned label
+    # only learned candidates: the best task's choice stands (its labels, never the other task's)
+    best = method.router(enc.frozen(wiki), open_set=False)
+    pred = enc.scores(wiki, banking + cards).argmax(-1)
+    assert torch.equal(pred >= len(banking), best == 1)
+    texts = [e.text for t in stream.tasks for e in t.train]
+    gated = _variant(method, margin=0.0)
+    routes, pred = gated.routes(texts), gated.scores(texts, banking + cards + unlearned).argmax(-1)
+    in_cards = (pred >= len(banking)) & (pred < len(banking) + len(cards))
+    assert not in_cards[routes == 0].any() and not (pred[routes == 1] < len(banking)).any()
+    with pytest.raises(EcruError, match="margin"):
+        RoutedConfig(reject_penalty=1.0)

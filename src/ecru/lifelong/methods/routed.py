@@ -80,9 +80,15 @@ class RoutedConfig:
     classifier. Needs router="prototypes"."""
     margin: float | None = None
     """None: a text routed to task t takes one of t's labels whenever one is a candidate. A number m: only if
-    the frozen model's best score for any of t's labels plus m reaches its best score for the other
-    candidates (the frozen model vetoes a route when another candidate fits the text clearly better); else
-    the frozen model decides among all candidates."""
+    the frozen model's best score for any of t's labels plus m reaches its best score for the candidates no
+    task learned (the frozen model vetoes a route when an unlearned label fits the text clearly better);
+    else the frozen model decides among the unlearned candidates. Other learned tasks' labels lose to t's
+    either way (the router chose between learned tasks)."""
+    reject_penalty: float = 0.0
+    """0: a text below its best task's threshold goes to the frozen model. > 0 (with a `margin`): it still
+    goes to its best task, but every learned label loses this much: the route's choice stands when every
+    candidate is learned, and an unlearned candidate (an unseen task's, a held-out dataset's) wins otherwise. The price: a learned task's text that
+    its router rejects (about `percentile`% of them) loses its label when unlearned labels are candidates."""
     negative_quantile: float | None = None
     """If set, a task's threshold may go down to this quantile of the reference sentences' scores (texts of
     no task: CLINC out-of-scope queries, Wikipedia), so more of its own texts reach its adapter."""
@@ -112,6 +118,10 @@ class RoutedConfig:
             raise EcruError(f"prototype_weight must be in [0, 1]; got {self.prototype_weight}")
         if self.prototype_weight > 0 and self.router != "prototypes":
             raise EcruError("prototype_weight needs router='prototypes' (the class means it scores against)")
+        if not self.reject_penalty >= 0:
+            raise EcruError(f"reject_penalty must be >= 0; got {self.reject_penalty}")
+        if self.reject_penalty > 0 and self.margin is None:
+            raise EcruError("reject_penalty needs a margin (the rule that lets an unlearned label win)")
         if self.margin is not None and not self.margin >= 0:
             raise EcruError(f"margin must be >= 0 or None; got {self.margin}")
         if self.router not in ("prototypes", "knn"):
@@ -202,12 +212,21 @@ class RoutedEncoder:
         routes = self.m.router(frozen)
         names = self.encode_labels(list(labels), batch_size=batch_size)
         out = frozen @ names.T
+        rejected = routes == FROZEN
+        known = {n for names_t in self.m.names for n in names_t}
+        learned = torch.tensor([label in known for label in labels], dtype=torch.bool)
+        if self.m.cfg.reject_penalty > 0 and len(self.m.router):
+            routes = self.m.router(
+                frozen, open_set=False
+            )  # every text to its best task; `rejected` penalised
         for task in routes.unique().tolist():
             if task == FROZEN:
                 continue
             rows = (routes == task).nonzero().flatten()
             emb = self._embed([ordered[i] for i in rows.tolist()], task, batch_size=batch_size)
-            out[rows] = self._task_then_class(out[rows], frozen[rows], emb, names, labels, task)
+            block = self._task_then_class(out[rows], frozen[rows], emb, names, labels, task)
+            block[:, learned] -= self.m.cfg.reject_penalty * rejected[rows].to(block.dtype)[:, None]
+            out[rows] = block
         result = torch.empty_like(out)
         result[torch.tensor(order, dtype=torch.long)] = out
         return result
@@ -229,7 +248,12 @@ class RoutedEncoder:
             block = block - OFFSET
             block[:, own] = adapter
             return block
-        # the task's best frozen score over all its labels (candidates or not: column independence)
+        # other learned tasks' labels: the router already chose between learned tasks
+        learned = {n for names_t in self.m.names for n in names_t}
+        other = torch.tensor([label in learned for label in labels], dtype=torch.bool) & ~own
+        block[:, other] -= OFFSET
+        # the task's best frozen score over all its labels (candidates or not: column independence) against
+        # the unlearned candidates' frozen scores
         best = (frozen @ self.encode_labels(self.m.names[task]).T).max(-1, keepdim=True).values
         block[:, own] = best + self.m.cfg.margin + TIE * adapter
         return block
