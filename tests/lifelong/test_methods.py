@@ -9,7 +9,15 @@ from ecru.lifelong import METHODS, TeacherCache, TrainConfig, make_method, run_s
 from ecru.lifelong.methods import DISTILLING
 
 TRAIN = TrainConfig(epochs=1, batch_size=8, lr=1e-3, progress=False)
-COST_KEYS = {"trainable_params", "optimizer_bytes", "wall_s", "cpu_s", "peak_rss_mb", "stored_bytes", "stored_bytes_per_task"}
+COST_KEYS = {
+    "trainable_params",
+    "optimizer_bytes",
+    "wall_s",
+    "cpu_s",
+    "peak_rss_mb",
+    "stored_bytes",
+    "stored_bytes_per_task",
+}
 
 
 def _teacher(stream, model, **kw):

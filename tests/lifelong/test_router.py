@@ -166,7 +166,7 @@ def test_router_among_some_tasks_with_and_without_threshold():
 
 def test_task_then_class_a_routed_text_is_classified_among_its_task_s_labels(routed):
     method, stream = routed
-    enc = method.encoder()
+    enc = _variant(method)  # the plain rule: no margin, no blend, no reject penalty
     banking, cards = ([humanize_intent(i) for i in t.intents] for t in stream.tasks)
     texts = [e.text for t in stream.tasks for e in t.train]
     routes, pred = enc.routes(texts), enc.scores(texts, banking + cards).argmax(-1)
