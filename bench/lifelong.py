@@ -253,9 +253,11 @@ def plot_heatmaps(methods: dict, path: Path) -> str:
 def plot_cost(methods: dict, path: Path) -> str:
     fig, (ax1, ax2) = new_figure(width=10, height=4, ncols=2)
     for ax, key in ((ax1, "transfer_retention"), (ax2, "last")):
+        styles = iter([("grey", "--"), ("black", ":"), ("brown", "-.")] * 4)
         for name, m in methods.items():
             if m["cost"]["trainable_params"] == 0:  # training-free: a reference line
-                ax.axhline(m["agnostic"][key], color="grey", ls="--", lw=0.8, label=name)
+                color, ls = next(styles)
+                ax.axhline(m["agnostic"][key], color=color, ls=ls, lw=1.0, label=name)
                 continue
             x, y = m["cost"]["wall_s"], m["agnostic"][key]
             ax.scatter(x, y, s=15 + 10 * np.log10(m["cost"]["trainable_params"]))
