@@ -190,7 +190,7 @@ class KnowledgeStore:
         names = [label_name(c) for c in candidates]
         if not all(names):
             raise EcruError(f"empty label among {candidates}")
-        scale = self._method_train_scale()
+        scale = self.method().train.scale  # the classifier's inverse temperature, as trained
         out: list[Prediction] = []
         for i in range(0, len(texts), PREDICT_CHUNK):
             chunk = list(texts[i : i + PREDICT_CHUNK])
@@ -202,11 +202,6 @@ class KnowledgeStore:
                 for k, (t, b) in enumerate(zip(chunk, best.tolist(), strict=True))
             ]
         return out
-
-    def _method_train_scale(self) -> float:
-        from ecru.lifelong.methods import TrainConfig
-
-        return TrainConfig().scale
 
     # ---- writing
 
