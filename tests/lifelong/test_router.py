@@ -6,7 +6,6 @@ from ecru.datasets import humanize_intent, load_clinc, load_wiki_sentences
 from ecru.errors import EcruError
 from ecru.lifelong import RoutedConfig, StreamConfig, TrainConfig, build_clinc_stream, make_method
 from ecru.lifelong.methods.base import snapshot_steps
-from ecru.lifelong.methods.routed import TIE
 from ecru.lifelong.router import FROZEN, Router, knn_scores, route
 from ecru.models import load_minilm
 
@@ -240,7 +239,7 @@ def test_margin_lets_the_frozen_model_veto_a_route(routed):
         enc = _variant(method, margin=margin)
         routes = enc.routes(texts)
         lead = F[:, own].max(-1).values + margin - F[:, ~own].max(-1).values
-        accept, clear = lead >= 0, lead.abs() > 2 * TIE  # within TIE the adapter's score tips the balance
+        accept, clear = lead >= 0, lead.abs() > 1e-5  # float noise between the two frozen paths
         adapter = (enc.for_task(0).encode(texts) @ frozen.encode(banking).T).argmax(-1)
         pred = enc.scores(texts, labels).argmax(-1)
         to0 = (routes == 0) & clear

@@ -133,10 +133,6 @@ class RoutedConfig:
 OFFSET = 2.0
 """Subtracted from the frozen score of a label foreign to the routed task: cosines lie in [-1, 1], so the
 routed task's own labels always win when any of them is a candidate."""
-TIE = 1e-4
-"""With a `margin`, a routed task's labels all score (best frozen score over the task's labels + margin) plus
-TIE x their adapter score: the frozen side decides task against the other candidates, the adapter decides
-among the task's labels."""
 MEMO_ITEMS = 32_768
 """Embeddings an encoder keeps (least recently used first out): predicting a long file stays bounded."""
 
@@ -236,26 +232,29 @@ class RoutedEncoder:
         """Scores of texts routed to `task`: `block` [R, L] frozen scores, `frozen` [R, D] and `emb` [R, D] the
         texts through the frozen model and the adapter, `names` [L, D] the candidate `labels`' embeddings.
         `gate=False`: the task is given, not inferred (no margin veto)."""
-        own = torch.tensor([label in set(self.m.names[task]) for label in labels], dtype=torch.bool)
-        adapter = emb @ names[own].T
+        task_names = self.m.names[task]
+        own = torch.tensor([label in set(task_names) for label in labels], dtype=torch.bool)
+        index = {n: k for k, n in enumerate(task_names)}
+        cols = [index[n] for n, o in zip(labels, own.tolist(), strict=True) if o]
+        # every label of the task, candidate or not (column independence): the adapter's cosine, blended with
+        # the frozen cosine to the label's prototype
+        name_emb = self.encode_labels(task_names)
+        blend = emb @ name_emb.T
         w = self.m.cfg.prototype_weight
         if w > 0:
-            index = {n: k for k, n in enumerate(self.m.names[task])}
-            rows = [index[n] for n, o in zip(labels, own.tolist(), strict=True) if o]
-            protos = self.m.router.prototypes[task][rows].to(frozen.dtype)
-            adapter = (1 - w) * adapter + w * frozen @ protos.T
+            blend = (1 - w) * blend + w * frozen @ self.m.router.prototypes[task].to(frozen.dtype).T
         if self.m.cfg.margin is None or not gate:
             block = block - OFFSET
-            block[:, own] = adapter
+            block[:, own] = blend[:, cols]
             return block
         # other learned tasks' labels: the router already chose between learned tasks
         learned = {n for names_t in self.m.names for n in names_t}
         other = torch.tensor([label in learned for label in labels], dtype=torch.bool) & ~own
         block[:, other] -= OFFSET
-        # the task's best frozen score over all its labels (candidates or not: column independence) against
-        # the unlearned candidates' frozen scores
-        best = (frozen @ self.encode_labels(self.m.names[task]).T).max(-1, keepdim=True).values
-        block[:, own] = best + self.m.cfg.margin + TIE * adapter
+        # the task's best label scores as the frozen model's best cosine to any of the task's names (+ margin),
+        # on the same scale as the unlearned candidates' frozen cosines; the others trail it by their blend gap
+        best = (frozen @ name_emb.T).max(-1, keepdim=True).values
+        block[:, own] = best + self.m.cfg.margin + blend[:, cols] - blend.max(-1, keepdim=True).values
         return block
 
     def for_task(self, task: int) -> TaskEncoder:
