@@ -12,10 +12,11 @@ def test_run_writes_the_result_json(tmp_path, capsys):
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     got = json.loads(out.read_text())
-    assert {"R", "R0", "metrics", "heldout", "cost"} <= set(got)
+    assert {"R", "R0", "metrics", "heldout", "cost", "agnostic", "gated"} <= set(got)
+    assert {"last", "avg", "transfer_retention", "heldout_change"} <= set(got["agnostic"]) & set(got["gated"])
     assert len(got["R"]) == 2 and len(got["heldout"]) == 3
     assert got["tasks"] == ["banking", "credit_cards"] and got["config"]["stream"]["tasks"] == 2
-    assert "seqlora: last" in capsys.readouterr().out
+    assert "seqlora: task-agnostic last" in capsys.readouterr().out
     assert (tmp_path / "ckpt" / "last.pt").is_file()
 
 
@@ -29,6 +30,7 @@ def test_bad_arguments_fail_cleanly(capsys):
 
 def test_cli_method_choices_match_the_registry():
     from ecru.lifelong import METHODS
-    from ecru.lifelong.cli import METHOD_NAMES
+    from ecru.lifelong.cli import METHOD_NAMES, OLD_NAMES
+    from ecru.lifelong.methods import ALIASES
 
-    assert sorted(METHOD_NAMES) == sorted(METHODS)
+    assert sorted(METHOD_NAMES) == sorted(METHODS) and sorted(OLD_NAMES) == sorted(ALIASES)

@@ -1,86 +1,82 @@
-from collections import Counter
-
 import torch
 
 from ecru.datasets import humanize_intent
-from ecru.lifelong.evaluate import CandidateAwareEncoder, LabelAwareEncoder
+from ecru.lifelong.evaluate import Scorer, TaskGatedEncoder
 
 
-class Spy:
-    """A candidate-aware encoder that records which names each group of texts is classified among."""
+class Oracle:
+    """Scores each text 1 for its gold name and 0 elsewhere; `decoy` (a name) scores 2 for every text."""
 
-    def __init__(self, dim: int = 8):
-        self.dim, self.calls = dim, []
-
-    def _emb(self, texts):
-        g = torch.Generator().manual_seed(len(texts))
-        return torch.nn.functional.normalize(torch.randn(len(texts), self.dim, generator=g), dim=-1)
-
-    def encode(self, texts, *, batch_size=64):
-        raise AssertionError("a candidate-aware encoder is asked with encode_among only")
-
-    def encode_labels(self, texts, *, batch_size=64):
-        return self._emb(texts)
-
-    def encode_among(self, texts, labels, *, batch_size=64):
-        self.calls.append((frozenset(texts), tuple(labels)))
-        return self._emb(texts)
-
-
-def test_evaluator_asks_each_group_among_its_own_candidate_names(tiny_evaluator):
-    stream, spy = tiny_evaluator.stream, Spy()
-    assert isinstance(spy, CandidateAwareEncoder) and isinstance(spy, LabelAwareEncoder)
-    tiny_evaluator.evaluate(spy, seen=1)
-    names = [[humanize_intent(i) for i in t.intents] for t in stream.tasks]
-    texts = [frozenset(e.text for e in t.test) for t in stream.tasks]
-    held = (
-        frozenset(e.text for e in stream.heldout),
-        tuple(humanize_intent(x) for x in stream.heldout_labels),
-    )
-    want = [
-        (texts[0], tuple(names[0])),  # task-incremental, task 1
-        (texts[0], tuple(names[0])),  # class-incremental after task 1: task 1's names only
-        (texts[1], tuple(names[1])),  # task-incremental, task 2
-        (texts[1], tuple(names[0] + names[1])),  # class-incremental: seen tasks' names plus task 2's
-        held,
-    ]
-    assert Counter(spy.calls) == Counter(want)  # as multisets: equal sets may print in different orders
-
-
-class Oracle(Spy):
-    """Embeds each text as its gold intent name, among whatever names it is asked with: 100% if the Evaluator
-    pairs every group of texts with the right candidate names, in the right order, and the right gold indices."""
-
-    def __init__(self, stream):
-        super().__init__(dim=len(stream.tasks) * 15 + len(stream.heldout_labels))
+    def __init__(self, stream, decoy: str | None = None):
         gold = [(e.text, e.label) for t in stream.tasks for e in t.test] + [
             (e.text, e.label) for e in stream.heldout
         ]
         self.gold = {text: humanize_intent(label) for text, label in gold}
-        names = [humanize_intent(i) for t in stream.tasks for i in t.intents]
-        self.index = {n: k for k, n in enumerate(names + [humanize_intent(x) for x in stream.heldout_labels])}
+        self.decoy, self.asked = decoy, []
 
-    def encode_labels(self, texts, *, batch_size=64):
-        return torch.nn.functional.one_hot(torch.tensor([self.index[t] for t in texts]), self.dim).float()
+    def encode(self, texts, *, batch_size=64):
+        raise AssertionError("a scorer is asked through scores only")
 
-    def encode_among(self, texts, labels, *, batch_size=64):
-        assert all(self.gold[t] in labels for t in texts), "a text asked among names that exclude its own"
+    def scores(self, texts, labels, *, batch_size=64):
+        self.asked.append(list(labels))
+        return torch.tensor(
+            [[2.0 if n == self.decoy else float(n == self.gold[t]) for n in labels] for t in texts]
+        )
+
+
+def test_an_oracle_scores_100_in_both_protocols(tiny_evaluator):
+    oracle = Oracle(tiny_evaluator.stream)
+    assert isinstance(oracle, Scorer) and not isinstance(oracle, TaskGatedEncoder)
+    for seen in (0, 1, 2):
+        row = tiny_evaluator.evaluate(oracle, seen=seen)
+        assert row.ti == row.agnostic == [100.0, 100.0] and row.heldout == row.heldout_agnostic == 100.0
+    assert len(oracle.asked) == 3  # one score matrix per evaluation, every candidate set read from it
+
+
+def test_task_agnostic_candidates_are_the_learned_labels_plus_the_text_s_own(tiny_evaluator):
+    stream = tiny_evaluator.stream
+    decoy = humanize_intent(stream.tasks[1].intents[0])  # a label of task 2 that beats every gold label
+    oracle = Oracle(stream, decoy)
+    gold2 = [humanize_intent(e.label) for e in stream.tasks[1].test]
+    own2 = 100.0 * sum(g == decoy for g in gold2) / len(gold2)
+    row = tiny_evaluator.evaluate(oracle, seen=1)
+    # task 1 among task 1's labels (decoy absent); task 2 (unseen) among task 1's plus its own (decoy in)
+    assert row.agnostic == [100.0, own2] and row.heldout_agnostic == 100.0 and row.ti == [100.0, own2]
+    row = tiny_evaluator.evaluate(oracle, seen=2)
+    assert row.agnostic == [0.0, own2] and row.heldout_agnostic == 0.0  # the decoy is a candidate everywhere
+    assert row.ti == [100.0, own2] and row.heldout == 100.0  # gated: own labels only
+
+
+class Gated(Oracle):
+    """A per-task method: told the task, it embeds each text as its gold name (one-hot); untold, the decoy wins."""
+
+    def __init__(self, stream, decoy, names):
+        super().__init__(stream, decoy)
+        self.index, self.told = {n: k for k, n in enumerate(names)}, []
+
+    def for_task(self, task):
+        self.told.append(task)
+        return Told(self.gold, self.index)
+
+
+class Told:
+    def __init__(self, gold, index):
+        self.gold, self.index = gold, index
+
+    def encode(self, texts, *, batch_size=64):
         return self.encode_labels([self.gold[t] for t in texts])
 
-
-def test_evaluator_scores_an_oracle_at_100_everywhere(tiny_evaluator):
-    for seen in (0, 1, 2):
-        row = tiny_evaluator.evaluate(Oracle(tiny_evaluator.stream), seen=seen)
-        assert row.ti == [100.0, 100.0] and row.ci == [100.0, 100.0] and row.heldout == 100.0
+    def encode_labels(self, texts, *, batch_size=64):
+        one_hot = torch.nn.functional.one_hot(torch.tensor([self.index[t] for t in texts]), len(self.index))
+        return one_hot.float()
 
 
-class PredictingOracle(Oracle):
-    def predict_among(self, texts, labels, *, batch_size=64):
-        assert all(self.gold[t] in labels for t in texts), "a text asked among names that exclude its own"
-        return torch.tensor([labels.index(self.gold[t]) for t in texts])
-
-
-def test_evaluator_takes_a_predicting_encoder_s_decisions(tiny_evaluator):
-    for seen in (0, 2):
-        row = tiny_evaluator.evaluate(PredictingOracle(tiny_evaluator.stream), seen=seen)
-        assert row.ti == [100.0, 100.0] and row.ci == [100.0, 100.0] and row.heldout == 100.0
+def test_the_gate_is_given_for_learned_tasks_only(tiny_evaluator):
+    stream = tiny_evaluator.stream
+    decoy = humanize_intent(stream.tasks[0].intents[0])
+    gated = Gated(stream, decoy, tiny_evaluator.names)
+    assert isinstance(gated, TaskGatedEncoder)
+    row = tiny_evaluator.evaluate(gated, seen=1)
+    assert gated.told == [0] and row.ti[0] == 100.0  # told task 1: right although the decoy wins untold
+    gold1 = [humanize_intent(e.label) for e in stream.tasks[0].test]
+    assert row.agnostic[0] == 100.0 * sum(g == decoy for g in gold1) / len(gold1)

@@ -42,3 +42,29 @@ def test_each_text_goes_through_the_frozen_layers_once(tiny_model):
     prefix.drop(TEXTS[:1])
     enc.encode(TEXTS)
     assert prefix.encoded == len(TEXTS) + 1
+
+
+def test_the_cache_is_bounded_and_evictions_do_not_change_results(tiny_model):
+    model = tiny_model()
+    prefix = FrozenPrefix(model, 3, max_items=2)
+    enc = PrefixCachedEncoder(model, prefix)
+    got = enc.encode(TEXTS, batch_size=4)  # a batch larger than the cache
+    assert len(prefix) == 2
+    torch.testing.assert_close(got, model.encode(TEXTS), rtol=1e-5, atol=1e-6)
+    enc.encode(TEXTS[:1])
+    assert len(prefix) == 2 and prefix.encoded == len(TEXTS) + 1  # the first text was evicted, recomputed
+
+
+def test_the_routed_encoder_s_memo_is_bounded(tiny_model, tiny_evaluator):
+    from ecru.lifelong import TrainConfig, make_method
+    from ecru.lifelong.methods.routed import RoutedEncoder
+
+    method = make_method(
+        "routed-lora", tiny_model(), train=TrainConfig(epochs=1, batch_size=8, progress=False)
+    )
+    method.learn(tiny_evaluator.stream.tasks[0], index=0)
+    texts = [e.text for t in tiny_evaluator.stream.tasks for e in t.train + t.test]
+    labels = ["freeze account", "book a flight"]
+    small = RoutedEncoder(method, memo_items=5)
+    torch.testing.assert_close(small.scores(texts, labels), method.encoder().scores(texts, labels))
+    assert len(small._memo) <= 5

@@ -61,10 +61,10 @@ def test_snapshot_schedule():
 
 @pytest.fixture(scope="module")
 def routed():
-    """The real MiniLM with `ecru` trained on two tiny CLINC domains (banking, credit_cards)."""
+    """The real MiniLM with `routed-lora` trained on two tiny CLINC domains (banking, credit_cards)."""
     stream = build_clinc_stream(StreamConfig(tasks=2, train_per_intent=6, test_per_intent=1, heldout_per_class=1,
                                              reference_size=1))  # fmt: skip
-    method = make_method("ecru", load_minilm(), train=TRAIN)
+    method = make_method("routed-lora", load_minilm(), train=TRAIN)
     for i, task in enumerate(stream.tasks):
         method.learn(task, index=i)
     return method, stream
@@ -99,7 +99,7 @@ def test_config_override_must_match_the_preset_type(tiny_model):
     from ecru.lifelong import FinetuneConfig
 
     with pytest.raises(EcruError, match="RoutedConfig"):
-        make_method("ecru", tiny_model(), train=TRAIN, config=FinetuneConfig())
+        make_method("routed-lora", tiny_model(), train=TRAIN, config=FinetuneConfig())
     with pytest.raises(EcruError, match="percentile"):
         RoutedConfig(percentile=101)
 
@@ -141,7 +141,7 @@ def test_negatives_lower_the_threshold_to_their_quantile_but_never_raise_it():
 
 def test_negative_quantile_needs_the_teacher(tiny_model):
     with pytest.raises(EcruError, match="teacher"):
-        make_method("ecru", tiny_model(), train=TRAIN, config=RoutedConfig(negative_quantile=0.99))
+        make_method("routed-lora", tiny_model(), train=TRAIN, config=RoutedConfig(negative_quantile=0.99))
     with pytest.raises(EcruError, match="negative_quantile"):
         RoutedConfig(negative_quantile=1.5)
 
@@ -163,79 +163,123 @@ def test_router_among_some_tasks_with_and_without_threshold():
         router(unseen, tasks=[2])
 
 
-def test_labels_decide_the_route_before_the_text(routed):
-    method, stream = routed  # `ecru` routes by labels
-    enc = method.encoder()
-    banking, cards = ([humanize_intent(i) for i in t.intents] for t in stream.tasks)
-    wiki = load_wiki_sentences()[:10]
-    # among one learned task's names: that task's adapter, whatever the text looks like
-    assert enc.routes_among(wiki, banking).eq(0).all() and enc.routes_among(wiki, cards).eq(1).all()
-    # among names of no learned task: the frozen model, whatever the text looks like
-    own = [e.text for e in stream.tasks[0].train]
-    assert enc.routes_among(own, ["book a flight", "weather"]).eq(FROZEN).all()
-    # among learned and unlearned names: the text router with thresholds, over the named tasks only
-    mixed = enc.routes_among(own + wiki, banking + ["book a flight"])
-    assert mixed[: len(own)].eq(0).float().mean() >= 0.9 and mixed[len(own) :].eq(FROZEN).all()
-    # a sub-question of one task (some of its intents): its adapter; a partial overlap with foreign labels
-    # (Banking77's 77 names share one with CLINC's travel domain): the frozen model
-    assert enc.routes_among(wiki, banking[:3]).eq(0).all()
-    assert enc.routes_among(own, banking[:3] + ["book a flight", "weather"]).eq(FROZEN).all()
-    # closed set over both tasks: no text goes to the frozen model
-    assert enc.routes_among(own + wiki, banking + cards).ne(FROZEN).all()
-    torch.testing.assert_close(
-        enc.encode_among(own, ["weather"]), load_minilm().encode(own), rtol=1e-5, atol=1e-6
-    )
-    text_routed = make_method("ecru-text", load_minilm(), train=TRAIN)
-    text_routed.load_state_dict(method.state_dict())
-    assert text_routed.encoder().routes_among(wiki, banking).eq(FROZEN).all()  # "text": labels ignored
-
-
-def test_label_routing_keeps_unseen_tasks_and_held_out_exactly_zero_shot(tiny_model, tiny_evaluator):
-    from ecru.lifelong import run_stream
-
-    train = TrainConfig(epochs=3, batch_size=8, progress=False)
-    # a loose threshold and a large adapter lr: routed by text, unseen and held-out texts reach moved adapters
-    loose = RoutedConfig(percentile=0.0, lr=3e-2, routing="labels")
-    res = run_stream(
-        make_method("ecru", tiny_model(), train=train, config=loose), tiny_evaluator, log=lambda s: None
-    )
-    assert res.R[0][1] == res.R0[1]  # task 2 not yet learned: scored by exactly the pretrained model
-    assert res.heldout == [res.heldout[0]] * len(res.heldout)  # Banking77's labels were never learned
-    assert res.metrics["transfer_retention"] == 0.0
-    assert res.R[1] != res.R0  # learned tasks did change
-
-
-def test_label_routing_needs_the_intent_names_in_a_checkpoint(routed, tiny_model):
-    method, _ = routed
-    state = {k: v for k, v in method.state_dict().items() if k != "names"}
-    with pytest.raises(EcruError, match="intent names"):
-        make_method("ecru", load_minilm(), train=TRAIN).load_state_dict(state)
-    make_method("ecru-text", load_minilm(), train=TRAIN).load_state_dict(state)  # text routing needs none
-    with pytest.raises(EcruError, match="routing"):
-        RoutedConfig(routing="task")
-    with pytest.raises(EcruError, match="frozen_labels"):
-        RoutedConfig(routing="labels", frozen_labels=False)
-    with pytest.raises(EcruError, match="candidate labels"):
-        method.encoder().encode_among(["hello"], [])
-
-
-def test_label_routing_decides_task_then_class(routed):
+def test_task_then_class_a_routed_text_is_classified_among_its_task_s_labels(routed):
     method, stream = routed
-    enc = method.encoder()
+    enc = _variant(method)  # the plain rule: no margin, no blend, no reject penalty
     banking, cards = ([humanize_intent(i) for i in t.intents] for t in stream.tasks)
     texts = [e.text for t in stream.tasks for e in t.train]
-    labels = banking + cards  # class-incremental over both learned tasks
-    routes, pred = enc.routes_among(texts, labels), enc.predict_among(texts, labels)
-    assert routes.ne(FROZEN).all()
-    # a text routed to a task is classified among that task's labels only
+    routes, pred = enc.routes(texts), enc.scores(texts, banking + cards).argmax(-1)
+    assert routes.ne(FROZEN).any()
     assert (pred[routes == 0] < len(banking)).all() and (pred[routes == 1] >= len(banking)).all()
-    # one task's labels: the same decision as scoring the routed embedding against all of them
-    own = [e.text for e in stream.tasks[0].test]
-    want = (enc.encode_among(own, banking) @ enc.encode_labels(banking).T).argmax(-1)
-    assert torch.equal(enc.predict_among(own, banking), want)
-    # text routing keeps one embedding against all labels: a text's class may come from another task
-    text_routed = make_method("ecru-text", load_minilm(), train=TRAIN)
-    text_routed.load_state_dict(method.state_dict())
-    tenc = text_routed.encoder()
-    want = (tenc.encode(texts) @ tenc.encode_labels(labels).T).argmax(-1)
-    assert torch.equal(tenc.predict_among(texts, labels), want)
+    # among one task's labels only: the routed task's own labels if it is that task, else the frozen choice
+    frozen = load_minilm()
+    want = (frozen.encode(texts) @ frozen.encode(cards).T).argmax(-1)
+    got = enc.scores(texts, cards).argmax(-1)
+    assert torch.equal(got[routes != 1], want[routes != 1])
+    # a text routed to the frozen model is scored by the frozen model against every label
+    wiki = load_wiki_sentences()[:10]
+    assert enc.routes(wiki).eq(FROZEN).all()
+    torch.testing.assert_close(
+        enc.scores(wiki, banking), frozen.encode(wiki) @ frozen.encode(banking).T, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_the_gate_sends_every_text_to_the_given_task(routed):
+    method, _ = routed
+    enc = method.encoder()
+    wiki = load_wiki_sentences()[:5]
+    method.peft.base_model.set_adapter(method.adapters[1])
+    torch.testing.assert_close(
+        enc.for_task(1).encode(wiki), method.student.encode(wiki), rtol=1e-5, atol=1e-6
+    )
+    with pytest.raises(EcruError, match="not learned"):
+        enc.for_task(2)
+
+
+def test_prototype_router_by_hand():
+    from ecru.lifelong.router import PrototypeRouter, class_prototypes, loo_prototype_scores
+
+    emb = _unit([1, 0], [1, 0.2], [0, 1], [0.2, 1], [1, 1])
+    labels = torch.tensor([0, 0, 1, 1, 1])
+    protos = class_prototypes(emb, labels, 2)
+    torch.testing.assert_close(protos[0], F.normalize(emb[0] + emb[1], dim=0))
+    loo = loo_prototype_scores(emb, labels, 2)
+    # text 0 without itself: its class mean is text 1; the other class's mean is left as is
+    want0 = max((emb[0] @ emb[1]).item(), (emb[0] @ protos[1]).item())
+    assert loo[0].item() == pytest.approx(want0, abs=1e-12)
+    router = PrototypeRouter(percentile=0.0)
+    router.add_task(emb, labels=labels)
+    assert router.thresholds[0] == pytest.approx(loo.min().item(), abs=1e-12)
+    assert router(emb).eq(0).all() and router(-emb).eq(FROZEN).all()
+    assert router.state_dict()["prototypes"][0].shape == (2, 2)  # C x D stored, not N x D
+    # one text per class: each text's score leaves its own class out entirely (the other classes remain)
+    single = loo_prototype_scores(emb[[0, 2]], torch.tensor([0, 1]), 2)
+    torch.testing.assert_close(single, (emb[0] @ emb[2]).repeat(2))
+    with pytest.raises(ValueError, match="two or more"):
+        PrototypeRouter(percentile=5).add_task(emb[[0]], labels=torch.tensor([0]))
+
+
+def _variant(method, **fields):
+    """The trained `method`'s state under another decision rule (same adapters and router)."""
+    other = make_method("routed-lora", load_minilm(), train=TRAIN, config=RoutedConfig(**fields))
+    other.load_state_dict(method.state_dict())
+    return other.encoder()
+
+
+def test_margin_lets_the_frozen_model_veto_a_route(routed):
+    method, stream = routed
+    banking = [humanize_intent(i) for i in stream.tasks[0].intents]
+    foreign = ["book a flight", "what is the weather", "set an alarm", "play music"]  # learned by no task
+    labels = banking + foreign
+    texts = [e.text for e in stream.tasks[0].train] + ["i lost my card yesterday", "flight to paris please"]
+    frozen = load_minilm()
+    F = frozen.encode(texts) @ frozen.encode(labels).T
+    own = torch.tensor([n in banking for n in labels])
+    for margin in (0.0, 0.1):
+        enc = _variant(method, margin=margin)
+        routes = enc.routes(texts)
+        lead = F[:, own].max(-1).values + margin - F[:, ~own].max(-1).values
+        accept, clear = lead >= 0, lead.abs() > 1e-5  # float noise between the two frozen paths
+        adapter = (enc.for_task(0).encode(texts) @ frozen.encode(banking).T).argmax(-1)
+        pred = enc.scores(texts, labels).argmax(-1)
+        to0 = (routes == 0) & clear
+        assert to0.sum() >= len(texts) // 2
+        torch.testing.assert_close(pred[to0 & accept], adapter[to0 & accept])
+        torch.testing.assert_close(pred[to0 & ~accept], F.argmax(-1)[to0 & ~accept])
+
+
+def test_prototype_weight_one_is_nearest_class_mean_within_the_task(routed):
+    method, stream = routed
+    cards = [humanize_intent(i) for i in stream.tasks[1].intents]
+    enc = _variant(method, prototype_weight=1.0)
+    texts = [e.text for e in stream.tasks[1].test] + [e.text for e in stream.tasks[1].train][:10]
+    routes = enc.routes(texts)
+    want = (load_minilm().encode(texts) @ method.router.prototypes[1].T).argmax(-1)
+    got = enc.scores(texts, cards).argmax(-1)
+    assert routes.eq(1).any()
+    torch.testing.assert_close(got[routes == 1], want[routes == 1])
+    # the gate (task given) uses the same blend
+    torch.testing.assert_close(enc.for_task(1).scores(texts, cards).argmax(-1), want)
+    with pytest.raises(EcruError, match="prototype_weight"):
+        RoutedConfig(router="knn", prototype_weight=0.5)
+
+
+def test_rejected_texts_prefer_unlearned_labels_and_routes_never_pick_another_task_s(routed):
+    method, stream = routed
+    banking, cards = ([humanize_intent(i) for i in t.intents] for t in stream.tasks)
+    unlearned = ["book a flight", "what is the weather", "set an alarm"]
+    wiki = load_wiki_sentences()[:10]
+    enc = _variant(method, reject_penalty=2.0, margin=0.0)
+    assert enc.routes(wiki).eq(FROZEN).all()  # below every threshold: rejected
+    assert (enc.scores(wiki, banking + unlearned).argmax(-1) >= len(banking)).all()  # an unlearned label
+    # only learned candidates: the best task's choice stands (its labels, never the other task's)
+    best = method.router(enc.frozen(wiki), open_set=False)
+    pred = enc.scores(wiki, banking + cards).argmax(-1)
+    assert torch.equal(pred >= len(banking), best == 1)
+    texts = [e.text for t in stream.tasks for e in t.train]
+    gated = _variant(method, margin=0.0)
+    routes, pred = gated.routes(texts), gated.scores(texts, banking + cards + unlearned).argmax(-1)
+    in_cards = (pred >= len(banking)) & (pred < len(banking) + len(cards))
+    assert not in_cards[routes == 0].any() and not (pred[routes == 1] < len(banking)).any()
+    with pytest.raises(EcruError, match="margin"):
+        RoutedConfig(reject_penalty=1.0)

@@ -1,15 +1,22 @@
-"""Evaluation of an encoder on the whole stream: task-incremental, class-incremental and held-out.
+"""Evaluation of a method on the whole stream, in two protocols.
 
-Every evaluation encodes each test utterance and each intent name exactly once (one batched pass, sorted
-by length so batches carry little padding), then scores subsets of the cached embeddings. An encoder with
-`encode_labels` (`LabelAwareEncoder`) embeds the intent names with that instead; one that also has
-`encode_among` (`CandidateAwareEncoder`) embeds each group of utterances knowing the intent names it is
-classified among (a task's own names; all seen tasks' names; Banking77's); one with `predict_among`
-(`PredictingEncoder`) returns its predicted classes directly.
+- **Task-agnostic** (the headline, X-TAIL-like): every test text is classified among the union of the
+  labels of all tasks learned so far, plus its own task's labels when that task is not learned yet (its
+  zero-shot transfer); Banking77's texts among the learned labels plus Banking77's. The method is never
+  told which task a text comes from.
+- **Label-gated** (MTIL as ZSCL runs it): a task's texts among that task's own labels, and the method is
+  told the task (`TaskGatedEncoder.for_task`): a method with per-task parameters uses that task's. Unseen
+  tasks and Banking77 get the frozen model under the gate, so their values hold by construction; the
+  runner fills them in from the pretrained row (`gated` in `RunResult`).
+
+Every evaluation scores each test text against each label name once (`Scorer.scores`, one [texts, labels]
+matrix) and reads any candidate set as a subset of its columns: a scorer's column for a label must not
+depend on the other candidates (checked in the tests for the routed method).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -27,8 +34,7 @@ class Encoder(Protocol):
 
 @runtime_checkable
 class LabelAwareEncoder(Protocol):
-    """An encoder that embeds class names (intent names) differently from queries, e.g. always with the
-    frozen pretrained model while queries go through adapters (`ecru`)."""
+    """An encoder that embeds class names differently from queries (e.g. always with the frozen model)."""
 
     def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
 
@@ -36,61 +42,63 @@ class LabelAwareEncoder(Protocol):
 
 
 @runtime_checkable
-class CandidateAwareEncoder(Protocol):
-    """A `LabelAwareEncoder` whose query embeddings may depend on the class names they are classified among,
-    e.g. `ecru` choosing an adapter by the label set (`routing="labels"`)."""
+class Scorer(Protocol):
+    """Scores [Q, L] of texts for class names; column l depends on the texts and labels[l] only."""
 
-    def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
-
-    def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
-
-    def encode_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+    def scores(
+        self, texts: Sequence[str], labels: Sequence[str], *, batch_size: int = 64
+    ) -> torch.Tensor: ...
 
 
 @runtime_checkable
-class PredictingEncoder(Protocol):
-    """A `CandidateAwareEncoder` that also makes the decision itself: `predict_among` returns, per text, the
-    index into `labels` of its predicted class (e.g. `ecru` with label routing: the routed task's adapter
-    picks among that task's labels only)."""
+class TaskGatedEncoder(Protocol):
+    """An encoder with per-task parameters that can be told the task (the label-gated protocol)."""
 
     def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
 
-    def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
-
-    def encode_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
-
-    def predict_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor: ...
+    def for_task(self, task: int) -> LabelAwareEncoder: ...
 
 
 @dataclass(frozen=True)
 class EvalRow:
-    """Accuracies (percent) of one model: per task, task- and class-incremental, and on the held-out set."""
+    """Accuracies (percent) of one model after some tasks."""
 
     ti: list[float]
-    ci: list[float]
+    """Per task, among its own labels; learned tasks with the task given (gate), unseen ones without."""
+    agnostic: list[float]
+    """Per task, among the learned labels plus its own (task-agnostic)."""
     heldout: float
+    """Banking77 among its own 77 labels."""
+    heldout_agnostic: float
+    """Banking77 among the learned labels plus its own 77."""
 
 
-def encode_sorted(
-    encoder: Encoder, texts: list[str], *, batch_size: int = 64, labels: list[str] | None = None
-) -> torch.Tensor:
-    """`encoder.encode(texts)` (with `labels`: `encoder.encode_among(texts, labels)`) in length order (less
-    padding), returned in the original order."""
+def encode_sorted(encoder: Encoder, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
+    """`encoder.encode(texts)` in length order (less padding), returned in the original order."""
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    ordered = [texts[i] for i in order]
-    if labels is None:
-        emb = encoder.encode(ordered, batch_size=batch_size)
-    else:
-        emb = encoder.encode_among(ordered, labels, batch_size=batch_size)
+    emb = encoder.encode([texts[i] for i in order], batch_size=batch_size)
     out = torch.empty_like(emb)
     out[torch.tensor(order, dtype=torch.long)] = emb
     return out
 
 
-def _accuracy(emb: torch.Tensor, names: torch.Tensor, gold: torch.Tensor) -> float:
-    if emb.shape[0] == 0:
+def cosine_scores(encoder: Encoder, texts: list[str], labels: list[str]) -> torch.Tensor:
+    """[Q, L] cosine similarities: the encoder's `scores` if it has one, else embeddings of texts and names
+    (names through `encode_labels` if it has that)."""
+    if isinstance(encoder, Scorer):
+        return encoder.scores(texts, labels)
+    if isinstance(encoder, LabelAwareEncoder):
+        return encode_sorted(encoder, texts) @ encoder.encode_labels(labels).T
+    emb = encode_sorted(encoder, texts + labels)
+    return emb[: len(texts)] @ emb[len(texts) :].T
+
+
+def _accuracy(scores: torch.Tensor, candidates: list[str], gold: list[str]) -> float:
+    """Percent of rows whose best candidate (columns of `scores`, named `candidates`) is the gold name."""
+    if not gold:
         return float("nan")
-    return 100.0 * ((emb @ names.T).argmax(-1) == gold).double().mean().item()
+    pred = scores.argmax(-1).tolist()
+    return 100.0 * sum(candidates[p] == g for p, g in zip(pred, gold, strict=True)) / len(gold)
 
 
 class Evaluator:
@@ -98,51 +106,37 @@ class Evaluator:
 
     def __init__(self, stream: Stream):
         self.stream = stream
-        tasks = stream.tasks
-        self.names = [humanize_intent(i) for t in tasks for i in t.intents] + [
-            humanize_intent(label) for label in stream.heldout_labels
+        self.task_names = [[humanize_intent(i) for i in t.intents] for t in stream.tasks]
+        self.heldout_names = [humanize_intent(label) for label in stream.heldout_labels]
+        self.names = list(dict.fromkeys([n for names in self.task_names for n in names] + self.heldout_names))
+        self.column = {n: k for k, n in enumerate(self.names)}
+        self.texts = [e.text for t in stream.tasks for e in t.test] + [e.text for e in stream.heldout]
+        self.spans = [sum(len(t.test) for t in stream.tasks[:j]) for j in range(len(stream.tasks) + 1)]
+        self.gold = [humanize_intent(e.label) for t in stream.tasks for e in t.test] + [
+            humanize_intent(e.label) for e in stream.heldout
         ]
-        self.offsets = [sum(len(t.intents) for t in tasks[:j]) for j in range(len(tasks) + 1)]
-        self.texts = [e.text for t in tasks for e in t.test] + [e.text for e in stream.heldout]
-        self.spans = [sum(len(t.test) for t in tasks[:j]) for j in range(len(tasks) + 1)]
-        self.gold = [torch.tensor([t.intents.index(e.label) for e in t.test]) for t in tasks]
-        index = {label: k for k, label in enumerate(stream.heldout_labels)}
-        self.heldout_gold = torch.tensor([index[e.label] for e in stream.heldout], dtype=torch.long)
+
+    def _acc(self, scores: torch.Tensor, lo: int, hi: int, candidates: list[str]) -> float:
+        cols = [self.column[n] for n in candidates]
+        return _accuracy(scores[lo:hi][:, cols], candidates, self.gold[lo:hi])
+
+    def _gated(self, encoder: TaskGatedEncoder, j: int) -> float:
+        lo, hi = self.spans[j], self.spans[j + 1]
+        names = self.task_names[j]
+        scores = cosine_scores(encoder.for_task(j), self.texts[lo:hi], names)
+        return _accuracy(scores, names, self.gold[lo:hi])
 
     def evaluate(self, encoder: Encoder, *, seen: int) -> EvalRow:
         """Accuracies after training the first `seen` tasks (0 = before training)."""
-        off, spans = self.offsets, self.spans
-        among = isinstance(encoder, CandidateAwareEncoder)
-        if isinstance(encoder, PredictingEncoder):  # it makes each decision itself
-            test, names = None, None
-        elif among:  # the texts are embedded group by group, knowing their candidate names
-            test, names = None, encoder.encode_labels(self.names)
-        elif isinstance(encoder, LabelAwareEncoder):
-            test, names = encode_sorted(encoder, self.texts), encoder.encode_labels(self.names)
-        else:
-            emb = encode_sorted(encoder, self.texts + self.names)
-            test, names = emb[: len(self.texts)], emb[len(self.texts) :]
-
-        def acc(lo: int, hi: int, label_ids: list[int], gold: torch.Tensor) -> float:
-            """Accuracy (percent) on test texts lo..hi classified among the names `label_ids`."""
-            labels = [self.names[k] for k in label_ids]
-            if isinstance(encoder, PredictingEncoder):
-                if hi == lo:
-                    return float("nan")
-                pred = encoder.predict_among(self.texts[lo:hi], labels)
-                return 100.0 * (pred == gold).double().mean().item()
-            emb = encode_sorted(encoder, self.texts[lo:hi], labels=labels) if among else test[lo:hi]
-            return _accuracy(emb, names[label_ids], gold)
-
-        ti, ci = [], []
-        for j in range(len(self.stream.tasks)):
-            own = list(range(off[j], off[j + 1]))
-            ti.append(acc(spans[j], spans[j + 1], own, self.gold[j]))
-            # class-incremental: all intents of the tasks seen so far, plus task j's own (zero-shot if unseen)
-            cand = sorted(set(range(seen)) | {j})
-            shift = sum(off[k + 1] - off[k] for k in cand if k < j)
-            pool = [i for k in cand for i in range(off[k], off[k + 1])]
-            ci.append(acc(spans[j], spans[j + 1], pool, self.gold[j] + shift))
-        held = list(range(off[-1], len(self.names)))
-        heldout = acc(spans[-1], len(self.texts), held, self.heldout_gold)
-        return EvalRow(ti, ci, heldout)
+        scores = cosine_scores(encoder, self.texts, self.names)
+        learned = list(dict.fromkeys(n for names in self.task_names[:seen] for n in names))
+        ti, agnostic = [], []
+        for j, own in enumerate(self.task_names):
+            lo, hi = self.spans[j], self.spans[j + 1]
+            gated = j < seen and isinstance(encoder, TaskGatedEncoder)
+            ti.append(self._gated(encoder, j) if gated else self._acc(scores, lo, hi, own))
+            agnostic.append(self._acc(scores, lo, hi, list(dict.fromkeys(learned + own))))
+        lo, hi = self.spans[-1], len(self.texts)
+        held = self._acc(scores, lo, hi, self.heldout_names)
+        held_agnostic = self._acc(scores, lo, hi, list(dict.fromkeys(learned + self.heldout_names)))
+        return EvalRow(ti, agnostic, held, held_agnostic)

@@ -7,6 +7,7 @@ on the cached hidden states (per text, unpadded [len, H], padded again per batch
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -32,20 +33,29 @@ def run_layers(bert: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, layers
     return hidden
 
 
-class FrozenPrefix:
-    """Per-text hidden states after the embeddings and layers 0..k-1 of `model` (which must stay frozen)."""
+CACHE_ITEMS = 16_384
+"""Texts whose hidden states a prefix keeps (least recently used first out): ~0.5 GB for short texts."""
 
-    def __init__(self, model: MiniLM, k: int):
-        self.model, self.k = model, k
-        self._cache: dict[str, torch.Tensor] = {}
+
+class FrozenPrefix:
+    """Per-text hidden states after the embeddings and layers 0..k-1 of `model` (which must stay frozen),
+    for at most `max_items` texts at a time (least recently used dropped first)."""
+
+    def __init__(self, model: MiniLM, k: int, *, max_items: int = CACHE_ITEMS):
+        self.model, self.k, self.max_items = model, k, max_items
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.encoded = 0
         """Texts pushed through the frozen layers so far (each at most once)."""
 
+    def __len__(self) -> int:
+        return len(self._cache)
+
     @torch.no_grad()
-    def _fill(self, texts: Sequence[str]) -> None:
+    def _fill(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         # One text at a time, in eval mode: a cached state is a function of its text alone (no dropout, no
         # padding or batch-composition effects), so a run resumed from a checkpoint rebuilds identical states.
-        todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
+        found = {t: self._cache[t] for t in texts if t in self._cache}
+        todo = list(dict.fromkeys(t for t in texts if t not in found))
         bert = _bert(self.model)
         was_training = bert.training
         bert.eval()
@@ -54,9 +64,15 @@ class FrozenPrefix:
             embedded = bert.embeddings(
                 input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids")
             )
-            self._cache[text] = run_layers(bert, embedded, batch["attention_mask"], range(self.k))[0]
+            found[text] = run_layers(bert, embedded, batch["attention_mask"], range(self.k))[0]
         bert.train(was_training)
         self.encoded += len(todo)
+        for text in dict.fromkeys(texts):
+            self._cache[text] = found[text]
+            self._cache.move_to_end(text)
+        while len(self._cache) > self.max_items:
+            self._cache.popitem(last=False)
+        return found
 
     def drop(self, texts: Iterable[str]) -> None:
         """Forget cached states (e.g. a finished task's training utterances)."""
@@ -65,8 +81,8 @@ class FrozenPrefix:
 
     def __call__(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded cached hidden states [B, L, H] and their mask [B, L]."""
-        self._fill(texts)
-        rows = [self._cache[t] for t in texts]
+        found = self._fill(texts)
+        rows = [found[t] for t in texts]
         mask = pad_sequence([torch.ones(len(r), dtype=torch.long) for r in rows], batch_first=True)
         return pad_sequence(rows, batch_first=True), mask
 

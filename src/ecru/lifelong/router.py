@@ -1,4 +1,10 @@
-"""Which learned task a text resembles, if any: the routing of `ecru`'s per-task adapters.
+"""Which learned task a text resembles, if any: the routing of `routed-lora`'s per-task adapters.
+
+Two routers behind one protocol (`TaskRouter`). `PrototypeRouter` (the default) keeps one prototype per
+class: the normalised mean of the frozen embeddings of that class's training texts; a text's score for a
+task is its best cosine similarity to that task's prototypes (nearest class mean, per task), and its
+threshold a low percentile of the task's own training texts' leave-one-out scores. It stores C x D floats
+per task instead of N x D. `Router` (k nearest training texts) is the earlier design, kept as a baseline.
 
 The idea of MoE-Adapters' Distribution Discriminative Auto-Selector (Yu et al., CVPR 2024), made
 non-parametric: a task is represented by the frozen model's normalised embeddings of its own training
@@ -15,7 +21,7 @@ tasks only) restricts the choice to those tasks and drops the threshold.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,15 +55,142 @@ def route(scores: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
     return torch.where(best >= thresholds[task], task, torch.full_like(task, FROZEN))
 
 
-class Router:
-    """Per-task frozen embeddings of training utterances and a threshold per task."""
+def class_prototypes(emb: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor:
+    """Normalised mean [classes, D] of the embeddings `emb` [N, D] of each class (`labels` [N] in 0..classes-1)."""
+    sums = torch.zeros(classes, emb.shape[1], dtype=emb.dtype).index_add_(0, labels, emb)
+    return torch.nn.functional.normalize(sums, dim=-1)
+
+
+def prototype_scores(queries: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
+    """Best cosine similarity [Q] of each query [Q, D] to the prototypes [C, D] (all L2-normalised)."""
+    return (queries @ prototypes.T).max(-1).values
+
+
+def loo_prototype_scores(emb: torch.Tensor, labels: torch.Tensor, classes: int) -> torch.Tensor:
+    """Each training text's score [N] against its task's prototypes, its own class's mean taken without it
+    (leave-one-out; a class of one text leaves only the other classes)."""
+    sums = torch.zeros(classes, emb.shape[1], dtype=emb.dtype).index_add_(0, labels, emb)
+    counts = torch.bincount(labels, minlength=classes)
+    sim = emb @ torch.nn.functional.normalize(sums, dim=-1).T
+    own = (emb * torch.nn.functional.normalize(sums[labels] - emb, dim=-1)).sum(-1)
+    own = torch.where(counts[labels] > 1, own, torch.full_like(own, float("-inf")))
+    return sim.scatter(1, labels[:, None], own[:, None]).max(-1).values
+
+
+class TaskRouter(Protocol):
+    """Routes frozen embeddings to a learned task or `FROZEN`; tasks are added one at a time."""
+
+    def add_task(
+        self, train_emb: torch.Tensor, *, labels: torch.Tensor, negatives: torch.Tensor | None = None
+    ) -> None: ...
+
+    def __call__(
+        self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True
+    ) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _threshold(
+    own: torch.Tensor, neg: torch.Tensor | None, *, percentile: float, negative_quantile: float | None
+) -> float:
+    """The `percentile` of a task's own leave-one-out scores; with negatives' scores `neg`, the lower of
+    that and their `negative_quantile`."""
+    own = own[torch.isfinite(own)]
+    if own.numel() == 0:
+        raise ValueError("a task needs two or more training texts of one label to set its routing threshold")
+    threshold = torch.quantile(own, percentile / 100).item()
+    if negative_quantile is not None:
+        if neg is None:
+            raise ValueError("negative_quantile is set: add_task needs the negatives' embeddings")
+        threshold = min(threshold, torch.quantile(neg, negative_quantile).item())
+    return threshold
+
+
+class _Routing:
+    """What both routers share: a score per (text, task) and a threshold per task."""
+
+    thresholds: list[float]
+
+    def scores(self, emb: torch.Tensor, tasks: Sequence[int]) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.thresholds)
+
+    def __call__(
+        self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True
+    ) -> torch.Tensor:
+        """Route [Q] (a task index or `FROZEN`) of each frozen embedding in `emb` [Q, D].
+
+        `tasks`: the learned tasks to choose among (default: all). `open_set=False`: the text is known to
+        belong to one of them, so it goes to the best-scoring one whatever its score (no threshold).
+        """
+        tasks = list(range(len(self))) if tasks is None else list(tasks)
+        if not tasks:
+            return torch.full((emb.shape[0],), FROZEN, dtype=torch.long)
+        if not all(0 <= t < len(self) for t in tasks):
+            raise ValueError(f"tasks {tasks} must be learned ones (0..{len(self) - 1})")
+        scores = self.scores(emb, tasks)
+        if open_set:
+            thresholds = torch.tensor([self.thresholds[t] for t in tasks], dtype=emb.dtype, device=emb.device)
+        else:
+            thresholds = torch.full((len(tasks),), float("-inf"), dtype=emb.dtype, device=emb.device)
+        picked = route(scores, thresholds)
+        index = torch.tensor(tasks, dtype=torch.long, device=emb.device)
+        return torch.where(picked == FROZEN, picked, index[picked.clamp(min=0)])
+
+
+class PrototypeRouter(_Routing):
+    """Per-task class prototypes of the frozen embeddings and a threshold per task."""
+
+    def __init__(self, *, percentile: float, negative_quantile: float | None = None):
+        self.percentile, self.negative_quantile = percentile, negative_quantile
+        self.prototypes: list[torch.Tensor] = []
+        self.thresholds: list[float] = []
+
+    def add_task(
+        self, train_emb: torch.Tensor, *, labels: torch.Tensor, negatives: torch.Tensor | None = None
+    ) -> None:
+        """Register the next task from the frozen embeddings [N, D] of its training texts and their class
+        indices `labels` [N]; `negatives` [M, D] (texts of no task) only with `negative_quantile`."""
+        classes = int(labels.max()) + 1
+        protos = class_prototypes(train_emb, labels, classes)
+        own = loo_prototype_scores(train_emb, labels, classes)
+        neg = None if negatives is None else prototype_scores(negatives.to(train_emb.dtype), protos)
+        self.thresholds.append(
+            _threshold(own, neg, percentile=self.percentile, negative_quantile=self.negative_quantile)
+        )
+        self.prototypes.append(protos.detach().clone())
+
+    def scores(self, emb: torch.Tensor, tasks: Sequence[int]) -> torch.Tensor:
+        """[Q, len(tasks)] scores of frozen embeddings `emb` [Q, D] for the learned `tasks`."""
+        return torch.stack([prototype_scores(emb, self.prototypes[t].to(emb.dtype)) for t in tasks], dim=-1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"prototypes": list(self.prototypes), "thresholds": list(self.thresholds)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prototypes, self.thresholds = list(state["prototypes"]), [float(t) for t in state["thresholds"]]
+
+
+class Router(_Routing):
+    """Per-task frozen embeddings of training utterances and a threshold per task (k nearest neighbours)."""
 
     def __init__(self, *, k: int, percentile: float, negative_quantile: float | None = None):
         self.k, self.percentile, self.negative_quantile = k, percentile, negative_quantile
         self.keys: list[torch.Tensor] = []
         self.thresholds: list[float] = []
 
-    def add_task(self, train_emb: torch.Tensor, negatives: torch.Tensor | None = None) -> None:
+    def add_task(
+        self,
+        train_emb: torch.Tensor,
+        negatives: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+    ) -> None:
         """Register the next task from the frozen embeddings [N, D] of its training utterances.
 
         Threshold: the `percentile` of their leave-one-out scores; with `negative_quantile` and
@@ -77,30 +210,8 @@ class Router:
         """[Q, len(tasks)] scores of frozen embeddings `emb` [Q, D] for the learned `tasks`."""
         return torch.stack([knn_scores(emb, self.keys[t], k=self.k) for t in tasks], dim=-1)
 
-    def __call__(
-        self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True
-    ) -> torch.Tensor:
-        """Route [Q] (a task index or `FROZEN`) of each frozen embedding in `emb` [Q, D].
-
-        `tasks`: the learned tasks to choose among (default: all). `open_set=False`: the text is known to
-        belong to one of them, so it goes to the best-scoring one whatever its score (no threshold).
-        """
-        tasks = list(range(len(self.keys))) if tasks is None else list(tasks)
-        if not tasks:
-            return torch.full((emb.shape[0],), FROZEN, dtype=torch.long)
-        if not all(0 <= t < len(self.keys) for t in tasks):
-            raise ValueError(f"tasks {tasks} must be learned ones (0..{len(self.keys) - 1})")
-        scores = self.scores(emb, tasks)
-        if open_set:
-            thresholds = torch.tensor([self.thresholds[t] for t in tasks], dtype=emb.dtype, device=emb.device)
-        else:
-            thresholds = torch.full((len(tasks),), float("-inf"), dtype=emb.dtype, device=emb.device)
-        picked = route(scores, thresholds)
-        index = torch.tensor(tasks, dtype=torch.long, device=emb.device)
-        return torch.where(picked == FROZEN, picked, index[picked.clamp(min=0)])
-
     def state_dict(self) -> dict[str, Any]:
         return {"keys": list(self.keys), "thresholds": list(self.thresholds)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.keys, self.thresholds = list(state["keys"]), list(state["thresholds"])
+        self.keys, self.thresholds = list(state["keys"]), [float(t) for t in state["thresholds"]]

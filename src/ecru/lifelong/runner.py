@@ -34,13 +34,20 @@ class RunResult:
     """Task-incremental accuracy: R[i][j] on task j after training through task i."""
     R0: list[float]
     """The pretrained model's task-incremental accuracy per task."""
-    R_ci: list[list[float]]
-    """Class-incremental variant: task j scored among the intents of tasks seen so far (plus its own)."""
-    R0_ci: list[float]
+    R_agnostic: list[list[float]]
+    """Task-agnostic: task j among the labels of the tasks learned so far plus its own (no task given)."""
+    R0_agnostic: list[float]
     heldout: list[float]
-    """Banking77 accuracy before training and after each task (T + 1 numbers)."""
+    """Banking77 accuracy among its own labels, before training and after each task (T + 1 numbers)."""
+    heldout_agnostic: list[float]
+    """Banking77 among the learned labels plus its own, before training and after each task."""
     metrics: dict[str, float] = field(default_factory=dict)
-    metrics_ci: dict[str, float] = field(default_factory=dict)
+    """ZSCL's metrics of `R` (learned tasks with the task given; unseen ones without)."""
+    agnostic: dict[str, float] = field(default_factory=dict)
+    """The headline: last, avg, transfer, transfer_retention, bwt, heldout_change of the task-agnostic protocol."""
+    gated: dict[str, Any] = field(default_factory=dict)
+    """The label-gated protocol, every method given the same gate: learned tasks with the task given, unseen
+    tasks and Banking77 through the frozen model; the keys in `by_construction` hold by construction."""
     cost: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -79,6 +86,25 @@ class PeakRSS:
 class _Progress:
     rows: list[EvalRow]
     costs: list[dict[str, float]]
+
+    def state(self) -> dict[str, Any]:
+        """Plain containers only, so that a checkpoint loads with `weights_only=True`."""
+        return {"rows": [asdict(r) for r in self.rows], "costs": list(self.costs)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> _Progress:
+        return cls([EvalRow(**r) for r in state["rows"]], list(state["costs"]))
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """A run checkpoint, loaded safely (tensors and plain containers only, no pickled code)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # an unpickling error names the offending global; say what to do instead
+        raise EcruError(
+            f"{path}: not a checkpoint this version of ecru reads ({type(exc).__name__}); "
+            "fix: delete that folder to start the run again"
+        ) from None
 
 
 def _checkpoint(folder: Path | None) -> Path | None:
@@ -130,6 +156,8 @@ def _summarise(costs: list[dict[str, float]]) -> dict[str, float | None]:
         "steps": sum(c["steps"] for c in costs),
         "peak_rss_mb": _mean_or_none(costs, "peak_rss_mb", max),
         "stored_bytes": sum(c["stored_bytes"] for c in costs) / len(costs),
+        # what the method keeps after the last task (adapters, exemplars, router, class means), per task
+        "stored_bytes_per_task": costs[-1]["stored_bytes"] / len(costs),
     }
 
 
@@ -151,7 +179,7 @@ def run_stream(
     tasks, ckpt = evaluator.stream.tasks, _checkpoint(checkpoint_dir)
     progress = _Progress([], [])
     if ckpt is not None and ckpt.is_file():
-        saved = torch.load(ckpt, weights_only=False)
+        saved = load_checkpoint(ckpt)
         want, got = signature(method, evaluator), saved.get("signature")
         if got is None:
             log(f"{ckpt} predates run signatures: resuming without checking that it is the same run")
@@ -164,7 +192,7 @@ def run_stream(
                 "fix: give this run its own checkpoint folder, or delete that one to start again"
             )
         method.load_state_dict(saved["method"])
-        progress, r0 = saved["progress"], saved["r0"]
+        progress, r0 = _Progress.from_state(saved["progress"]), EvalRow(**saved["r0"])
         log(f"{method.name}: resumed after task {len(progress.rows)} of {len(tasks)} from {ckpt}")
     if r0 is None:
         r0 = evaluator.evaluate(method.encoder(), seen=0)
@@ -180,8 +208,8 @@ def run_stream(
             torch.save(
                 {
                     "method": method.state_dict(),
-                    "progress": progress,
-                    "r0": r0,
+                    "progress": progress.state(),
+                    "r0": asdict(r0),
                     "signature": signature(method, evaluator),
                 },
                 ckpt.with_suffix(".tmp"),
@@ -202,22 +230,32 @@ def _train_and_evaluate(
             "peak_rss_mb": rss.peak_mb, "stored_bytes": tensor_bytes(method.state_dict())}  # fmt: skip
 
 
+def gated_matrix(R: list[list[float]], R0: list[float]) -> list[list[float]]:
+    """The label-gated matrix: a learned task's cell as measured (task given), an unseen task's the frozen
+    model's (R0), which is what the gate sends it to."""
+    return [[R[i][j] if j <= i else R0[j] for j in range(len(R0))] for i in range(len(R))]
+
+
+def protocol_metrics(R: list[list[float]], R0: list[float], heldout: list[float]) -> dict[str, float]:
+    """last, avg, transfer, transfer_retention, bwt of `R` and heldout_change (after the last task minus
+    before the first, points)."""
+    m = cl_metrics(R, R0)
+    keys = ("last", "avg", "transfer", "transfer_retention", "bwt")
+    return {**{k: m[k] for k in keys}, "heldout_change": heldout[-1] - heldout[0]}
+
+
 def _result(name: str, tasks, r0: EvalRow, progress: _Progress) -> RunResult:
-    R = [r.ti for r in progress.rows]
-    R_ci = [r.ci for r in progress.rows]
-    res = RunResult(
-        name,
-        [t.name for t in tasks],
-        R,
-        r0.ti,
-        R_ci,
-        r0.ci,
-        [r0.heldout] + [r.heldout for r in progress.rows],
-    )
+    rows = progress.rows
+    R, R_agn = [r.ti for r in rows], [r.agnostic for r in rows]
+    heldout = [r0.heldout] + [r.heldout for r in rows]
+    heldout_agn = [r0.heldout_agnostic] + [r.heldout_agnostic for r in rows]
+    res = RunResult(name, [t.name for t in tasks], R, r0.ti, R_agn, r0.agnostic, heldout, heldout_agn)
     res.metrics = cl_metrics(R, r0.ti)
     res.metrics["diag"] = sum(R[j][j] for j in range(len(R))) / len(R)
     res.metrics["heldout_drop"] = res.heldout[-1] - res.heldout[0]
     res.metrics["heldout_worst_drop"] = min(res.heldout[1:]) - res.heldout[0]
-    res.metrics_ci = cl_metrics(R_ci, r0.ci)
+    res.agnostic = protocol_metrics(R_agn, r0.agnostic, heldout_agn)
+    gated = protocol_metrics(gated_matrix(R, r0.ti), r0.ti, [heldout[0]] * len(heldout))
+    res.gated = {**gated, "by_construction": ["transfer_retention", "heldout_change"]}
     res.cost = _summarise(progress.costs)
     return res

@@ -3,8 +3,10 @@
 from ecru.lifelong.methods.adapters import AdapterConfig, Adapters
 from ecru.lifelong.methods.base import Method, TaskCost, TrainConfig
 from ecru.lifelong.methods.finetune import Finetune, FinetuneConfig
+from ecru.lifelong.methods.ncm import NearestClassMean
 from ecru.lifelong.methods.registry import (
     ADAPTERS,
+    ALIASES,
     DISTILLING,
     FINETUNE,
     METHODS,
@@ -17,6 +19,7 @@ from ecru.lifelong.methods.routed import RoutedAdapters, RoutedConfig, RoutedEnc
 
 __all__ = [
     "ADAPTERS",
+    "ALIASES",
     "DISTILLING",
     "FINETUNE",
     "METHODS",
@@ -26,6 +29,7 @@ __all__ = [
     "Finetune",
     "FinetuneConfig",
     "Method",
+    "NearestClassMean",
     "RoutedAdapters",
     "RoutedConfig",
     "RoutedEncoder",

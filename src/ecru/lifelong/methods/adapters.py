@@ -1,6 +1,6 @@
-"""LoRA adapters (HF peft) on a frozen encoder: `seqlora`, `lora-per-task` (+ merging) and `ecru-shared`.
+"""LoRA adapters (HF peft) on a frozen encoder: `seqlora`, `lora-per-task` (+ merging) and `shared-lora-zscl`.
 
-`ecru-shared` (`ecru`'s previous design, kept as a baseline; `ecru` is now `methods.routed`) = one LoRA adapter on every linear layer of the top layers only, so the frozen bottom layers' outputs
+`shared-lora-zscl` (formerly `ecru-shared`, a baseline) = one LoRA adapter on every linear layer of the top layers only, so the frozen bottom layers' outputs
 are computed once per text and cached (training and evaluation run only the top layers), distilled towards
 the frozen initial model on reference sentences whose teacher embeddings are cached once, with a weight
 ensemble of the adapter tensors alone (a running mean of snapshots, starting from the pre-task adapter).

@@ -158,13 +158,18 @@ class Finetune:
 
     def state_dict(self) -> dict[str, Any]:
         # only joint training needs past tasks' utterances; the others keep their intent names
-        seen = self.seen if self.cfg.joint else [Task(t.name, t.intents, (), ()) for t in self.seen]
+        # plain containers only: a checkpoint loads with weights_only=True
+        rows = lambda examples: [[e.text, e.label, e.domain] for e in examples]  # noqa: E731
+        seen = [[t.name, list(t.intents), rows(t.train) if self.cfg.joint else []] for t in self.seen]
         memory = [(e.text, e.label, e.domain, t.name) for e, t in self.memory]
         return {"encoder": self.model.encoder.state_dict(), "seen": seen, "memory": memory}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.encoder.load_state_dict(state["encoder"])
-        self.seen = list(state["seen"])
+        self.seen = [
+            Task(name, tuple(intents), tuple(Example(*r) for r in train), ())
+            for name, intents, train in state["seen"]
+        ]
         by_name = {t.name: t for t in self.seen}
         self.memory = [
             (Example(text, label, domain), by_name[n]) for text, label, domain, n in state["memory"]

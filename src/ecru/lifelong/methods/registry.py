@@ -1,5 +1,9 @@
 """Named methods: each is a preset of one of three mechanisms (full fine-tuning, LoRA adapters, or routed
-per-task adapters)."""
+per-task adapters), plus two training-free references (the frozen model, nearest class mean).
+
+Renamed in 0.2 (issue 19: named after what they do): `ecru` -> `routed-lora-knn` (its adapters and k-NN router;
+the label gate it used is now the evaluator's, given to every method), `ecru-shared` -> `shared-lora-zscl`.
+The old names still resolve (`ALIASES`), so old commands and result files keep working."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from ecru.errors import EcruError
 from ecru.lifelong.methods.adapters import AdapterConfig, Adapters
 from ecru.lifelong.methods.base import Method, TaskCost, TrainConfig
 from ecru.lifelong.methods.finetune import Finetune, FinetuneConfig
+from ecru.lifelong.methods.ncm import NearestClassMean
 from ecru.lifelong.methods.routed import RoutedAdapters, RoutedConfig
 from ecru.lifelong.reference import TeacherCache
 from ecru.lifelong.stream import Task
@@ -46,10 +51,10 @@ FINETUNE: dict[str, FinetuneConfig] = {
 ADAPTERS: dict[str, AdapterConfig] = {
     "seqlora": AdapterConfig(),
     "lora-per-task": AdapterConfig(per_task=True),
-    # ecru's previous design, a baseline now. Chosen from a 5-variant sweep on the quick stream's TEST utterances
+    # a single LoRA with ZSCL's distillation and weight ensemble (formerly `ecru-shared`). Chosen from a 5-variant sweep on the quick stream's TEST utterances
     # (so its quick numbers flatter it): all linear layers of the top 4 layers, lr 5e-4, cached-teacher
     # distillation on 16 reference sentences per step, a weight ensemble of 5 adapter snapshots
-    "ecru-shared": AdapterConfig(
+    "shared-lora-zscl": AdapterConfig(
         targets=("query", "key", "value", "dense"),
         layers=(2, 3, 4, 5),
         lr=5e-4,
@@ -60,22 +65,21 @@ ADAPTERS: dict[str, AdapterConfig] = {
     ),  # fmt: skip
 }
 ROUTED: dict[str, RoutedConfig] = {
-    # Chosen on CLINC150's VALIDATION split (bench/lifelong.py --split val: CLINC val utterances, Banking77's
-    # training set as the held-out probe; 4 domains, 16 train / 8 val per intent, seed 0, order 0), never on
-    # test. Swept from r=8 on q/k/v/dense of layers 2-5, lr 1e-3, knn 5: percentile 5 / 10 / 20, anchor 0 / 1 / 3,
-    # lr 1e-3 / 2e-3, layers 2-5 / 3-5, frozen vs routed intent names. Routed names lost 2.7 transfer points
-    # and 8.3 on Banking77 (names of unseen tasks routed into adapters); anchor 3 and percentile 10 cut the
-    # Banking77 drop from -5.8 to -2.1 for 0.6 points of avg (bench/results/lifelong_NOTES.md).
-    "ecru-text": RoutedConfig(anchor=3.0, percentile=10.0),
-    # routed by the candidate labels first (a query among one learned task's intents -> that task's adapter;
-    # among unseen labels -> the frozen model), the text router only between learned tasks the labels name.
-    # No anchor: it protected foreign texts that the text router sent to an adapter, which label routing does
-    # not do. Validation split, full budget (4 domains, 100 per intent; bench/results/lifelong_NOTES.md):
-    # anchor 0 / 1 / 3 -> last 96.1 / 93.8 / 92.3, class-incremental last 84.3 / 77.7 / 76.4 with one embedding
-    # scored against all names (seqft: 95.6 / 91.9); ecru now decides task then class (`predict_among`).
-    "ecru": RoutedConfig(percentile=10.0, routing="labels"),
+    # per-task LoRA adapters routed by per-class prototypes of the frozen embeddings (task-agnostic). Chosen on
+    # the quick stream's VALIDATION split (bench/lifelong.py --quick --split val; docs/lifelong.md), task-agnostic
+    # Last / transfer retention / Banking77 change: hard task-then-class 71.7 / -15.0 / -22.5 (ncm 87.8 / -0.8 /
+    # -5.6, zeroshot 72.8 / -0.8 / -3.0); + margin 0 veto 67.8 / -0.8 / -3.0; + prototype blend 0.5 80.6; veto
+    # against unlearned labels only 86.7 / -0.8 / -2.6; + reject_penalty 2 87.2 / 0.0 / -1.7 (percentile 10 = 20)
+    "routed-lora": RoutedConfig(
+        router="prototypes", percentile=10.0, prototype_weight=0.5, margin=0.0, reject_penalty=2.0
+    ),
+    # the same adapters routed by the k nearest training texts (stores every training embedding; formerly
+    # `ecru`). Chosen on CLINC150's VALIDATION split (bench/results/lifelong_NOTES.md): percentile 10, no anchor.
+    "routed-lora-knn": RoutedConfig(router="knn", percentile=10.0),
 }
-METHODS: tuple[str, ...] = ("zeroshot", *FINETUNE, *ADAPTERS, *ROUTED)
+ALIASES: dict[str, str] = {"ecru": "routed-lora-knn", "ecru-shared": "shared-lora-zscl"}
+"""Old method names (before 0.2) -> current ones."""
+METHODS: tuple[str, ...] = ("zeroshot", "ncm", *FINETUNE, *ADAPTERS, *ROUTED)
 DISTILLING = frozenset(n for n, c in {**FINETUNE, **ADAPTERS}.items() if c.distill > 0)
 Config = FinetuneConfig | AdapterConfig | RoutedConfig
 
@@ -84,10 +88,14 @@ def make_method(name: str, model: MiniLM, *, train: TrainConfig, teacher: Teache
                 config: Config | None = None) -> Method:  # fmt: skip
     """The method called `name`, owning `model` (a fresh `load_minilm()`); distilling ones need `teacher`.
 
-    `config` replaces the method's preset (same config type), e.g. for a hyper-parameter sweep.
+    `config` replaces the method's preset (same config type), e.g. for a hyper-parameter sweep. An old name
+    (`ALIASES`) gives the current method, under its current name.
     """
+    name = ALIASES.get(name, name)
     if name == "zeroshot":
         return ZeroShot(name, model)
+    if name == "ncm":
+        return NearestClassMean(name, model)
     for presets, cls in ((FINETUNE, Finetune), (ADAPTERS, Adapters)):
         if name in presets:
             return cls(name, model, train, _config(name, presets[name], config), teacher=teacher)
@@ -98,6 +106,7 @@ def make_method(name: str, model: MiniLM, *, train: TrainConfig, teacher: Teache
 
 def needs_teacher(name: str, config: Config | None = None) -> bool:
     """Whether method `name` (with `config`, else its preset) uses the reference sentences' teacher cache."""
+    name = ALIASES.get(name, name)
     if name in ROUTED:
         cfg = config or ROUTED[name]
         return cfg.negative_quantile is not None or cfg.reference > 0

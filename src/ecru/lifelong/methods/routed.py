@@ -1,32 +1,32 @@
-"""`ecru`: one small LoRA adapter per task on the top layers, and a router that picks one per text.
+"""`routed-lora`: one small LoRA adapter per task on the top layers, and a router that picks one per text.
 
-- Each task trains a fresh adapter on its own utterances only (no distillation, no replay) and the adapter is
-  never touched again, so later tasks cannot overwrite it.
+- Each task trains a fresh adapter on its own texts only (no distillation, no replay) and the adapter is never
+  touched again, so later tasks cannot overwrite it.
 - The frozen bottom layers' outputs are cached per text (`FrozenPrefix`): training and evaluation run only
   the adapted top layers.
 - At inference a text goes through the adapter of the learned task it most resembles, or through the frozen
-  model when it resembles none (`ecru.lifelong.router`): unseen domains and held-out datasets are scored by
-  exactly the pretrained model, and each learned task by its own adapter.
-- With `routing="labels"` the candidate labels a text is classified among decide first (`encode_among`,
-  `predict_among`: a text routed to a task is classified among that task's labels only). The
-  learned tasks that take part are those whose intent names are all among the labels, or that hold all the
-  labels. None -> the frozen model; the labels are those tasks' names only -> the best of their adapters by
-  the text router, no threshold; those tasks' names plus unlearned ones -> the text router among them, with
-  thresholds (the text may belong to an unlearned label). A query about one learned task's intents thus
-  always reaches that task's adapter, and a query about unseen labels gets exactly the pretrained model.
+  model when it resembles none (`ecru.lifelong.router`): by default the nearest class prototype of each task
+  with a calibrated threshold per task. The route depends on the text alone, never on the labels it is
+  classified among (task-agnostic).
+- The decision is task then class (`RoutedEncoder.scores`): a text routed to task t is scored by t's adapter
+  against t's labels; every other label gets the frozen model's score minus `OFFSET`, so it only wins when
+  none of t's labels is a candidate; a text routed to the frozen model is scored by the frozen model against
+  every label. A label's score never depends on the other candidates, so one score matrix answers every
+  candidate set.
 - Intent names are the classifier's weights and stay frozen (`frozen_labels`): the adapters learn to map
-  utterances onto the pretrained model's name embeddings, so a name never depends on where it is routed.
-"""
+  texts onto the pretrained model's name embeddings, so a name never depends on where it is routed."""
 
 from __future__ import annotations
 
 import random
 import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from peft import get_peft_model
+from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
 from ecru.datasets import humanize_intent
 from ecru.errors import EcruError
@@ -45,7 +45,7 @@ from ecru.lifelong.methods.base import (
 )
 from ecru.lifelong.prefix import FrozenPrefix, PrefixCachedEncoder
 from ecru.lifelong.reference import TeacherCache
-from ecru.lifelong.router import FROZEN, Router
+from ecru.lifelong.router import FROZEN, PrototypeRouter, Router, TaskRouter
 from ecru.lifelong.stream import Task
 from ecru.models import MiniLM
 
@@ -61,15 +61,34 @@ class RoutedConfig:
     targets: tuple[str, ...] = ("query", "key", "value", "dense")
     """Names of the BERT linear layers that get an adapter."""
     layers: tuple[int, ...] = (2, 3, 4, 5)
-    """Encoder layers (0..5) that get adapters; the layers below them are frozen and cached."""
+    """Encoder layers that get adapters (MiniLM has 0..5); the layers below them are frozen and cached."""
     lr: float = 1e-3
     """AdamW learning rate of each adapter."""
+    router: Literal["prototypes", "knn"] = "prototypes"
+    """"prototypes": a text's score for a task is its best cosine similarity to the task's class means (stores
+    C x D floats per task); "knn": the mean similarity to its `knn` nearest training texts (stores N x D)."""
     knn: int = 5
-    """A text's score for a task: mean cosine similarity to its `knn` nearest training utterances."""
+    """With the knn router: a text's score for a task is its mean cosine similarity to its `knn` nearest
+    training texts."""
     percentile: float = 5.0
     """A task's threshold: this percentile of its training utterances' leave-one-out scores."""
     frozen_labels: bool = True
     """Intent names always go through the frozen model; False = names are routed and trained like utterances."""
+    prototype_weight: float = 0.0
+    """Among a routed task's labels, score = (1 - w) x the adapter's cosine + w x the frozen text embedding's
+    cosine to the label's prototype (the router's class mean): nearest class mean and adapter as one
+    classifier. Needs router="prototypes"."""
+    margin: float | None = None
+    """None: a text routed to task t takes one of t's labels whenever one is a candidate. A number m: only if
+    the frozen model's best score for any of t's labels plus m reaches its best score for the candidates no
+    task learned (the frozen model vetoes a route when an unlearned label fits the text clearly better);
+    else the frozen model decides among the unlearned candidates. Other learned tasks' labels lose to t's
+    either way (the router chose between learned tasks)."""
+    reject_penalty: float = 0.0
+    """0: a text below its best task's threshold goes to the frozen model. > 0 (with a `margin`): it still
+    goes to its best task, but every learned label loses this much: the route's choice stands when every
+    candidate is learned, and an unlearned candidate (an unseen task's, a held-out dataset's) wins otherwise. The price: a learned task's text that
+    its router rejects (about `percentile`% of them) loses its label when unlearned labels are candidates."""
     negative_quantile: float | None = None
     """If set, a task's threshold may go down to this quantile of the reference sentences' scores (texts of
     no task: CLINC out-of-scope queries, Wikipedia), so more of its own texts reach its adapter."""
@@ -81,45 +100,62 @@ class RoutedConfig:
     """Weight of distillation towards the frozen model on the batch's own utterances (ZSCL's two-way loss at
     T=2, their frozen embeddings reused from the router's fit: no extra forward pass); keeps the adapter from
     collapsing utterances onto the task's few names, which hurts texts of other label sets routed to it."""
-    routing: Literal["text", "labels"] = "text"
-    """"text": every text by the text router alone (task-agnostic); "labels": by the candidate labels a text is
-    classified among first, the text router only to choose among the learned tasks those labels name."""
 
     def __post_init__(self) -> None:
         if self.r < 1 or self.alpha <= 0 or self.lr <= 0 or self.knn < 1:
             raise EcruError(
                 f"need r >= 1, alpha > 0, lr > 0, knn >= 1; got {self.r}, {self.alpha}, {self.lr}, {self.knn}"
             )
-        if not self.layers or any(not 0 <= i < 6 for i in self.layers):
-            raise EcruError(f"layers must name MiniLM layers 0..5; got {self.layers}")
+        if not self.layers or any(i < 0 for i in self.layers):
+            raise EcruError(f"layers must name encoder layers (0..5 for MiniLM); got {self.layers}")
         if self.anchor < 0:
             raise EcruError(f"anchor must be >= 0; got {self.anchor}")
         if not 0 <= self.percentile <= 100:
             raise EcruError(f"percentile must be in [0, 100]; got {self.percentile}")
         if self.reference < 0:
             raise EcruError(f"reference must be >= 0; got {self.reference}")
-        if self.routing not in ("text", "labels"):
-            raise EcruError(f"routing must be 'text' or 'labels'; got {self.routing!r}")
-        if self.routing == "labels" and not self.frozen_labels:
-            raise EcruError(
-                "routing='labels' needs frozen_labels=True: names routed like texts would not match"
-            )
+        if not 0 <= self.prototype_weight <= 1:
+            raise EcruError(f"prototype_weight must be in [0, 1]; got {self.prototype_weight}")
+        if self.prototype_weight > 0 and self.router != "prototypes":
+            raise EcruError("prototype_weight needs router='prototypes' (the class means it scores against)")
+        if not self.reject_penalty >= 0:
+            raise EcruError(f"reject_penalty must be >= 0; got {self.reject_penalty}")
+        if self.reject_penalty > 0 and self.margin is None:
+            raise EcruError("reject_penalty needs a margin (the rule that lets an unlearned label win)")
+        if self.margin is not None and not self.margin >= 0:
+            raise EcruError(f"margin must be >= 0 or None; got {self.margin}")
+        if self.router not in ("prototypes", "knn"):
+            raise EcruError(f"router must be 'prototypes' or 'knn'; got {self.router!r}")
         if self.negative_quantile is not None and not 0 < self.negative_quantile <= 1:
             raise EcruError(f"negative_quantile must be in (0, 1] or None; got {self.negative_quantile}")
+
+
+OFFSET = 2.0
+"""Subtracted from the frozen score of a label foreign to the routed task: cosines lie in [-1, 1], so the
+routed task's own labels always win when any of them is a candidate."""
+MEMO_ITEMS = 32_768
+"""Embeddings an encoder keeps (least recently used first out): predicting a long file stays bounded."""
 
 
 class RoutedEncoder:
     """Texts through the adapter of the task the router picks (or the frozen model); names per `frozen_labels`."""
 
-    def __init__(self, method: RoutedAdapters):
-        self.m = method
-        self._memo: dict[tuple[int, str], torch.Tensor] = {}  # (route, text) -> embedding
+    def __init__(self, method: RoutedAdapters, *, memo_items: int = MEMO_ITEMS):
+        self.m, self.memo_items = method, memo_items
+        self._memo: OrderedDict[tuple[int, str], torch.Tensor] = OrderedDict()  # (route, text) -> embedding
+
+    def _remember(self, key: tuple[int, str], emb: torch.Tensor) -> None:
+        self._memo[key] = emb
+        self._memo.move_to_end(key)
+        while len(self._memo) > self.memo_items:
+            self._memo.popitem(last=False)
 
     @torch.no_grad()
     def _embed(self, texts: list[str], route: int, *, batch_size: int) -> torch.Tensor:
         """`texts` through task `route`'s adapter (`FROZEN`: none), from the cached prefix; each (text, route)
-        computed once per encoder, so take a new encoder after the method learns."""
-        todo = list(dict.fromkeys(t for t in texts if (route, t) not in self._memo))
+        computed once while it stays in the memo, so take a new encoder after the method learns."""
+        found = {t: self._memo[route, t] for t in texts if (route, t) in self._memo}
+        todo = list(dict.fromkeys(t for t in texts if t not in found))
         if todo:
             if route == FROZEN:
                 with self.m.peft.disable_adapter():
@@ -127,33 +163,20 @@ class RoutedEncoder:
             else:
                 self.m.peft.base_model.set_adapter(self.m.adapters[route])
                 emb = self.m.student.encode(todo, batch_size=batch_size)
-            self._memo.update(((route, t), e) for t, e in zip(todo, emb, strict=True))
+            found.update(zip(todo, emb, strict=True))
+        for t in dict.fromkeys(texts):
+            self._remember((route, t), found[t])
         if not texts:
             return self.m.student.encode([])
-        return torch.stack([self._memo[route, t] for t in texts])
+        return torch.stack([found[t] for t in texts])
 
     def frozen(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
         """The pretrained model's embeddings (adapters off)."""
         return self._embed(texts, FROZEN, batch_size=batch_size)
 
     def routes(self, texts: list[str]) -> torch.Tensor:
-        """Each text's task index, or `FROZEN`, by the text router alone."""
+        """Each text's task index, or `FROZEN`, from the text alone."""
         return self.m.router(self.frozen(texts))
-
-    def routes_among(self, texts: list[str], labels: list[str]) -> torch.Tensor:
-        """Each text's task index, or `FROZEN`, when it is to be classified among the class names `labels`."""
-        if self.m.cfg.routing == "text":
-            return self.routes(texts)
-        if not labels:
-            raise EcruError(
-                "routing by labels needs the candidate labels the texts are classified among; got none"
-            )
-        wanted = set(labels)
-        # a learned task takes part when the labels cover its whole label space or lie within it; a partial
-        # overlap (one shared name among many foreign ones) is a question its adapter was not trained for
-        tasks = [t for t, names in enumerate(self.m.names) if set(names) <= wanted or wanted <= set(names)]
-        known = {n for t in tasks for n in self.m.names[t]}
-        return self.m.router(self.frozen(texts), tasks=tasks, open_set=not wanted <= known)
 
     def _through(self, texts: list[str], routes: torch.Tensor, *, batch_size: int) -> torch.Tensor:
         out = self.frozen(texts, batch_size=batch_size)
@@ -164,41 +187,104 @@ class RoutedEncoder:
         return out
 
     def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
-        """Each text through the adapter the text router picks (or the frozen model)."""
+        """Each text through the adapter the router picks (or the frozen model)."""
         return self._through(texts, self.routes(texts), batch_size=batch_size)
-
-    def encode_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor:
-        """Embeddings of `texts` to be classified among the class names `labels` (routing per `routing`)."""
-        return self._through(texts, self.routes_among(texts, labels), batch_size=batch_size)
-
-    @torch.no_grad()
-    def predict_among(self, texts: list[str], labels: list[str], *, batch_size: int = 64) -> torch.Tensor:
-        """Per text, the index into `labels` of its predicted class.
-
-        With label routing the decision has two stages, task then class: a text routed to a learned task is
-        classified by that task's adapter among that task's labels only, one routed to the frozen model among
-        all `labels`. (An adapter learned to separate its own task's intents, not to stay clear of other tasks'
-        names, so its embeddings must not be scored against those.) Text routing: each text's embedding
-        against all `labels`.
-        """
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # less padding per batch
-        ordered = [texts[i] for i in order]
-        routes = self.routes_among(ordered, labels)
-        scores = self._through(ordered, routes, batch_size=batch_size) @ self.encode_labels(labels).T
-        if self.m.cfg.routing == "labels":
-            for task in routes.unique().tolist():
-                if task != FROZEN:
-                    own = set(self.m.names[task])
-                    foreign = torch.tensor([label not in own for label in labels])
-                    rows = routes == task
-                    scores[rows] = scores[rows].masked_fill(foreign, float("-inf"))
-        pred = torch.empty(len(texts), dtype=torch.long)
-        pred[torch.tensor(order, dtype=torch.long)] = scores.argmax(-1)
-        return pred
 
     def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
         """Class names (intent names): frozen, or routed like any text when `frozen_labels` is off."""
         return self.frozen(texts, batch_size=batch_size) if self.m.cfg.frozen_labels else self.encode(texts)
+
+    @torch.no_grad()
+    def scores(self, texts: Sequence[str], labels: Sequence[str], *, batch_size: int = 64) -> torch.Tensor:
+        """[Q, L] cosine scores of `texts` for the class names `labels`, task then class (module docstring).
+
+        Column l depends on texts and labels[l] alone: scoring against fewer labels gives the same columns.
+        """
+        if isinstance(texts, str) or isinstance(labels, str):
+            raise TypeError("scores takes lists of strings, not one string: scores([text], [label, ...])")
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # less padding per batch
+        ordered = [texts[i] for i in order]
+        frozen = self.frozen(ordered, batch_size=batch_size)
+        routes = self.m.router(frozen)
+        names = self.encode_labels(list(labels), batch_size=batch_size)
+        out = frozen @ names.T
+        rejected = routes == FROZEN
+        known = {n for names_t in self.m.names for n in names_t}
+        learned = torch.tensor([label in known for label in labels], dtype=torch.bool)
+        if self.m.cfg.reject_penalty > 0 and len(self.m.router):
+            routes = self.m.router(
+                frozen, open_set=False
+            )  # every text to its best task; `rejected` penalised
+        for task in routes.unique().tolist():
+            if task == FROZEN:
+                continue
+            rows = (routes == task).nonzero().flatten()
+            emb = self._embed([ordered[i] for i in rows.tolist()], task, batch_size=batch_size)
+            block = self._task_then_class(out[rows], frozen[rows], emb, names, labels, task)
+            block[:, learned] -= self.m.cfg.reject_penalty * rejected[rows].to(block.dtype)[:, None]
+            out[rows] = block
+        result = torch.empty_like(out)
+        result[torch.tensor(order, dtype=torch.long)] = out
+        return result
+
+    def _task_then_class(self, block: torch.Tensor, frozen: torch.Tensor, emb: torch.Tensor, names: torch.Tensor,
+                         labels: Sequence[str], task: int, *, gate: bool = True) -> torch.Tensor:  # fmt: skip
+        """Scores of texts routed to `task`: `block` [R, L] frozen scores, `frozen` [R, D] and `emb` [R, D] the
+        texts through the frozen model and the adapter, `names` [L, D] the candidate `labels`' embeddings.
+        `gate=False`: the task is given, not inferred (no margin veto)."""
+        task_names = self.m.names[task]
+        own = torch.tensor([label in set(task_names) for label in labels], dtype=torch.bool)
+        index = {n: k for k, n in enumerate(task_names)}
+        cols = [index[n] for n, o in zip(labels, own.tolist(), strict=True) if o]
+        # every label of the task, candidate or not (column independence): the adapter's cosine, blended with
+        # the frozen cosine to the label's prototype
+        name_emb = self.encode_labels(task_names)
+        blend = emb @ name_emb.T
+        w = self.m.cfg.prototype_weight
+        if w > 0:
+            blend = (1 - w) * blend + w * frozen @ self.m.router.prototypes[task].to(frozen.dtype).T
+        if self.m.cfg.margin is None or not gate:
+            block = block - OFFSET
+            block[:, own] = blend[:, cols]
+            return block
+        # other learned tasks' labels: the router already chose between learned tasks
+        learned = {n for names_t in self.m.names for n in names_t}
+        other = torch.tensor([label in learned for label in labels], dtype=torch.bool) & ~own
+        block[:, other] -= OFFSET
+        # the task's best label scores as the frozen model's best cosine to any of the task's names (+ margin),
+        # on the same scale as the unlearned candidates' frozen cosines; the others trail it by their blend gap
+        best = (frozen @ name_emb.T).max(-1, keepdim=True).values
+        block[:, own] = best + self.m.cfg.margin + blend[:, cols] - blend.max(-1, keepdim=True).values
+        return block
+
+    def for_task(self, task: int) -> TaskEncoder:
+        """The encoder told the task (the label-gated protocol): every text through `task`'s adapter."""
+        if not 0 <= task < len(self.m.router):
+            raise EcruError(f"task {task} is not learned (0..{len(self.m.router) - 1})")
+        return TaskEncoder(self, task)
+
+
+class TaskEncoder:
+    """A `RoutedEncoder` with the route fixed to one learned task (given, not inferred)."""
+
+    def __init__(self, routed: RoutedEncoder, task: int):
+        self.routed, self.task = routed, task
+
+    def encode(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
+        return self.routed._embed(list(texts), self.task, batch_size=batch_size)
+
+    def encode_labels(self, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
+        return self.routed.encode_labels(texts, batch_size=batch_size)
+
+    @torch.no_grad()
+    def scores(self, texts: Sequence[str], labels: Sequence[str], *, batch_size: int = 64) -> torch.Tensor:
+        """[Q, L] scores with every text routed to the given task (its labels through the adapter)."""
+        texts, labels = list(texts), list(labels)
+        frozen, names = self.routed.frozen(texts), self.encode_labels(labels)
+        emb = self.encode(texts, batch_size=batch_size)
+        return self.routed._task_then_class(
+            frozen @ names.T, frozen, emb, names, labels, self.task, gate=False
+        )
 
 
 class RoutedAdapters:
@@ -213,11 +299,27 @@ class RoutedAdapters:
         self.name, self.model, self.train, self.cfg, self.teacher = name, model, train, cfg, teacher
         self.adapters: list[str] = []
         self.names: list[list[str]] = []  # each learned task's intent names, as classified among
-        self.router = Router(k=cfg.knn, percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
+        self.router: TaskRouter = (
+            PrototypeRouter(percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
+            if cfg.router == "prototypes"
+            else Router(k=cfg.knn, percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
+        )
+        layers = len(self.prefix_model_layers(model))
+        if max(cfg.layers) >= layers:
+            raise EcruError(f"layers {cfg.layers} do not exist: the encoder has layers 0..{layers - 1}")
         # peft wraps the model around a first adapter: task 0's, unused until task 0 is learned
         self._add_adapter(0)
         self.prefix = FrozenPrefix(model, min(cfg.layers))
         self.student = PrefixCachedEncoder(model, self.prefix)
+
+    @staticmethod
+    def prefix_model_layers(model: MiniLM):
+        enc = model.encoder
+        bert = enc.get_base_model() if hasattr(enc, "get_base_model") else enc
+        layers = getattr(getattr(bert, "encoder", None), "layer", None)
+        if layers is None:
+            raise EcruError("routed-lora needs a BERT-style encoder (encoder.layer); this model has none")
+        return layers
 
     @property
     def peft(self):
@@ -249,9 +351,9 @@ class RoutedAdapters:
         return RoutedEncoder(self)
 
     def learn(self, task: Task, *, index: int) -> TaskCost:
-        if index != len(self.router.keys):
+        if index != len(self.router):
             raise EcruError(
-                f"{self.name} learns tasks in order: expected task {len(self.router.keys)}, got {index}"
+                f"{self.name} learns tasks in order: expected task {len(self.router)}, got {index}"
             )
         rng, enc = seed_task(self.train.seed, index), self.encoder()
         if index >= len(self.adapters):
@@ -259,7 +361,8 @@ class RoutedAdapters:
         texts = [e.text for e in task.train]
         frozen = enc.frozen(texts)
         negatives = self.teacher.embeddings() if self.cfg.negative_quantile is not None else None
-        self.router.add_task(frozen, negatives)
+        labels = torch.tensor([task.intents.index(e.label) for e in task.train], dtype=torch.long)
+        self.router.add_task(frozen, labels=labels, negatives=negatives)
         teacher = dict(zip(texts, frozen, strict=True))
         self.names.append([humanize_intent(i) for i in task.intents])
         names = enc.frozen(self.names[-1]) if self.cfg.frozen_labels else None
@@ -301,7 +404,7 @@ class RoutedAdapters:
         return cost
 
     def state_dict(self) -> dict[str, Any]:
-        learned = self.adapters[: len(self.router.keys)]
+        learned = self.adapters[: len(self.router)]
         weights = {k: v for k, v in self.peft.state_dict().items() if any(f".{a}." in k for a in learned)}
         return {
             "adapters": learned,
@@ -311,11 +414,11 @@ class RoutedAdapters:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        names = [list(n) for n in state.get("names", [])]  # checkpoints before label routing have none
-        if self.cfg.routing == "labels" and len(names) != len(state["adapters"]):
+        names = [list(n) for n in state.get("names", [])]
+        if len(names) != len(state["adapters"]):
             raise EcruError(
-                f"{self.name} routes by labels but the checkpoint holds no intent names for its tasks; "
-                "fix: start this method's run again (delete its checkpoint folder)"
+                f"{self.name}: the checkpoint holds no intent names for its tasks (written before task-then-class "
+                "scoring); fix: start this method's run again (delete its checkpoint folder)"
             )
         for index in range(len(self.adapters), len(state["adapters"])):
             self._add_adapter(index)
@@ -325,3 +428,36 @@ class RoutedAdapters:
         self.peft.load_state_dict(state["weights"], strict=False)
         self.router.load_state_dict(state["router"])
         self.names = names
+
+    def add_trained(self, weights: dict[str, torch.Tensor], router: dict[str, Any], names: list[str]) -> None:
+        """Append a task trained elsewhere: its adapter `weights` as peft saves them (`export_task`), its router
+        state (one task's) and its label names."""
+        index = len(self.router)
+        if index >= len(self.adapters):
+            self._add_adapter(index)
+        result = set_peft_model_state_dict(self.peft, weights, adapter_name=self.adapters[index])
+        if any(self.adapters[index] in k for k in getattr(result, "missing_keys", [])):
+            raise EcruError("the stored adapter does not fit this model's layers; relearn the task")
+        one = type(self.router)(**_router_args(self.router))
+        one.load_state_dict(router)
+        merged = {k: [*v, *one.state_dict()[k]] for k, v in self.router.state_dict().items()}
+        self.router.load_state_dict(merged)
+        self.names.append(list(names))
+        self.peft.base_model.set_adapter(self.adapters[index])
+        self.model.eval()
+
+    def export_task(self, index: int) -> tuple[dict[str, torch.Tensor], Any, dict[str, Any]]:
+        """Task `index`'s adapter weights (peft's saved form), its peft config and its router state."""
+        weights = get_peft_model_state_dict(self.peft, adapter_name=self.adapters[index])
+        state = self.router.state_dict()
+        return (
+            weights,
+            self.peft.peft_config[self.adapters[index]],
+            {k: v[index : index + 1] for k, v in state.items()},
+        )
+
+
+def _router_args(router: TaskRouter) -> dict[str, Any]:
+    if isinstance(router, PrototypeRouter):
+        return {"percentile": router.percentile, "negative_quantile": router.negative_quantile}
+    return {"k": router.k, "percentile": router.percentile, "negative_quantile": router.negative_quantile}

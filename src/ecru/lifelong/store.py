@@ -1,0 +1,328 @@
+"""A knowledge store: a folder of learned tasks over one frozen sentence encoder (`routed-lora`).
+
+    store = KnowledgeStore("my_store")                      # created on the first `learn`
+    store.learn("support", [("my card is lost", "lost_card"), ...])
+    store.predict(["where is my card"])                     # among every learned label
+    store.predict(["book a table"], labels=["restaurant reservation", "lost card"])  # zero-shot for the new one
+
+Layout (all written atomically; `store.json` is the commit point):
+- `store.json`: format version, the encoder (path and fingerprint), the method's config, the task list.
+- `tasks/<folder>/`: one standard peft LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`),
+  the task's router state (`router.safetensors`: its class prototypes and threshold) and `labels.json`
+  (the labels as written and the names the zero-shot head embeds, `ecru.lifelong.userdata.label_name`).
+
+Relearning a task writes a new folder, then swaps `store.json` to it, then deletes the old folder: a reader
+or a crash sees the old task or the new one, never a mix, and never two. Every input is checked before
+anything is written, so a refused command leaves the store byte for byte as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ecru.cliargs import atomic_write_json
+from ecru.errors import EcruError
+from ecru.lifelong.userdata import Record, label_name, task_labels
+
+FORMAT = "ecru-lifelong-store"
+VERSION = 1
+METHOD = "routed-lora"
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+PREDICT_CHUNK = 512
+"""Texts scored at a time: memory stays bounded whatever the input's length."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One text's predicted label (as the user wrote it) and its probability among the candidates."""
+
+    text: str
+    label: str
+    score: float
+
+
+def model_fingerprint(folder: Path) -> str:
+    """Identifies an encoder folder: its config and the names and sizes of its weight files."""
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def resolve_model(path: str | Path | None) -> dict[str, str]:
+    """{"name", "path", "fingerprint"} of the encoder: MiniLM (bundled) for None, else a Hugging Face folder."""
+    if path is None:
+        from ecru.models.minilm import minilm_dir
+
+        folder = minilm_dir()
+        return {"name": DEFAULT_MODEL, "path": str(folder), "fingerprint": model_fingerprint(folder)}
+    folder = Path(path).expanduser().resolve()
+    if not (folder / "config.json").is_file():
+        raise EcruError(
+            f"--model {path}: no config.json there; give a Hugging Face (sentence-transformers) encoder folder"
+        )
+    return {"name": folder.name, "path": str(folder), "fingerprint": model_fingerprint(folder)}
+
+
+def load_encoder(record: dict[str, str]):
+    """The frozen encoder a store was made with (mean pooling, L2-normalised, like MiniLM)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from ecru.models import MiniLM
+
+    folder = Path(record["path"])
+    if not folder.is_dir() or model_fingerprint(folder) != record["fingerprint"]:
+        raise EcruError(
+            f"the store's encoder {record['path']} is missing or changed; restore it or make a new store"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return MiniLM(AutoModel.from_pretrained(folder, dtype=torch.float32), tokenizer).eval()
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-.")[:40] or "task"
+
+
+class KnowledgeStore:
+    """Learned tasks over one frozen encoder, kept in a folder (module docstring)."""
+
+    def __init__(self, path: str | Path, *, model: str | Path | None = None):
+        """Open the store at `path` (it need not exist yet: the first `learn` creates it). `model`: the encoder
+        folder for a new store (default MiniLM); for an existing one it must be the store's own."""
+        self.path = Path(path).expanduser()
+        self.manifest = self._read_manifest()
+        if model is not None or self.manifest is None:
+            wanted = resolve_model(model)
+            if self.manifest is not None and self.manifest["model"]["fingerprint"] != wanted["fingerprint"]:
+                raise EcruError(
+                    f"{self.path} was made with the encoder {self.manifest['model']['path']}, not {wanted['path']}; "
+                    "drop --model or use another --store"
+                )
+            self.model_record = wanted
+        else:
+            self.model_record = self.manifest["model"]
+        self._method = None
+
+    def _read_manifest(self) -> dict[str, Any] | None:
+        file = self.path / "store.json"
+        if not file.exists():
+            if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
+                raise EcruError(
+                    f"{self.path}: exists and is not a knowledge store (no store.json); choose another --store"
+                )
+            return None
+        try:
+            manifest = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise EcruError(f"{file}: unreadable ({exc}); the store is damaged") from None
+        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+            raise EcruError(f"{file}: not a version {VERSION} knowledge store")
+        return manifest
+
+    # ---- reading
+
+    def tasks(self) -> list[dict[str, Any]]:
+        """One dict per learned task: name, labels, examples, trainable_params, stored_bytes."""
+        keys = ("task", "labels", "examples", "trainable_params", "stored_bytes")
+        return [{k: t[k] for k in keys} for t in (self.manifest or {}).get("tasks", [])]
+
+    def _task(self, name: str) -> dict[str, Any]:
+        for t in (self.manifest or {}).get("tasks", []):
+            if t["task"] == name:
+                return t
+        known = ", ".join(t["task"] for t in (self.manifest or {}).get("tasks", [])) or "none"
+        raise EcruError(f"no task {name!r} in {self.path} (learned: {known})")
+
+    def learned_labels(self) -> list[str]:
+        """Every learned label as first written, one per name, in learning order."""
+        out: dict[str, str] = {}
+        for t in (self.manifest or {}).get("tasks", []):
+            for label, name in zip(t["labels"], t["names"], strict=True):
+                out.setdefault(name, label)
+        return list(out.values())
+
+    def method(self):
+        """The routed method with every learned task loaded (built once per store object)."""
+        if self._method is None:
+            from safetensors.torch import load_file
+
+            method = _new_method(self.model_record, self._config())
+            for t in (self.manifest or {}).get("tasks", []):
+                folder = self.path / "tasks" / t["folder"]
+                router = load_file(folder / "router.safetensors")
+                method.add_trained(
+                    load_file(folder / "adapter_model.safetensors"),
+                    {"prototypes": [router["prototypes"]], "thresholds": [float(router["threshold"])]},
+                    t["names"],
+                )
+            self._method = method
+        return self._method
+
+    def _config(self):
+        from ecru.lifelong.methods import ROUTED, RoutedConfig
+
+        if self.manifest is None:
+            return ROUTED[METHOD]
+        saved = self.manifest["config"]
+        return RoutedConfig(
+            **{f.name: _tuple(saved[f.name]) for f in fields(RoutedConfig) if f.name in saved}
+        )
+
+    def predict(self, texts: list[str], labels: list[str] | None = None) -> list[Prediction]:
+        """Each text's label among `labels` (names learned or not: zero-shot for the rest), or among every
+        learned label when None (task-agnostic)."""
+        import torch
+
+        if isinstance(texts, str):
+            raise EcruError("predict takes a list of texts, not one string: predict([text])")
+        candidates = list(dict.fromkeys(labels if labels is not None else self.learned_labels()))
+        if not candidates:
+            raise EcruError(f"{self.path} has learned no task yet; learn one, or give the candidate labels")
+        names = [label_name(c) for c in candidates]
+        if not all(names):
+            raise EcruError(f"empty label among {candidates}")
+        scale = self.method().train.scale  # the classifier's inverse temperature, as trained
+        out: list[Prediction] = []
+        for i in range(0, len(texts), PREDICT_CHUNK):
+            chunk = list(texts[i : i + PREDICT_CHUNK])
+            scores = self.method().encoder().scores(chunk, names)  # a fresh encoder per chunk: bounded memo
+            prob = torch.softmax(scale * scores, dim=-1)
+            best = prob.argmax(-1)
+            out += [
+                Prediction(t, candidates[b], prob[k, b].item())
+                for k, (t, b) in enumerate(zip(chunk, best.tolist(), strict=True))
+            ]
+        return out
+
+    # ---- writing
+
+    def learn(self, task: str, examples: list[Record] | list[tuple[str, str]], *, epochs: int = 3,
+              batch_size: int = 16, seed: int = 0, progress: bool = False) -> dict[str, Any]:  # fmt: skip
+        """Train (or retrain, replacing it) task `task` on `examples` ((text, label) pairs or `Record`s)."""
+        records = [r if isinstance(r, Record) else Record(*r) for r in examples]
+        if not task or not task.strip():
+            raise EcruError("a task needs a non-empty name")
+        if not records:
+            raise EcruError(f"task {task!r}: no examples")
+        if any(r.label is None for r in records):
+            raise EcruError(f"task {task!r}: every example needs a label")
+        by_name = task_labels(records, source=f"task {task!r}")
+        trained = self._train(
+            task, records, by_name, epochs=epochs, batch_size=batch_size, seed=seed, progress=progress
+        )
+        return self._commit(task, trained)
+
+    def _train(self, task: str, records: list[Record], by_name: dict[str, str], **train) -> dict[str, Any]:
+        from ecru.datasets import Example
+        from ecru.lifelong.methods import TrainConfig
+        from ecru.lifelong.stream import Task
+
+        names = list(by_name)
+        cfg = self._config()
+        method = _new_method(self.model_record, cfg, TrainConfig(**train))
+        examples = tuple(Example(r.text, label_name(r.label)) for r in records)
+        try:
+            cost = method.learn(Task(task, tuple(names), examples, ()), index=0)
+        except ValueError as exc:  # e.g. no label with two examples to calibrate the router's threshold
+            raise EcruError(f"task {task!r}: {exc}") from None
+        weights, lora, router = method.export_task(0)
+        return {"weights": weights, "lora": lora, "router": router, "names": names,
+                "labels": [by_name[n] for n in names], "examples": len(records),
+                "trainable_params": cost.trainable_params, "config": cfg}  # fmt: skip
+
+    def _commit(self, task: str, trained: dict[str, Any]) -> dict[str, Any]:
+        tasks_dir = self.path / "tasks"
+        tasks_dir.mkdir(parents=True, exist_ok=True)
+        folder = f"{_slug(task)}-{uuid.uuid4().hex[:8]}"
+        tmp = Path(tempfile.mkdtemp(dir=tasks_dir, prefix=".tmp-"))
+        try:
+            stored = _write_task(tmp, trained, self.model_record)
+            tmp.rename(tasks_dir / folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        entry = {"task": task, "folder": folder, "labels": trained["labels"], "names": trained["names"],
+                 "examples": trained["examples"], "trainable_params": trained["trainable_params"],
+                 "stored_bytes": stored}  # fmt: skip
+        manifest = self.manifest or {"format": FORMAT, "version": VERSION, "method": METHOD,
+                                     "model": self.model_record, "config": _jsonable(asdict(trained["config"])),
+                                     "tasks": []}  # fmt: skip
+        old = [t for t in manifest["tasks"] if t["task"] == task]
+        manifest = {**manifest, "tasks": [t for t in manifest["tasks"] if t["task"] != task] + [entry]}
+        atomic_write_json(self.path / "store.json", manifest)  # the commit point
+        for t in old:
+            shutil.rmtree(tasks_dir / t["folder"], ignore_errors=True)
+        self.manifest, self._method = manifest, None
+        return {k: entry[k] for k in ("task", "labels", "examples", "trainable_params", "stored_bytes")}
+
+    def forget(self, task: str) -> None:
+        """Remove task `task` (its adapter, router state and labels)."""
+        entry = self._task(task)
+        manifest = {**self.manifest, "tasks": [t for t in self.manifest["tasks"] if t["task"] != task]}
+        atomic_write_json(self.path / "store.json", manifest)
+        shutil.rmtree(self.path / "tasks" / entry["folder"], ignore_errors=True)
+        self.manifest, self._method = manifest, None
+
+    def export(self, out: str | Path) -> list[Path]:
+        """One folder per task under `out`: a standard peft adapter (`adapter_config.json`,
+        `adapter_model.safetensors`), `router.safetensors`, `labels.json`; plus `store.json` (the manifest)."""
+        if not self.manifest or not self.manifest["tasks"]:
+            raise EcruError(f"{self.path}: no learned task to export")
+        out = Path(out)
+        written = []
+        for t in self.manifest["tasks"]:
+            target = out / _slug(t["task"])
+            if target.exists():
+                shutil.rmtree(target)
+            shutil.copytree(self.path / "tasks" / t["folder"], target)
+            written.append(target)
+        atomic_write_json(out / "store.json", self.manifest)
+        return written
+
+
+def _new_method(model_record: dict[str, str], cfg, train=None):
+    from ecru.lifelong.methods import RoutedAdapters, TrainConfig
+
+    return RoutedAdapters(METHOD, load_encoder(model_record), train or TrainConfig(progress=False), cfg)
+
+
+def _write_task(folder: Path, trained: dict[str, Any], model_record: dict[str, str]) -> int:
+    """Write one task's files into `folder`; returns their total bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    lora = trained["lora"]
+    lora.base_model_name_or_path = model_record["path"]
+    lora.save_pretrained(folder)  # adapter_config.json
+    save_file({k: v.contiguous() for k, v in trained["weights"].items()}, folder / "adapter_model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    router = trained["router"]
+    save_file({"prototypes": router["prototypes"][0].float().contiguous(),
+               "threshold": torch.tensor(float(router["thresholds"][0]))}, folder / "router.safetensors")  # fmt: skip
+    (folder / "labels.json").write_text(
+        json.dumps({"labels": trained["labels"], "names": trained["names"]}, indent=1)
+    )
+    return sum(f.stat().st_size for f in folder.iterdir())
+
+
+def _jsonable(value: Any) -> Any:
+    return (
+        list(value)
+        if isinstance(value, tuple)
+        else value
+        if not isinstance(value, dict)
+        else {k: _jsonable(v) for k, v in value.items()}
+    )
+
+
+def _tuple(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value

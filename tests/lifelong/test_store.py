@@ -1,0 +1,224 @@
+"""The knowledge store and its CLI on the real MiniLM, with two tiny CLINC tasks (4 intents, 4 examples each)."""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ecru.cli import main
+from ecru.datasets import load_clinc
+from ecru.errors import EcruError
+from ecru.lifelong.store import KnowledgeStore
+from ecru.lifelong.userdata import label_name, read_records
+
+EPOCHS = 2
+
+
+def _examples(domain: str, split: str, per_intent: int) -> list[dict]:
+    clinc = load_clinc()
+    intents = clinc.domains[domain][:4]
+    rows = []
+    for intent in intents:
+        rows += [{"text": e.text, "label": e.label} for e in clinc[split] if e.label == intent][:per_intent]
+    return rows
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    return {
+        "banking": _jsonl(d / "banking.jsonl", _examples("banking", "train", 4)),
+        "travel": _jsonl(d / "travel.jsonl", _examples("travel", "train", 4)),
+        "banking_test": _jsonl(d / "banking_test.jsonl", _examples("banking", "test", 3)),
+        "travel_test": _jsonl(d / "travel_test.jsonl", _examples("travel", "test", 3)),
+    }
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("store") / "s"
+    s = KnowledgeStore(path)
+    for task in ("banking", "travel"):
+        s.learn(task, read_records(data[task], labels=True), epochs=EPOCHS)
+    return s
+
+
+def test_label_names_follow_the_documented_rule():
+    assert (
+        label_name("freeze_account")
+        == label_name("freeze-account")
+        == label_name(" freeze  account ")
+        == "freeze account"
+    )
+    assert label_name("Card Payment") == "Card Payment"
+
+
+def test_task_agnostic_prediction_among_every_learned_label(store, data):
+    assert [t["task"] for t in store.tasks()] == ["banking", "travel"]
+    records = read_records(data["banking_test"], labels=True) + read_records(data["travel_test"], labels=True)
+    preds = store.predict([r.text for r in records])
+    assert [p.text for p in preds] == [r.text for r in records]  # in order
+    assert {p.label for p in preds} <= set(store.learned_labels()) and len(store.learned_labels()) == 8
+    right = sum(p.label == r.label for p, r in zip(preds, records, strict=True))
+    assert right / len(records) >= 0.8  # 24 texts of 8 intents; the frozen model alone gets ~0.8 here
+    assert all(0 < p.score <= 1 for p in preds) and sum(p.score for p in preds) / len(preds) > 0.6  # not flat
+
+
+def test_given_labels_learned_or_not(store, data):
+    # a training text of freeze_account (its router accepts it) and a text of no learned task
+    freeze = next(r.text for r in read_records(data["banking"], labels=True) if r.label == "freeze_account")
+    texts = ["what is the weather like in paris", freeze]
+    preds = store.predict(texts, labels=["weather", "freeze-account", "book hotel"])
+    assert [p.label for p in preds] == ["weather", "freeze-account"]  # spelled as given, matched by name
+    with pytest.raises(EcruError, match="list of texts"):
+        store.predict("one string")
+
+
+def test_scores_are_candidate_independent(store):
+    enc = store.method().encoder()
+    texts = ["can you freeze my account", "what plug do i need in london", "tell me a joke"]
+    labels = [label_name(x) for x in store.learned_labels()] + ["tell joke", "weather"]
+    full = enc.scores(texts, labels)
+    pick = [1, 5, 8, 9]
+    torch.testing.assert_close(
+        store.method().encoder().scores(texts, [labels[i] for i in pick]), full[:, pick]
+    )
+
+
+def test_relearning_replaces_the_task_and_forget_removes_it(tmp_path, store, data):
+    path = tmp_path / "copy"
+    shutil.copytree(store.path, path)
+    s = KnowledgeStore(path)
+    s.learn("travel", read_records(data["travel"], labels=True)[:12], epochs=1)
+    assert [t["task"] for t in s.tasks()] == ["banking", "travel"] and s.tasks()[1]["examples"] == 12
+    assert len(list((path / "tasks").iterdir())) == 2  # the old folder is gone, no second adapter
+    s.forget("banking")
+    assert [t["task"] for t in KnowledgeStore(path).tasks()] == ["travel"]
+    assert len(list((path / "tasks").iterdir())) == 1
+
+
+def test_cli_round_trip(tmp_path, store, data, capsys):
+    out = tmp_path / "pred.jsonl"
+    assert (
+        main(
+            [
+                "lifelong",
+                "predict",
+                "--store",
+                str(store.path),
+                "--data",
+                str(data["banking_test"]),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == 12 and set(lines[0]) == {"text", "label", "score"}
+    assert "accuracy" in capsys.readouterr().out
+    listing = tmp_path / "tasks.json"
+    assert main(["lifelong", "tasks", "--store", str(store.path), "--json", str(listing)]) == 0
+    tasks = json.loads(listing.read_text())
+    assert [t["task"] for t in tasks] == ["banking", "travel"]
+    assert {"labels", "examples", "trainable_params", "stored_bytes"} <= set(tasks[0]) and tasks[0][
+        "examples"
+    ] == 16
+
+
+def test_export_loads_with_peft_alone(tmp_path, store):
+    from peft import PeftModel
+    from transformers import AutoModel, AutoTokenizer
+
+    assert main(["lifelong", "export", "--store", str(store.path), "--out", str(tmp_path / "exp")]) == 0
+    folder = tmp_path / "exp" / "banking"
+    assert {"adapter_config.json", "adapter_model.safetensors", "router.safetensors", "labels.json"} <= {
+        p.name for p in folder.iterdir()
+    }
+    base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    model = PeftModel.from_pretrained(AutoModel.from_pretrained(base), folder).eval()
+    tok = AutoTokenizer.from_pretrained(base)
+    texts = ["please freeze my account", "what is my routing number"]
+    batch = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    m = batch["attention_mask"].unsqueeze(-1).float()
+    emb = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
+    want = store.method().encoder().for_task(0).encode(texts)
+    torch.testing.assert_close(emb, want, rtol=1e-4, atol=1e-5)
+    assert (emb - store.method().encoder().frozen(texts)).abs().max() > 1e-3  # the adapter is not a no-op
+
+
+def _tiny_model_folder(path: Path) -> Path:
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from ecru.models.minilm import minilm_dir
+
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=6, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(0)
+    BertModel(cfg, add_pooling_layer=False).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_bad_input_exits_2_with_one_line_and_leaves_the_store_unchanged(tmp_path, store, data, capsys):
+    path = tmp_path / "s"
+    shutil.copytree(store.path, path)
+    before = _digest(path)
+    no_label = _jsonl(tmp_path / "no_label.jsonl", [{"text": "hi"}, {"text": "there"}])
+    one_label = _jsonl(tmp_path / "one.jsonl", [{"text": "a", "label": "x"}, {"text": "b", "label": "x"}])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    csv_no_text = tmp_path / "bad.csv"
+    csv_no_text.write_text("sentence,label\nhello,a\n")
+    other = _tiny_model_folder(tmp_path / "other_model")
+    cases = {
+        "no 'label'": ["learn", "--task", "t", "--data", str(no_label)],
+        "at least two different labels": ["learn", "--task", "t", "--data", str(one_label)],
+        "no examples": ["learn", "--task", "t", "--data", str(empty)],
+        "'text' column": ["learn", "--task", "t", "--data", str(csv_no_text)],
+        "was made with the encoder": [
+            "learn",
+            "--task",
+            "t",
+            "--data",
+            str(data["banking"]),
+            "--model",
+            str(other),
+        ],
+        "no task 'nope'": ["forget", "--task", "nope"],
+    }
+    for message, argv in cases.items():
+        capsys.readouterr()
+        assert main(["lifelong", argv[0], "--store", str(path), *argv[1:]]) == 2, message
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err and "Traceback" not in err, err
+        assert _digest(path) == before, message
+    assert main(["lifelong", "tasks", "--store", str(tmp_path / "missing")]) == 2
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_new_store_with_another_encoder_folder(tmp_path, data):
+    other = _tiny_model_folder(tmp_path / "m")
+    s = KnowledgeStore(tmp_path / "s", model=other)
+    s.learn("banking", read_records(data["banking"], labels=True), epochs=1)
+    assert json.loads((tmp_path / "s" / "store.json").read_text())["model"]["path"] == str(other.resolve())
+    assert len(KnowledgeStore(tmp_path / "s").predict(["freeze my account"])) == 1
