@@ -116,4 +116,25 @@ def section(ctx: DemoContext) -> Section:
         ),
         plots=[plot],
         rows=rows,
+        takeaway=_takeaway(summary),
+        shortfall=_shortfall(summary),
+    )
+
+
+def _takeaway(summary: dict) -> str:
+    return (
+        f"Continuous batching serves the {N_REAL} queries at {summary['real_cb_x_fcfs']:.2f}x the throughput of "
+        f"static batches in arrival order (sorting by the true lengths: {summary['real_oracle_x_fcfs']:.2f}x); "
+        f"outputs identical: {summary['real_outputs_identical']}."
+    )
+
+
+def _shortfall(summary: dict) -> str:
+    if "sim_fcr_x_fcfs" not in summary:
+        return ""
+    return (
+        f"A learned length predictor does not pay on these intent queries: with MiniLM's predictions the "
+        f"simulator gives sorted {summary['sim_sorted_x_fcfs']:.2f}x and FCR {summary['sim_fcr_x_fcfs']:.2f}x "
+        f"fcfs against {summary['sim_oracle_x_fcfs']:.2f}x with the true lengths (docs/serve.md: on a workload "
+        "whose lengths follow the request, prediction ranks well but static scheduling still stays below 1.5x)."
     )
