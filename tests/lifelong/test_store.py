@@ -222,3 +222,25 @@ def test_a_new_store_with_another_encoder_folder(tmp_path, data):
     s.learn("banking", read_records(data["banking"], labels=True), epochs=1)
     assert json.loads((tmp_path / "s" / "store.json").read_text())["model"]["path"] == str(other.resolve())
     assert len(KnowledgeStore(tmp_path / "s").predict(["freeze my account"])) == 1
+
+
+def test_csv_and_jsonl_read_alike_and_bad_lines_are_named(tmp_path):
+    csv_file = tmp_path / "a.csv"
+    csv_file.write_text('text,label,extra\n"hello, world",greet,x\nbye,farewell,y\n')
+    assert read_records(csv_file, labels=True) == read_records(
+        _jsonl(
+            tmp_path / "a.jsonl",
+            [{"text": "hello, world", "label": "greet"}, {"text": "bye", "label": "farewell"}],
+        ),
+        labels=True,
+    )
+    assert [r.label for r in read_records(_jsonl(tmp_path / "u.jsonl", [{"text": "hi"}]), labels=False)] == [
+        None
+    ]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a", "label": "x"}\nnot json\n')
+    with pytest.raises(EcruError, match="bad.jsonl:2: not JSON"):
+        read_records(bad, labels=True)
+    mixed = _jsonl(tmp_path / "m.jsonl", [{"text": "a", "label": "x"}, {"text": "b"}])
+    with pytest.raises(EcruError, match="all or none"):
+        read_records(mixed, labels=False)
