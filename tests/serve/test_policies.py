@@ -155,5 +155,9 @@ def test_demo_sentences_come_from_the_run():
     summary = {"real_cb_x_fcfs": 1.31, "real_oracle_x_fcfs": 1.12, "real_outputs_identical": "True",
                "sim_sorted_x_fcfs": 1.0, "sim_fcr_x_fcfs": 0.97, "sim_oracle_x_fcfs": 1.6}  # fmt: skip
     assert "1.31x the throughput" in demo._takeaway(summary) and "1.12x" in demo._takeaway(summary)
-    assert "FCR 0.97x" in demo._shortfall(summary) and "1.60x with the true lengths" in demo._shortfall(summary)
+    assert "FCR 0.97x" in demo._shortfall(summary) and "1.60x with the true lengths" in demo._shortfall(
+        summary
+    )
     assert demo._shortfall({"real_cb_x_fcfs": 1.0}) == ""
+    slow = {**summary, "real_cb_x_fcfs": 0.93}
+    assert "measured 0.93x" in demo._takeaway(slow) and "1.37x" in demo._takeaway(slow)
