@@ -20,8 +20,11 @@ from ecru.plugins import module_available
 PILLARS: dict[str, tuple[str, str]] = {
     "l2l": ("ecru.l2l.cli", "layer-to-layer training of models larger than device memory"),
     "ctr": ("ecru.ctr.cli", "large-batch click-through-rate training with CowClip"),
-    "serve": ("ecru.serve.cli", "LLM batch inference scheduled by predicted response length"),
-    "lifelong": ("ecru.lifelong.cli", "continual knowledge injection that keeps zero-shot ability"),
+    "serve": ("ecru.serve.cli", "OpenAI-compatible LLM server, batch runner, length-aware scheduling"),
+    "lifelong": (
+        "ecru.lifelong.cli",
+        "teach a frozen encoder your own tasks one after another (knowledge store); continual-learning benchmark",
+    ),
 }
 
 
