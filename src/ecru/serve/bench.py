@@ -133,11 +133,16 @@ def rotated_orders(policies: tuple[str, ...], repeats: int) -> list[list[str]]:
     return [list(policies[k % len(policies) :] + policies[: k % len(policies)]) for k in range(repeats)]
 
 
+def _median(values: list[float | None]) -> float | None:
+    """The median, or None for a metric the policy does not measure (static policies' peak_kv_tokens)."""
+    return None if None in values else statistics.median(values)
+
+
 def summarize_runs(runs: list[dict[str, float]], fcfs: list[dict[str, float]]) -> dict:
     """One policy's repetitions: the median of each metric, and the median paired ratio to fcfs."""
     ratios = [r["samples_per_s"] / f["samples_per_s"] for r, f in zip(runs, fcfs, strict=True)]
     return {
-        **{key: statistics.median(r[key] for r in runs) for key in runs[0]},
+        **{key: _median([r[key] for r in runs]) for key in runs[0]},
         "speedup_vs_fcfs": statistics.median(ratios),
         "speedup_vs_fcfs_runs": ratios,
         "samples_per_s_runs": [r["samples_per_s"] for r in runs],
