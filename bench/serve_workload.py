@@ -7,7 +7,8 @@ ridge (`MiniLMPredictor`); SmolLM2's own hidden-state probe (`ProbePredictor`). 
 MAE, Spearman, overall and on the test-only (held-out) instruction forms. Labels are generated once and
 cached in --labels-dir (resumable); `--labels-only` just generates them.
 
-    OMP_NUM_THREADS=1 python bench/serve_workload.py --train 480 --test 240 --json bench/results/serve_workload.json
+    OMP_NUM_THREADS=1 python bench/serve_workload.py --train 480 --test 240 --self-lora-epochs 2 \
+        --json bench/results/serve_workload.json
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ecru.serve.labels import label_prompts
 from ecru.serve.models import load_model
 from ecru.serve.predictors import ConstantPredictor, ProbePredictor, timed_predict
 from ecru.serve.prompts import encode_chat
+from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
 from ecru.serve.workload import HELD_OUT_FORMS, WorkloadConfig, build_mixed_workload
 
 
@@ -81,6 +83,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cap", type=int, default=256, help="max new tokens per answer")
     ap.add_argument("--labels-dir", default="runs/serve_workload", help="label cache (resumable)")
     ap.add_argument("--labels-only", action="store_true", help="generate the labels and stop")
+    ap.add_argument(
+        "--self-lora-epochs", type=int, default=0, help="also tune the self-predicting LoRA (0: skip)"
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -98,6 +103,12 @@ def main(argv=None) -> None:
         "minilm": MiniLMPredictor(cap=args.cap).fit([p.prompt for p in train], y_train),
         "probe": ProbePredictor(model, tok, cap=args.cap).fit([p.prompt for p in train], y_train),
     }
+    if args.self_lora_epochs:  # on its own copy of the model: the adapter wraps the model it is given
+        config = SelfLoRAConfig(epochs=args.self_lora_epochs, cap=args.cap)
+        own, _ = load_model("smollm2")
+        predictors["self-lora"] = SelfLoRAPredictor(own, tok, config=config).fit(
+            [p.prompt for p in train], y_train
+        )
     preds = {n: timed_predict(p, [q.prompt for q in test]) for n, p in predictors.items()}
     results = {n: score(n, *preds[n], test, y_test, HELD_OUT_FORMS) for n in predictors}
     prompt_lens = [len(i) for i in encode_chat(tok, [p.prompt for p in test])]
