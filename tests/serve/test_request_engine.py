@@ -136,3 +136,26 @@ def test_penalties_match_openai_formula():
     logits = torch.zeros(5)
     out = penalize(logits, [1, 1, 3], presence=0.5, frequency=0.25)
     torch.testing.assert_close(out, torch.tensor([0.0, -1.0, 0.0, -0.75, 0.0]))
+
+
+def test_prefill_groups_split_only_when_padding_costs_more_than_a_forward():
+    from ecru.serve.continuous import prefill_groups
+
+    assert prefill_groups([5, 7, 6]) == [[0, 2, 1]]  # 3 x 7 positions: one forward
+    # 3 x 3 + 32 (+ 70 + 32 for the long one) = 143 < 4 x 70 + 32 = 312
+    assert prefill_groups([2, 70, 3, 2]) == [[0, 3, 2], [1]]
+    assert prefill_groups([2, 70, 3, 2], overhead=500) == [[0, 3, 2, 1]]
+    assert prefill_groups([4, 4, 4, 4], overhead=0) == [[0, 1, 2, 3]]
+
+
+def test_short_and_long_prompts_admitted_together_prefill_apart_with_the_same_tokens(model, prompts, gen):
+    long = [(p * 12)[:60] for p in prompts[:2]]
+    batch = [long[0], *prompts[:6], long[1]]
+    engine = make_engine(model, gen, max_batch_size=8)
+    reqs = engine.generate(batch, GREEDY)
+    assert engine.stats.prefills == 1 and engine.stats.prefill_forwards == 2
+    for p, r in zip(batch, reqs, strict=True):
+        ids = torch.tensor([p])
+        full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                              eos_token_id=list(gen.eos_token_ids), pad_token_id=gen.pad_token_id)  # fmt: skip
+        assert r.output == full[0, len(p) :].tolist()

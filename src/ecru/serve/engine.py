@@ -108,9 +108,10 @@ def forward(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor
 
 
 def new_cache(model):
-    from transformers import DynamicCache
+    """An empty KV cache for `model`: Hugging Face's `DynamicCache` appending into spare capacity."""
+    from ecru.serve.kv_cache import HeadroomCache
 
-    return DynamicCache(config=model.config)
+    return HeadroomCache(model.config)
 
 
 @torch.no_grad()

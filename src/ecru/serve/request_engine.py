@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from ecru.serve.continuous import Admitter, ContinuousConfig, RunningBatch, admissions
+from ecru.serve.continuous import Admitter, ContinuousConfig, RunningBatch, admissions, prefill_groups
 from ecru.serve.detok import Decoder, TextStream
 from ecru.serve.engine import forward, left_pad, new_cache
 from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
@@ -118,6 +118,9 @@ class EngineStats:
     steps: int = 0
     decode_steps: int = 0
     prefills: int = 0
+    """Admissions prefilled (each in one or more forwards)."""
+    prefill_forwards: int = 0
+    """Prefill forwards: prompts of very different lengths admitted together go in separate ones."""
     tokens: int = 0
     """Token slots computed: one per admitted request per prefill, one per running row per decode step."""
     preemptions: int = 0
@@ -281,17 +284,26 @@ class RequestEngine:
         return admitted
 
     def _prefill(self, admitted: list[Request], finished: list[Request]) -> None:
-        # a preempted request keeps its tokens: its prompt and answer so far are prefilled together
-        ids, mask = left_pad([r.prompt + r.output for r in admitted], self.pad)
-        cache = new_cache(self.model)
-        tok = self._sample(forward(self.model, ids, mask, cache), admitted)
-        self.stats.observe_kv(self.run.mask.numel() + mask.numel())  # the running cache and the new one
+        """Prefill the admitted requests (similar lengths together, `prefill_groups`), then merge the
+        ones still running into the batch in admission order. A preempted request keeps its tokens: its
+        prompt and answer so far are prefilled together."""
+        seqs = [r.prompt + r.output for r in admitted]
+        fresh, order, tok, held = RunningBatch(self.model), [], [], self.run.mask.numel()
+        for group in prefill_groups([len(s) for s in seqs]):
+            ids, mask = left_pad([seqs[i] for i in group], self.pad)
+            cache = new_cache(self.model)
+            tok.append(self._sample(forward(self.model, ids, mask, cache), [admitted[i] for i in group]))
+            held += mask.numel()
+            self.stats.prefill_forwards += 1
+            fresh.merge(group, tok[-1], mask, cache)
+            order += group
+        self.stats.observe_kv(held)  # the running cache and the new ones
         self.stats.prefills += 1
-        alive = self._update(admitted, tok, finished)
+        fresh.select(torch.tensor(order).argsort())  # back to admission order
+        alive = self._update(admitted, torch.cat(tok)[torch.tensor(order).argsort()], finished)
         if alive.any():
-            index = alive.nonzero().flatten()
-            cache.batch_select_indices(index)
-            self.run.merge([admitted[i].seq for i in index.tolist()], tok[index], mask[index], cache)
+            fresh.select(alive.nonzero().flatten())
+            self.run.merge([admitted[i].seq for i in fresh.ids], fresh.pending, fresh.mask, fresh.cache)
 
     def _decode(self, finished: list[Request]) -> None:
         run = self.run

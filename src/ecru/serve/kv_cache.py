@@ -1,0 +1,66 @@
+"""The serving engine's KV cache: Hugging Face's `DynamicCache` with spare columns per layer.
+
+`DynamicLayer.update` concatenates the new keys and values onto the whole layer at every decode step, a
+copy of the entire cache per generated token (about a tenth of a 16-row SmolLM2 decode step on one CPU
+thread at 70 cached positions, growing with them). `HeadroomLayer` writes them into a preallocated buffer
+with `headroom` spare columns and exposes `keys`/`values` as views of it, so the copy happens once per
+`headroom` steps. The values are the same, and so are the model's outputs.
+
+Everything else stays Hugging Face's: the engine keeps replacing `keys`/`values` when rows leave or
+batches merge (`batch_select_indices`, padding, concatenation); the layer notices at its next update (its
+`keys` are no longer its own view) and copies them once into a fresh buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+HEADROOM = 32
+"""Spare columns allocated per row beyond those held: the memory over `EngineStats.peak_kv_tokens`."""
+
+
+class HeadroomLayer(DynamicLayer):
+    """A `DynamicLayer` appending into a buffer with spare columns instead of concatenating."""
+
+    def __init__(self, headroom: int = HEADROOM, **kwargs):
+        super().__init__(**kwargs)
+        self.headroom = headroom
+        self._room: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._views: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        held = self.keys.shape[-2] if self.keys.numel() else 0
+        end = held + key_states.shape[-2]
+        stale = self._views is None or self.keys is not self._views[0] or self.values is not self._views[1]
+        if stale or end > self._room[0].shape[-2]:
+            self._room = (
+                with_room(self.keys, key_states, held, end + self.headroom),
+                with_room(self.values, value_states, held, end + self.headroom),
+            )
+        for buf, states in zip(self._room, (key_states, value_states), strict=True):
+            buf[:, :, held:end] = states
+        self.keys, self.values = (buf[:, :, :end] for buf in self._room)
+        self._views = (self.keys, self.values)
+        return self.keys, self.values
+
+
+def with_room(old: torch.Tensor, like: torch.Tensor, held: int, capacity: int) -> torch.Tensor:
+    """A [B, H, capacity, D] buffer (B, H, D and dtype of `like`) starting with `old`'s `held` columns."""
+    b, h, _, d = like.shape
+    buf = like.new_empty(b, h, capacity, d)
+    if held:
+        buf[:, :, :held] = old
+    return buf
+
+
+class HeadroomCache(DynamicCache):
+    """`DynamicCache(config=...)` whose full-attention layers are `HeadroomLayer`s (sliding-window and
+    other special layers stay Hugging Face's own)."""
+
+    def __init__(self, config, *, headroom: int = HEADROOM):
+        super().__init__(config=config)
+        self.layers = [HeadroomLayer(headroom) if type(ly) is DynamicLayer else ly for ly in self.layers]
