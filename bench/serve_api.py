@@ -1,19 +1,24 @@
 """`ecru serve api` under load, against one-request-at-a-time generation and transformers' own continuous
 batching (`generate_batch`), on the same prompts in the same run.
 
-    OMP_NUM_THREADS=1 python bench/serve_api.py --quick --json bench/results/serve_api_quick.json
+    OMP_NUM_THREADS=1 nice -n 5 python bench/serve_api.py --quick --json bench/results/serve_api_quick.json
 
 Prompts: held-out CLINC150/Banking77 queries (mixed test split) in SmolLM2-135M-Instruct's chat template,
-greedy, cap `--max-new-tokens`. Measured:
-- one request at a time: Hugging Face `model.generate` on each prompt alone (first, it is the reference);
-- the server (`python -m ecru serve api`, its own process) driven through HTTP by 1, 4 and 16 concurrent
-  clients (the official `openai` client, streaming, so time to first token is measured); each client
-  sends its next prompt as soon as its previous answer has ended;
-- `model.generate_batch` (transformers' paged continuous batching) on all prompts at once (A), the same
-  engine in this process without HTTP (B, what the transport costs) and the server at 16 clients (C), in
-  the order A B C C B A so that a load drifting linearly weighs on all three alike (the machine is shared).
-Tokens/s is generated tokens (EOS included) / wall seconds of the whole group. Every greedy answer is
-compared, as text, with the one-at-a-time answer. Prints a table, writes JSON.
+greedy, cap `--max-new-tokens`. `--quick`: 32 prompts on 16 rows, so finished rows are refilled (with 16
+prompts on 16 rows no row ever is, and continuous batching cannot show). Measured:
+- one request at a time: Hugging Face `model.generate` on each of the first `--single-n` prompts alone;
+- `model.generate_batch` (transformers' paged continuous batching, the same `--max-batch-size`) on all
+  prompts at once (A), the same engine in this process without HTTP (B, what the transport costs) and the
+  server (`python -m ecru serve api`, its own process, warmed by one request) driven through HTTP by 16
+  concurrent streaming clients (C, the official `openai` client), in the order A B C C B A so that a load
+  drifting linearly weighs on all three alike (the machine is shared); then the server at 4 clients (all
+  prompts) and at 1 client (the first `--single-n`). Each client sends its next prompt as soon as its
+  previous answer has ended.
+Tokens/s is generated tokens (EOS included) / wall seconds of the whole group. CPU seconds are recorded
+too (this process's for A and B and one-at-a-time, the server process's for C; the clients' apart), as
+tokens per CPU second weigh less on what else runs on the machine. Identity: every greedy answer of every
+method equals generate_batch's (as text for the server), and all equal `generate` one at a time on the
+first `--single-n` prompts. Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def summary(tokens: int, wall: float, done: list[float], *, latencies=None, ttfts=None) -> dict:
+def summary(tokens: int, wall: float, done: list[float], *, latencies=None, ttfts=None, cpu=None) -> dict:
     """`done`: each request's end, seconds from the start of the group (all prompts ready at t=0);
     `latencies`: from the moment its client sent it (server only, where clients send one at a time)."""
     out = {
@@ -50,6 +55,8 @@ def summary(tokens: int, wall: float, done: list[float], *, latencies=None, ttft
         "mean_completion_s": statistics.fmean(done),
         "p99_completion_s": percentile(done, 0.99),
     }
+    if cpu is not None:
+        out |= {"cpu_s": cpu, "tokens_per_cpu_s": tokens / cpu}
     if latencies:
         out |= {"mean_latency_s": statistics.fmean(latencies), "p99_latency_s": percentile(latencies, 0.99)}
     if ttfts:
@@ -61,7 +68,7 @@ def one_at_a_time(served, prompts: list[list[int]], cap: int) -> tuple[dict, lis
     """Hugging Face `generate`, one prompt alone after the other (every request waits from t=0)."""
     import torch
 
-    outs, finish, start = [], [], time.perf_counter()
+    outs, finish, start, cpu = [], [], time.perf_counter(), time.process_time()
     for p in prompts:
         ids = torch.tensor([p])
         full = served.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cap,
@@ -69,7 +76,7 @@ def one_at_a_time(served, prompts: list[list[int]], cap: int) -> tuple[dict, lis
                                      pad_token_id=served.pad_token_id)  # fmt: skip
         outs.append(full[0, len(p) :].tolist())
         finish.append(time.perf_counter() - start)
-    return summary(sum(map(len, outs)), finish[-1], finish), outs
+    return summary(sum(map(len, outs)), finish[-1], finish, cpu=time.process_time() - cpu), outs
 
 
 def generate_batch(served, prompts: list[list[int]], cap: int, rows: int) -> tuple[dict, list[list[int]]]:
@@ -81,14 +88,14 @@ def generate_batch(served, prompts: list[list[int]], cap: int, rows: int) -> tup
     cb = ContinuousBatchingConfig(page_size=64, num_blocks=max(128, rows * (cap + 256) // 64 + 8),
                                   max_batch_tokens=rows * 256, max_requests_per_batch=rows,
                                   use_cuda_graph=False)  # fmt: skip
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     results = served.model.generate_batch(inputs=prompts, generation_config=gen, continuous_batching_config=cb,
                                           record_timestamps=False, progress_bar=False, warmup=False)  # fmt: skip
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     ordered = list(results.values())  # in input order (generate_batch re-orders them)
     outs = [list(r.generated_tokens) for r in ordered]
     ends = [r.lifespan[1] - start if r.lifespan[1] > 0 else wall for r in ordered]
-    return summary(sum(map(len, outs)), wall, ends), outs
+    return summary(sum(map(len, outs)), wall, ends, cpu=cpu), outs
 
 
 class Server:
@@ -107,12 +114,26 @@ class Server:
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2)
-                return
+                break
             except OSError:
                 if self.proc.poll() is not None:
                     raise RuntimeError("the server exited at start") from None
                 time.sleep(0.5)
-        raise RuntimeError("the server did not answer /health in 300 s")
+        else:
+            raise RuntimeError("the server did not answer /health in 300 s")
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """One short request, so that no measured group pays the first forward's one-time costs."""
+        body = json.dumps({"model": "smollm2", "prompt": "Hello", "max_tokens": 4}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=300).read()
+
+    def cpu_s(self) -> float:
+        import psutil
+
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
 
     def rss_mb(self) -> float:
         import psutil
@@ -134,7 +155,7 @@ def drive(url: str, texts: list[str], cap: int, clients: int) -> tuple[dict, lis
         todo.put(i)
     n = len(texts)
     texts_out, tokens, lat, done, ttft = [""] * n, [0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
 
     def worker():
         while True:
@@ -162,54 +183,63 @@ def drive(url: str, texts: list[str], cap: int, clients: int) -> tuple[dict, lis
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
-    return summary(sum(tokens), wall, done, latencies=lat, ttfts=[t for t in ttft if t]), texts_out
+    out = summary(sum(tokens), wall, done, latencies=lat, ttfts=[t for t in ttft if t])
+    return out | {"client_cpu_s": time.process_time() - cpu}, texts_out
 
 
-def run_level(url: str, texts: list[str], reference: list[str], cap: int, clients: int) -> dict:
-    result, answers = drive(url, texts, cap, clients)
+def run_level(server: Server, texts: list[str], reference: list[str], cap: int, clients: int) -> dict:
+    cpu = server.cpu_s()
+    result, answers = drive(server.url, texts, cap, clients)
+    result["cpu_s"] = server.cpu_s() - cpu  # the server process (model, engine, HTTP); clients apart
+    result["tokens_per_cpu_s"] = result["tokens"] / result["cpu_s"]
     result["outputs_identical"] = answers == reference
     result["mismatches"] = sum(a != r for a, r in zip(answers, reference, strict=True))
-    print(f"server, {clients} clients: {result['tokens_per_s']:.1f} tok/s, TTFT {result['mean_ttft_s']:.2f} s, "
-          f"latency {result['mean_latency_s']:.2f} s (p99 {result['p99_latency_s']:.2f}), "
-          f"same outputs {result['outputs_identical']}", flush=True)  # fmt: skip
+    print(f"server, {clients} clients, {len(texts)} prompts: {result['tokens_per_s']:.1f} tok/s, "
+          f"TTFT {result['mean_ttft_s']:.2f} s, latency {result['mean_latency_s']:.2f} s "
+          f"(p99 {result['p99_latency_s']:.2f}), same outputs {result['outputs_identical']}", flush=True)  # fmt: skip
     return result
 
 
-def run_batch(served, prompts, ref_tokens, cap: int, rows: int) -> dict:
+def run_batch(served, prompts, cap: int, rows: int) -> tuple[dict, list[list[int]]]:
     batch, tokens = generate_batch(served, prompts, cap, rows)
-    batch["outputs_identical"] = tokens == ref_tokens
-    print(f"generate_batch: {batch['tokens_per_s']:.1f} tok/s, same outputs {batch['outputs_identical']}",
-          flush=True)  # fmt: skip
-    return batch
+    print(f"generate_batch: {batch['tokens_per_s']:.1f} tok/s ({batch['wall_s']:.1f} s)", flush=True)
+    return batch, tokens
 
 
-def engine_alone(served, prompts, ref_tokens, args) -> dict:
+def engine_alone(served, prompts, args) -> tuple[dict, list[list[int]]]:
     """The same engine in this process, no HTTP: what the server's transport costs."""
     from ecru.serve import EngineConfig, SamplingParams
 
     engine = served.engine(EngineConfig(policy=args.policy, max_batch_size=args.max_batch_size,
                                         max_new_tokens=args.max_new_tokens))  # fmt: skip
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     reqs = engine.generate(prompts, SamplingParams(max_tokens=args.max_new_tokens))
     out = summary(sum(len(r.output) for r in reqs), time.perf_counter() - start,
-                  [r.finish_s - start for r in reqs])  # fmt: skip
-    out["outputs_identical"] = [r.output for r in reqs] == ref_tokens
-    print(
-        f"engine alone: {out['tokens_per_s']:.1f} tok/s, same outputs {out['outputs_identical']}", flush=True
-    )
-    return out
+                  [r.finish_s - start for r in reqs], cpu=time.process_time() - cpu)  # fmt: skip
+    out |= {"prefills": engine.stats.prefills, "prefill_forwards": engine.stats.prefill_forwards,
+            "decode_steps": engine.stats.decode_steps, "peak_kv_tokens": engine.stats.peak_kv_tokens}  # fmt: skip
+    print(f"engine alone: {out['tokens_per_s']:.1f} tok/s ({out['wall_s']:.1f} s)", flush=True)
+    return out, [r.output for r in reqs]
 
 
-def compare_top(served, url, texts, prompts, reference, ref_tokens, args, top: int):
+def compare_top(served, server, texts, prompts, decode, args, top: int):
     """generate_batch (A), the engine alone (B) and the server at `top` clients (C) in the order
-    A B C C B A, so that a load drifting linearly during the run weighs on all three alike."""
+    A B C C B A, so that a load drifting linearly during the run weighs on all three alike. The reference
+    answers are the first generate_batch run's."""
     cap, rows = args.max_new_tokens, args.max_batch_size
-    batches = [run_batch(served, prompts, ref_tokens, cap, rows)]
-    alone = [engine_alone(served, prompts, ref_tokens, args)]
-    tops = [run_level(url, texts, reference, cap, top) for _ in range(2)]
-    alone.append(engine_alone(served, prompts, ref_tokens, args))
-    batches.append(run_batch(served, prompts, ref_tokens, cap, rows))
-    return batches, alone, tops
+    first, ref_tokens = run_batch(served, prompts, cap, rows)
+    reference = [decode(t) for t in ref_tokens]
+    alone = [engine_alone(served, prompts, args)]
+    tops = [run_level(server, texts, reference, cap, top) for _ in range(2)]
+    alone.append(engine_alone(served, prompts, args))
+    last, last_tokens = run_batch(served, prompts, cap, rows)
+    first["outputs_identical"], last["outputs_identical"] = (
+        True,
+        last_tokens == ref_tokens,
+    )  # first: by definition
+    for run, tokens in alone:
+        run["outputs_identical"] = tokens == ref_tokens
+    return [first, last], [run for run, _ in alone], tops, ref_tokens, reference
 
 
 def ABCCBA(top: int) -> list[str]:  # noqa: N802 - the name is the order
@@ -229,8 +259,12 @@ def mean_of(runs: list[dict], key: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="16 prompts, cap 64 (about 7 minutes on 2 cores)")
-    ap.add_argument("--n", type=int, default=None, help="prompts (default 32; --quick 16)")
+    ap.add_argument(
+        "--quick", action="store_true", help="32 prompts, cap 64, one at a time on 8 (~8 min on 2 cores)"
+    )
+    ap.add_argument("--n", type=int, default=None, help="prompts (default 64; --quick 32)")
+    ap.add_argument("--single-n", type=int, default=None,
+                    help="prompts generated one at a time and sent by 1 client (default all; --quick 8)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=64, help="cap on answer tokens")
     ap.add_argument("--concurrency", default="1,4,16", help="concurrent clients, comma-separated")
     ap.add_argument("--max-batch-size", type=int, default=16, help="server's rows (and generate_batch's)")
@@ -248,67 +282,93 @@ def main(argv: list[str] | None = None) -> int:
     from ecru.serve.prompts import load_prompts
 
     prepare_out_file(args.json, flag="--json")
-    n, cap = args.n or (16 if args.quick else 32), args.max_new_tokens
+    n, cap = args.n or (32 if args.quick else 64), args.max_new_tokens
+    single_n = min(n, args.single_n or (8 if args.quick else n))
     levels = sorted(int(c) for c in args.concurrency.split(","))
     served = ServedModel.load("smollm2")
     texts = load_prompts("mixed", n=n, split="test")
     prompts = [served.encode_chat([{"role": "user", "content": t}]) for t in texts]
     decode = Decoder(served.tokenizer)
     load_before = os.getloadavg()
-    print(f"{n} prompts, cap {cap}, torch threads {torch.get_num_threads()}, load {load_before}", flush=True)
+    print(f"{n} prompts, cap {cap}, {args.max_batch_size} rows, torch threads {torch.get_num_threads()}, "
+          f"load {load_before}", flush=True)  # fmt: skip
 
-    single, ref_tokens = one_at_a_time(served, prompts, cap)
-    reference = [decode(t) for t in ref_tokens]
-    print(f"one at a time: {single['tokens_per_s']:.1f} tok/s, {single['wall_s']:.1f} s", flush=True)
+    single, single_tokens = one_at_a_time(served, prompts[:single_n], cap)
+    print(f"one at a time ({single_n} prompts): {single['tokens_per_s']:.1f} tok/s, {single['wall_s']:.1f} s",
+          flush=True)  # fmt: skip
     server, levels_out = Server(cap, args.max_batch_size, args.policy), {}
     try:
-        for c in levels[:-1]:
-            levels_out[str(c)] = run_level(server.url, texts, reference, cap, c)
-        batches, alone, tops = compare_top(
-            served, server.url, texts, prompts, reference, ref_tokens, args, levels[-1]
+        batches, alone, tops, ref_tokens, reference = compare_top(
+            served, server, texts, prompts, decode, args, levels[-1]
         )
+        for c in reversed(levels[:-1]):
+            k = single_n if c == 1 else n
+            levels_out[str(c)] = run_level(server, texts[:k], reference[:k], cap, c)
         server_rss = server.rss_mb()
     finally:
         server.close()
-    top = {**tops[0], **{k: mean_of(tops, k) for k in ("tokens_per_s", "mean_ttft_s", "p99_ttft_s",
-                                                        "mean_latency_s", "p99_latency_s")}, "runs": tops}  # fmt: skip
+    single["outputs_identical"] = single_tokens == ref_tokens[:single_n]
+    result = assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out)
+    result["setup"] |= {"load_average_before": load_before, "load_average_after": os.getloadavg(),
+                        "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                        "torch": torch.__version__, "transformers": transformers.__version__,
+                        "python": platform.python_version()}  # fmt: skip
+    result["peak_rss_mb"] = {"bench_process": psutil.Process().memory_info().rss / 2**20,
+                             "server_process": server_rss}  # fmt: skip
+    atomic_write_json(args.json, result)
+    print(json.dumps({"ratios": result[f"ratios_at_{levels[-1]}_clients"], "met": result["met"]}, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out) -> dict:
+    """The result JSON: every group, the ratios at the top concurrency, the targets and whether they hold."""
+    keys = (
+        "tokens_per_s",
+        "tokens_per_cpu_s",
+        "mean_ttft_s",
+        "p99_ttft_s",
+        "mean_latency_s",
+        "p99_latency_s",
+    )
+    top = {**tops[0], **{k: mean_of(tops, k) for k in keys}, "runs": tops}
     top["outputs_identical"] = all(r["outputs_identical"] for r in tops)
-    levels_out[str(levels[-1])] = top
+    levels_out = {str(levels[-1]): top, **levels_out}
+    levels_out = dict(sorted(levels_out.items(), key=lambda kv: int(kv[0])))
     batch = {"tokens_per_s": mean_of(batches, "tokens_per_s"), "runs": batches,
+             "tokens_per_cpu_s": mean_of(batches, "tokens_per_cpu_s"),
              "outputs_identical": all(b["outputs_identical"] for b in batches)}  # fmt: skip
     engine = {"tokens_per_s": mean_of(alone, "tokens_per_s"), "runs": alone,
+              "tokens_per_cpu_s": mean_of(alone, "tokens_per_cpu_s"),
               "outputs_identical": all(r["outputs_identical"] for r in alone)}  # fmt: skip
     ratios = {
         "x_one_at_a_time": top["tokens_per_s"] / single["tokens_per_s"],
         "x_generate_batch": top["tokens_per_s"] / batch["tokens_per_s"],
         "engine_alone_x_generate_batch": engine["tokens_per_s"] / batch["tokens_per_s"],
         "server_x_engine_alone": top["tokens_per_s"] / engine["tokens_per_s"],
+        "per_cpu_s_x_generate_batch": top["tokens_per_cpu_s"] / batch["tokens_per_cpu_s"],
+        "engine_alone_per_cpu_s_x_generate_batch": engine["tokens_per_cpu_s"] / batch["tokens_per_cpu_s"],
     }
+    identical = (single["outputs_identical"] and batch["outputs_identical"] and engine["outputs_identical"]
+                 and all(r["outputs_identical"] for r in levels_out.values()))  # fmt: skip
     met: dict[str, bool] = {k: ratios[k] >= v for k, v in TARGETS.items()}
-    met["identical_greedy_outputs"] = (
-        batch["outputs_identical"]
-        and engine["outputs_identical"]
-        and all(r["outputs_identical"] for r in levels_out.values())
-    )
-    result = {
-        "setup": {
-            "model": "SmolLM2-135M-Instruct",
-            "prompts": "mixed test split",
-            "n": n,
-            "max_new_tokens": cap,
-            "max_batch_size": args.max_batch_size,
-            "policy": args.policy,
-            "greedy": True,
-            "torch_threads": torch.get_num_threads(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-            "order": ["one_at_a_time", *[f"server {c}" for c in levels[:-1]], *ABCCBA(levels[-1])],
-            "command": " ".join(["python", "bench/serve_api.py", *(argv or sys.argv[1:])]),
-        },  # fmt: skip
+    met["identical_greedy_outputs"] = identical
+    setup = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompts": "mixed test split",
+        "n": n,
+        "single_n": single_n,
+        "max_new_tokens": args.max_new_tokens,
+        "max_batch_size": args.max_batch_size,
+        "policy": args.policy,
+        "greedy": True,
+        "order": ["one_at_a_time", *ABCCBA(levels[-1]), *[f"server {c}" for c in reversed(levels[:-1])]],
+        "reference": "generate_batch's first run (all prompts); one_at_a_time is compared on the first single_n",
+        "cpu_s": "this process's for one_at_a_time, generate_batch, engine_alone; the server process's for server",
+        "command": " ".join(["python", "bench/serve_api.py", *(sys.argv[1:])]),
+    }
+    return {
+        "setup": setup,
         "one_at_a_time": single,
         "generate_batch": batch,
         "engine_alone": engine,
@@ -316,15 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         f"ratios_at_{levels[-1]}_clients": ratios,
         "targets": TARGETS,
         "met": met,
-        "peak_rss_mb": {
-            "bench_process": psutil.Process().memory_info().rss / 2**20,
-            "server_process": server_rss,
-        },
+        "outputs_identical": identical,
     }
-    atomic_write_json(args.json, result)
-    print(json.dumps({"ratios": ratios, "met": met}, indent=2))
-    print(f"wrote {args.json}")
-    return 0
 
 
 if __name__ == "__main__":
