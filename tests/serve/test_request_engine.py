@@ -159,3 +159,59 @@ def test_short_and_long_prompts_admitted_together_prefill_apart_with_the_same_to
         full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                               eos_token_id=list(gen.eos_token_ids), pad_token_id=gen.pad_token_id)  # fmt: skip
         assert r.output == full[0, len(p) :].tolist()
+
+
+def test_padded_peak_hand_computed():
+    from ecru.serve.continuous import padded_peak
+
+    # rows holding 10 and 4 positions, running 2 and 5 more steps: step 2 holds 2 x 12, step 5 1 x 9
+    assert padded_peak([10, 4], [2, 5]) == 24
+    assert padded_peak([4, 10], [5, 2]) == 24
+    assert padded_peak([10, 4], [1, 30]) == 34  # the short row leaves at once; the long one grows alone
+    assert padded_peak([100, 3], [0, 2]) == 5  # a row running no more steps is gone
+    assert padded_peak([], []) == 0
+
+
+@pytest.mark.parametrize("reserve", [1.0, 6.0, None])  # short (preemptions), middling, the cap
+def test_cb_kv_measured_kv_peak_never_exceeds_its_budget(model, prompts, reference, gen, reserve):
+    engine = make_engine(model, gen, policy="cb-kv", kv_prompt_tokens=4)  # budget 4 x (24 + 4) = 112
+    if reserve is not None:
+        engine.predict = lambda prompt, params: reserve
+    reqs = engine.generate(prompts, GREEDY)
+    assert [r.output for r in reqs] == reference
+    budget = engine.admitter.config.kv_budget
+    assert budget == 112 and 0 < engine.stats.peak_kv_tokens <= budget
+    if reserve == 1.0:
+        assert engine.stats.preemptions > 0
+
+
+def test_reserved_accounting_overshoots_the_padded_cache_it_budgets(model, prompts, gen):
+    """What the padded accounting fixes: reservations counted as a paged cache holds them (prompt plus
+    reserved answer) admit more than this engine's left-padded cache then holds within the budget."""
+    from dataclasses import replace
+
+    config = EngineConfig(
+        policy="cb-kv", max_new_tokens=24, max_batch_size=4, refill_min=2, kv_prompt_tokens=4
+    )
+    limits = replace(config.continuous(), kv_accounting="reserved")
+    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                           config=config, limits=limits)  # fmt: skip
+    engine.predict = lambda prompt, params: 6.0
+    engine.generate(prompts, GREEDY)
+    assert engine.stats.peak_kv_tokens > limits.kv_budget
+
+
+def test_cb_kv_refuses_a_request_its_budget_cannot_hold(model, gen):
+    engine = make_engine(model, gen, policy="cb-kv", kv_prompt_tokens=4)
+    with pytest.raises(ValueError, match="KV-cache budget of 112"):
+        engine.add_request(list(range(3, 93)), GREEDY)  # 90 + 24 > 112
+
+
+def test_offline_cb_kv_with_padded_accounting_stays_within_its_budget(model, prompts, reference, gen):
+    from ecru.serve import FCFSQueue, generate_continuous, kv_budget_config
+
+    lens = [len(p) for p in prompts]
+    config = kv_budget_config(2, 24, lens, refill_min=1, accounting="padded")  # 2 x (24 + 11) = 70
+    run = generate_continuous(model, prompts, queue=FCFSQueue(), gen=gen, config=config, reserve=[3.0] * 24)
+    assert run.tokens == reference and run.preemptions > 0
+    assert 0 < run.peak_kv_tokens <= config.kv_budget == 70

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from ecru.serve.engine import GenerationConfig, new_cache
 from ecru.serve.queues import RequestQueue
+
+KV_ACCOUNTING = ("reserved", "padded")
 
 
 @dataclass(frozen=True)
@@ -37,15 +39,23 @@ class ContinuousConfig:
     """Admit only when at least this many rows are free (or the batch is empty or nothing else waits):
     prefilling several prompts in one forward is cheaper than one at a time."""
     kv_budget: int | None = None
-    """KV-cache tokens the running requests may reserve, each its prompt plus the answer tokens reserved
-    for it (as a paged cache would hold them; this loop's padded cache holds rows x widest row). None: only
+    """KV-cache tokens the running requests may hold, counted as `kv_accounting` says. None: only
     `max_batch_size` limits the batch. See `Admitter`."""
+    kv_accounting: str = "reserved"
+    """How `kv_budget` is counted. "reserved": each request's prompt plus the answer tokens reserved for
+    it, as a paged cache would hold them (what the simulator models). "padded": what this engine's
+    left-padded cache really holds, rows x the widest row (`EngineStats.peak_kv_tokens`, padding
+    included), over the reservations' whole future; the measured peak never exceeds the budget."""
 
     def __post_init__(self):
         if min(self.max_batch_size, self.max_new_tokens, self.refill_min) < 1:
             raise ValueError("max_batch_size, max_new_tokens and refill_min must all be >= 1")
         if self.kv_budget is not None and self.kv_budget < 1:
             raise ValueError(f"kv_budget must be >= 1 token (or None), got {self.kv_budget}")
+        if self.kv_accounting not in KV_ACCOUNTING:
+            raise ValueError(
+                f"kv_accounting must be one of {', '.join(KV_ACCOUNTING)}, got {self.kv_accounting!r}"
+            )
 
 
 @dataclass
@@ -73,12 +83,31 @@ def kv_budget_config(
     *,
     refill_min: int = 4,
     row_factor: int = 4,
+    accounting: str = "reserved",
 ) -> ContinuousConfig:
     """`cb-kv`'s limits: the KV tokens `batch_size` requests hold when each reserves the cap (at the longest
     prompt), the memory `cb` runs in, and up to `row_factor` times as many rows when reservations are
-    smaller."""
+    smaller; counted as `accounting` says (`ContinuousConfig.kv_accounting`)."""
     budget = batch_size * (max_new_tokens + max(prompt_lens))
-    return ContinuousConfig(batch_size * row_factor, max_new_tokens, refill_min, kv_budget=budget)
+    return ContinuousConfig(batch_size * row_factor, max_new_tokens, refill_min, kv_budget=budget,
+                            kv_accounting=accounting)  # fmt: skip
+
+
+def padded_peak(cached: Sequence[int], steps: Sequence[int]) -> int:
+    """The most KV positions a left-padded batch holds over its coming decode steps, padding included.
+
+    Row k holds `cached[k]` positions now and runs `steps[k]` more decode steps (rows with none are
+    left out). Decode step t feeds one more position to every row still running, so the cache holds
+    (rows with steps >= t) x (max of their cached + t): growing in t while no row leaves, hence largest
+    at a step where some row runs its last."""
+    rows = sorted((s, c) for c, s in zip(cached, steps, strict=True) if s > 0)
+    peak, widest = 0, 0
+    for k in range(len(rows) - 1, -1, -1):  # longest-running first: rows[k:] are still running at t
+        s, c = rows[k]
+        widest = max(widest, c)
+        if k == 0 or rows[k - 1][0] != s:
+            peak = max(peak, (len(rows) - k) * (widest + s))
+    return peak
 
 
 def admissions(*, free: int, waiting: int, upcoming: int, running: int, refill_min: int) -> int:
@@ -108,6 +137,11 @@ class Admitter:
     extra rows, `refill_min` rarely holds admission back (free rows abound): memory decides when
     requests join, often one prompt per prefill.
     The real loop and the simulator share this object, so they decide alike.
+
+    With `kv_accounting="padded"` the budget is checked on the cache this engine really holds
+    (`padded_peak`: rows x widest row over the reservations' whole future, and the prefill's new cache
+    next to the running one); the caller tells how many answer tokens each request has (`generated`: a
+    preempted request may keep its tokens and be prefilled with them). The simulator cannot model this.
     """
 
     def __init__(self, queue: RequestQueue, prompt_lens: Sequence[int], config: ContinuousConfig,
@@ -122,6 +156,8 @@ class Admitter:
             self.add(i, n, None if reserve is None else reserve[i])
         self.reserved: dict[int, int] = {}
         self.preemptions = 0
+        self.generated: Callable[[int], int] = lambda i: 0
+        """Answer tokens request i holds so far (padded accounting); the engine sets it."""
 
     def add(self, i: int, prompt_len: int, reserve: float | None = None, *, cap: int | None = None) -> None:
         """Register request `i` (before it is pushed to the queue): its prompt length, the answer tokens
@@ -148,18 +184,38 @@ class Admitter:
     def admit(self, n: int) -> list[int]:
         """Up to `n` requests that fit the budget, in order (reserved as they are returned)."""
         picked, left = [], self._left()
+        running = list(self.reserved)
         while len(picked) < n and len(self):
             i = self.held.popleft() if self.held else self.queue.pop()
             if i not in self.prompt_lens:
                 continue  # forgotten while it waited (a cancelled request)
             need = self.prompt_lens[i] + self.initial[i]
-            if need > left and (picked or self.reserved):
+            fits = self._fits_padded(running, [*picked, i]) if self._padded else need <= left
+            if not fits and (picked or self.reserved):
                 self.held.appendleft(i)
                 break
             picked.append(i)
             left -= need
             self.reserved[i] = self.initial[i]
         return picked
+
+    @property
+    def _padded(self) -> bool:
+        return self.config.kv_budget is not None and self.config.kv_accounting == "padded"
+
+    def _fits_padded(self, running: Sequence[int], new: Sequence[int] = (), gen: dict | None = None) -> bool:
+        """Whether `running` rows and `new` ones prefilled now stay within the budget, as really held
+        (`gen`: answer tokens per request; default `generated`)."""
+        gen = gen if gen is not None else {i: self.generated(i) for i in [*running, *new]}
+        cached = [self.prompt_lens[i] + gen[i] - 1 for i in running]  # the newest token is not cached yet
+        prefilled = [self.prompt_lens[i] + gen[i] for i in new]  # prompt (and kept tokens), then one token
+        # every row runs the next decode step, even one already at its reservation: reservations grow
+        # (and rows may be preempted) only after a decode step
+        steps = [max(1, self.reserved[i] - gen[i]) for i in running]
+        steps += [max(1, self.initial[i] - gen[i] - 1) for i in new]
+        held_at_prefill = len(running) * max(cached, default=0) + len(new) * max(prefilled, default=0)
+        peak = max(held_at_prefill, padded_peak(cached + prefilled, steps))
+        return peak <= self.config.kv_budget
 
     def leave(self, i: int) -> None:
         """Request `i` finished: its reservation is freed."""
@@ -172,10 +228,12 @@ class Admitter:
         for i, g in zip(running, generated, strict=True):
             if g >= self.reserved[i]:
                 self.reserved[i] = self.caps[i]
-        out = []
+        out, left, gen = [], list(running), dict(zip(running, generated, strict=True))
         for i in reversed(running):
-            if self._left() >= 0 or len(self.reserved) == 1:
+            fits = self._fits_padded(left, gen=gen) if self._padded else self._left() >= 0
+            if fits or len(self.reserved) == 1:
                 break
+            left.remove(i)
             del self.reserved[i]
             self.initial[i] = self.caps[i]  # its prediction proved short: readmit at the cap
             self.held.appendleft(i)

@@ -11,6 +11,8 @@ Admission (`EngineConfig.policy`) is `continuous.Admitter` over a waiting queue:
 served; `cb-sjf` shortest predicted answer first, aged; `cb-kv` first come first served with KV memory
 reserved by predicted length instead of the cap (more rows in the same memory; a row outgrowing its
 reservation may preempt the newest rows, which keep their tokens and are re-prefilled when readmitted).
+cb-kv's budget is enforced on the cache this engine really holds, rows x widest row with the left padding
+(`EngineStats.peak_kv_tokens` never exceeds it; `ContinuousConfig.kv_accounting="padded"`).
 The predicted length is `predict(prompt, params)`, by default the request's own `max_tokens`.
 """
 
@@ -71,7 +73,8 @@ class EngineConfig:
             return ContinuousConfig(self.max_batch_size, self.max_new_tokens, self.refill_min)
         budget = self.max_batch_size * (self.max_new_tokens + self.kv_prompt_tokens)
         rows = self.max_batch_size * self.kv_row_factor
-        return ContinuousConfig(rows, self.max_new_tokens, self.refill_min, kv_budget=budget)
+        return ContinuousConfig(rows, self.max_new_tokens, self.refill_min, kv_budget=budget,
+                                kv_accounting="padded")  # fmt: skip
 
 
 class RequestStatus(enum.Enum):
@@ -162,6 +165,7 @@ class RequestEngine:
             cb_sjf = self.config.policy == "cb-sjf"
             queue = SJFQueue(self._predicted, aging=self.config.aging) if cb_sjf else FCFSQueue()
         self.admitter = Admitter(queue, [], limits or self.config.continuous())
+        self.admitter.generated = lambda i: len(self.requests[i].output)
         self.discard_preempted = discard_preempted
         self.upcoming = 0
         """Requests the caller will add later: admission waits for `refill_min` of them (offline runs)."""
@@ -218,6 +222,13 @@ class RequestEngine:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.context_len} tokens; shorten the prompt or lower max_tokens"
             )
+        limits = self.admitter.config
+        if limits.kv_budget is not None and limits.kv_accounting == "padded":
+            if len(prompt) + params.max_tokens > limits.kv_budget:
+                raise ValueError(
+                    f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV-cache "
+                    f"budget of {limits.kv_budget} tokens; shorten the prompt or lower max_tokens"
+                )
         if params.stop and self.decode is None:
             raise ValueError("stop strings need a tokenizer: give the engine one")
 
