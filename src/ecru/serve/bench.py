@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
+from ecru.serve.queues import DEFAULT_AGING
 from ecru.serve.runner import POLICIES
 
 PREDICTORS = ("self-lora", "probe", "minilm", "oracle", "constant")
@@ -52,7 +53,7 @@ class BenchConfig:
     """Labels JSONL for training the predictor (default: the cache, built on first use)."""
     train_n: int = 192
     """Train-split prompts to label (if missing) and train on."""
-    aging: float = 0.5
+    aging: float = DEFAULT_AGING
     """cb-sjf aging, priority tokens per decode step waited."""
     lora_epochs: int = 2
     """Epochs of self-lora tuning (the paper: 3; each SmolLM2 step costs seconds on a CPU)."""
