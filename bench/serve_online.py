@@ -6,7 +6,9 @@ labels, cap 256); the per-step cost model is measured on this machine in this ru
 fitted on train prompts only and its measured prediction time is charged on the serving clock.
 
 - Prompt-only predictors (cb-sjf; cb-srpt before its first re-prediction): the constant median, a ridge
-  probe on SmolLM2's mean-pooled prompt states (`ProbePredictor`), MiniLM ridge (`MiniLMPredictor`).
+  probe on SmolLM2's mean-pooled prompt states (`ProbePredictor`), MiniLM ridge (`MiniLMPredictor`), and
+  PiA, SmolLM2 untuned asked for its answer's length (`PiAPredictor`; the train median where it gives no
+  number).
 - Re-prediction (cb-srpt): `RemainingProbe`, ridge on the running row's own last hidden state, trained
   teacher-forced on the train prompts' answers (cached in --answers-dir; generated if missing), scored on
   the test answers every --repredict-every tokens.
@@ -39,6 +41,7 @@ from ecru.serve.predictors import ConstantPredictor, ProbePredictor, timed_predi
 from ecru.serve.prompts import encode_chat
 from ecru.serve.remaining import RemainingProbe, answer_states
 from ecru.serve.responses import generate_responses
+from ecru.serve.self_predict import PiAPredictor
 
 RESULTS = Path(__file__).parent / "results"
 NOTE = "replayed through simulator with measured lengths/predictions"
@@ -61,11 +64,13 @@ def prompt_predictors(model, tok, train, y_train, test, cap) -> dict[str, tuple[
         "constant": ConstantPredictor(statistics.median(y_train)),
         "probe": ProbePredictor(model, tok, cap=cap).fit(train, y_train),
         "minilm": MiniLMPredictor(cap=cap).fit(train, y_train),
+        "pia": PiAPredictor(model, tok, cap=cap, default=statistics.median(y_train)),
     }
     out = {}
     for name, p in fitted.items():
         pred, s = timed_predict(p, test)
         out[name] = (pred, s / len(test))
+    print(f"pia: {fitted['pia'].parsed} of {len(test)} answers held a number", file=sys.stderr)
     return out
 
 
@@ -214,45 +219,11 @@ def main(argv=None) -> None:
     idx = resample(len(test), args.requests, args.seed)
     static = static_table(idx, prompt_lens, y_test, preds, cost, args.cap)
     base = OnlineConfig(max_new_tokens=args.cap, repredict_every=k, token_s=cost.step_time(16, 200))
-    # capacity: cb's throughput with every request waiting at t = 0
-    sat = simulate_online(build_trace(idx, [0.0] * len(idx), prompt_lens, y_test, t0, None), policy="cb",
-                          config=base, cost=cost)  # fmt: skip
-    capacity = len(idx) / sat.time_s
-    probe_pred, probe_s = preds["probe"]
-    policies = {
-        "fcfs": ("fcfs", "probe", {}),
-        "cb": ("cb", "probe", {}),
-        "cb-sjf": ("cb-sjf", "probe", {"predict_s": probe_s}),
-        "cb-srpt": ("cb-srpt", "probe", {"predict_s": probe_s, "repredict_s": repredict_s, "preempt": True}),
-        "cb-srpt-no-preempt": ("cb-srpt", "probe", {"predict_s": probe_s, "repredict_s": repredict_s}),
-        "oracle-srpt": ("oracle-srpt", "probe", {"preempt": True}),
-        "cb-sjf[minilm]": ("cb-sjf", "minilm", {"predict_s": preds["minilm"][1]}),
-        "cb-srpt[minilm]": (
-            "cb-srpt",
-            "minilm",
-            {"predict_s": preds["minilm"][1], "repredict_s": repredict_s, "preempt": True},
-        ),  # fmt: skip
-        "cb-sjf[free-predict]": ("cb-sjf", "probe", {}),
-        "cb-srpt[free-predict]": ("cb-srpt", "probe", {"repredict_s": repredict_s, "preempt": True}),
-    }
-    loads = {}
-    for load in (0.8, 1.2, 2.0):
-        arrivals = poisson_arrivals(len(idx), load * capacity, args.seed + 1)
-
-        def trace_for(name, arrivals=arrivals):
-            return build_trace(idx, arrivals, prompt_lens, y_test, preds[name][0], traj)
-
-        res = run_policies(trace_for, policies, base, cost)
-        cb = res["cb"]
-        for r in res.values():
-            r["mean_latency_x_cb"] = r["mean_latency_s"] / cb["mean_latency_s"]
-            r["p99_latency_x_cb"] = r["p99_latency_s"] / cb["p99_latency_s"]
-        loads[str(load)] = {"arrival_rate_per_s": load * capacity, "policies": res}
-        print(f"load {load}: " + "; ".join(f"{n} {r['mean_latency_x_cb']:.2f}/{r['p99_latency_x_cb']:.2f}"
-                                           for n, r in res.items()))  # fmt: skip
+    online = online_tables(idx, prompt_lens, y_test, preds, traj, repredict_s, base, cost, args.seed)
     sweeps = sweep(
-        idx, prompt_lens, y_test, preds, traj, capacity, base, cost, probe_s, repredict_s, args.seed
+        idx, prompt_lens, y_test, preds, traj, online["capacity"], base, cost, repredict_s, args.seed
     )
+    clinc = clinc_banking(base, cost, args)
     out = {
         "workload": "mixed (ecru.serve.workload), unseen test prompts, SmolLM2-135M-Instruct greedy, cap "
         f"{args.cap}",
@@ -268,12 +239,13 @@ def main(argv=None) -> None:
         "train_answers_for_remaining_probe": n_answers,
         "answers_length_mismatch_vs_labels": mismatch,
         "cost_model": cost.__dict__,
-        "capacity_requests_per_s": capacity,
+        "capacity_requests_per_s": online["capacity"],
         "config": {**base.__dict__, "cb-srpt": "preemption on; oracle-srpt too"},
-        "loads": loads,
+        "loads": online["loads"],
         "predictors": predictors,
         "static_throughput_x_fcfs": static,
         "sweeps_load_1.2": sweeps,
+        "clinc_banking": clinc,
         "answer_generation_s": gen_s,
         "state_extraction_s_per_token": state_s,
         "wall_s": time.perf_counter() - started,
@@ -282,16 +254,74 @@ def main(argv=None) -> None:
     print(f"wrote {out_path} ({out['wall_s']:.0f} s)")
 
 
-def sweep(idx, prompt_lens, lengths, preds, traj, capacity, base, cost, probe_s, repredict_s, seed) -> dict:
+def online_tables(idx, prompt_lens, lengths, preds, traj, repredict_s, base, cost, seed) -> dict:
+    """Every policy at each load; load = arrival rate / cb's throughput with every request waiting at t=0."""
+    sat = simulate_online(build_trace(idx, [0.0] * len(idx), prompt_lens, lengths, lengths, None), policy="cb",
+                          config=base, cost=cost)  # fmt: skip
+    capacity = len(idx) / sat.time_s
+    policies = {"fcfs": ("fcfs", None, {}), "cb": ("cb", None, {})}
+    learned = [n for n in preds if n != "constant"]
+    primary = "probe" if "probe" in learned else learned[0]
+    for name in learned:
+        per_req = preds[name][1]
+        tag = "" if name == primary else f"[{name}]"
+        policies[f"cb-sjf{tag}"] = ("cb-sjf", name, {"predict_s": per_req})
+        policies[f"cb-sjf{tag}[free-predict]"] = ("cb-sjf", name, {})
+        if traj:
+            srpt = {"predict_s": per_req, "repredict_s": repredict_s}
+            policies[f"cb-srpt{tag}"] = ("cb-srpt", name, {**srpt, "preempt": True})
+            policies[f"cb-srpt{tag}[no-preempt]"] = ("cb-srpt", name, srpt)
+    policies["oracle-srpt"] = ("oracle-srpt", None, {"preempt": True})
+    policies["oracle-srpt[no-preempt]"] = ("oracle-srpt", None, {})
+    loads = {}
+    for load in (0.8, 1.2, 2.0):
+        arrivals = poisson_arrivals(len(idx), load * capacity, seed + 1)
+
+        def trace_for(name, arrivals=arrivals):
+            pred = preds[name][0] if name else preds[primary][0]
+            return build_trace(idx, arrivals, prompt_lens, lengths, pred, traj)
+
+        res = run_policies(trace_for, policies, base, cost)
+        for r in res.values():
+            r["mean_latency_x_cb"] = r["mean_latency_s"] / res["cb"]["mean_latency_s"]
+            r["p99_latency_x_cb"] = r["p99_latency_s"] / res["cb"]["p99_latency_s"]
+        loads[str(load)] = {"arrival_rate_per_s": load * capacity, "policies": res}
+        print(f"load {load}: " + "; ".join(f"{n} {r['mean_latency_x_cb']:.2f}/{r['p99_latency_x_cb']:.2f}"
+                                           for n, r in res.items()))  # fmt: skip
+    return {"capacity": capacity, "loads": loads}
+
+
+def clinc_banking(base, cost, args) -> dict:
+    """The hard second workload (CLINC150/Banking77 queries): the true lengths, prompt lengths and MiniLM
+    predictions (fitted on 192 train labels) of bench/results/serve_bench_target.json's 256 held-out
+    prompts; no answers were generated for them, so no re-prediction (cb-srpt) here."""
+    setup = json.loads((RESULTS / "serve_bench_target.json").read_text())
+    s, p = setup["setup"], setup["predictor"]
+    lengths = [min(args.cap, int(n)) for n in s["true_lengths"]]
+    preds = {"minilm": ([float(x) for x in s["predicted_lengths"]], p["predict_s"] / len(lengths))}
+    idx = resample(len(lengths), args.requests, args.seed)
+    static = static_table(idx, s["prompt_lens"], lengths, preds, cost, args.cap)
+    online = online_tables(idx, s["prompt_lens"], lengths, preds, None, 0.0, base, cost, args.seed)
+    metrics = {
+        **length_metrics(preds["minilm"][0], lengths),
+        "spearman": spearman(preds["minilm"][0], lengths),
+    }
+    return {"source": "bench/results/serve_bench_target.json (setup, predictor)", "cap_hit_share":
+            sum(n >= args.cap for n in lengths) / len(lengths), "predictors": {"minilm": metrics},
+            "static_throughput_x_fcfs": static, "capacity_requests_per_s": online["capacity"],
+            "loads": online["loads"]}  # fmt: skip
+
+
+def sweep(idx, prompt_lens, lengths, preds, traj, capacity, base, cost, repredict_s, seed) -> dict:
     """cb-sjf and cb-srpt at load 1.2 over aging and preemption margins (latency x cb)."""
     arrivals = poisson_arrivals(len(idx), 1.2 * capacity, seed + 1)
     trace = build_trace(idx, arrivals, prompt_lens, lengths, preds["probe"][0], traj)
     cb = simulate_online(trace, policy="cb", config=base, cost=cost)
     out = {}
-    for aging in (0.0, 0.05, 0.25, 1.0, 4.0):
+    for aging in (0.0, 0.05, 0.1, 0.2, 0.5, 1.0):
         for policy, margin in (("cb-sjf", None), ("cb-srpt", 32.0), ("cb-srpt", 64.0), ("cb-srpt", 128.0)):
             extra = {"preempt": True, "preempt_margin": margin, "repredict_s": repredict_s} if margin else {}
-            cfg = OnlineConfig(**{**base.__dict__, "aging": aging, "predict_s": probe_s, **extra})
+            cfg = OnlineConfig(**{**base.__dict__, "aging": aging, "predict_s": preds["probe"][1], **extra})
             r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
             key = f"{policy} aging={aging}" + (f" margin={margin:g}" if margin else "")
             out[key] = {"mean_latency_x_cb": r.mean_latency_s / cb.mean_latency_s,

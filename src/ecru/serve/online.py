@@ -12,8 +12,8 @@ Policies (`ONLINE_POLICIES`):
 
 Aging is in the predictions' own unit, tokens: a waiting request's key is its predicted remaining length
 minus `aging` x (seconds waited / `token_s`), `token_s` being the measured time of one decode step, i.e.
-the time a running row takes to produce one token. With aging 1 a waiting request gains priority as fast
-as a running row works off its remaining length. All waiting requests age alike, so the order among them
+the time a running row takes to produce one token (aging 1: a waiting request gains priority as fast as a
+running row works off its remaining length; the default 0.1 is `queues.DEFAULT_AGING`). All waiting requests age alike, so the order among them
 is fixed at enqueue time (a heap); a request's wait is bounded by its prediction / aging in decode steps
 behind any later arrival.
 
@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from ecru.serve.cost import CostModel
+from ecru.serve.queues import DEFAULT_AGING
 
 ONLINE_POLICIES = ("fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt")
 
@@ -65,7 +66,7 @@ class OnlineConfig:
     """Continuous policies admit only when this many rows are free (or the batch is empty), as the engine."""
     repredict_every: int = 16
     """cb-srpt: tokens between re-predictions of a running row's remaining length."""
-    aging: float = 1.0
+    aging: float = DEFAULT_AGING
     """Priority tokens gained per decode-step time waited (0: none, long requests may starve)."""
     token_s: float = 0.1
     """Seconds of one decode step (the aging unit); set it from the measured cost model."""
