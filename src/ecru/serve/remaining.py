@@ -33,7 +33,9 @@ def answer_states(
         mask = torch.zeros_like(ids)
         for row, s in enumerate(seqs):  # right padding: positions 0.. per row without position ids
             ids[row, : len(s)], mask[row, : len(s)] = torch.tensor(s), 1
-        hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        # the decoder stack alone: its output is the model's last hidden state, without the vocabulary-sized
+        # LM head at every position (most of a teacher-forced forward's memory traffic)
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
         for row, (p, a) in enumerate(zip(prompts[start : start + batch_size],
                                          answers[start : start + batch_size], strict=True)):  # fmt: skip
             out.append(hidden[row, len(p) - 1 : len(p) - 1 + len(a)].float().clone())
