@@ -23,6 +23,7 @@ fitted on train prompts only and its measured prediction time is charged on the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import statistics
@@ -145,7 +146,9 @@ def build_trace(idx, arrivals, prompt_lens, lengths, predicted, traj) -> list[On
 def static_table(idx, prompt_lens, lengths, preds, cost, cap, group=256) -> dict:
     """Offline groups of `group` requests: each policy's throughput over fcfs (prediction time charged)."""
     out = {}
-    for name, (pred, per_req) in preds.items():
+    for name, (pred, per_req) in list(preds.items()) + [
+        (f"{n}[free-predict]", (p, 0.0)) for n, (p, _) in preds.items()
+    ]:
         times: dict[str, float] = {}
         for g in range(0, len(idx), group):
             rows = idx[g : g + group]
@@ -246,6 +249,13 @@ def main(argv=None) -> None:
         "static_throughput_x_fcfs": static,
         "sweeps_load_1.2": sweeps,
         "clinc_banking": clinc,
+        "per_prompt": {
+            "true_lengths": y_test,
+            "prompt_lens": prompt_lens,
+            "resampled_index": idx,
+            "predicted": {n: p for n, (p, _) in preds.items()},
+            "remaining_trajectories": traj,
+        },
         "answer_generation_s": gen_s,
         "state_extraction_s_per_token": state_s,
         "wall_s": time.perf_counter() - started,
@@ -271,6 +281,11 @@ def online_tables(idx, prompt_lens, lengths, preds, traj, repredict_s, base, cos
             srpt = {"predict_s": per_req, "repredict_s": repredict_s}
             policies[f"cb-srpt{tag}"] = ("cb-srpt", name, {**srpt, "preempt": True})
             policies[f"cb-srpt{tag}[no-preempt]"] = ("cb-srpt", name, srpt)
+            policies[f"cb-srpt{tag}[free-predict]"] = (
+                "cb-srpt",
+                name,
+                {"repredict_s": repredict_s, "preempt": True},
+            )
     policies["oracle-srpt"] = ("oracle-srpt", None, {"preempt": True})
     policies["oracle-srpt[no-preempt]"] = ("oracle-srpt", None, {})
     loads = {}
@@ -318,12 +333,17 @@ def sweep(idx, prompt_lens, lengths, preds, traj, capacity, base, cost, repredic
     trace = build_trace(idx, arrivals, prompt_lens, lengths, preds["probe"][0], traj)
     cb = simulate_online(trace, policy="cb", config=base, cost=cost)
     out = {}
-    for aging in (0.0, 0.05, 0.1, 0.2, 0.5, 1.0):
+    for aging, charge in itertools.product((0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), (True, False)):
         for policy, margin in (("cb-sjf", None), ("cb-srpt", 32.0), ("cb-srpt", 64.0), ("cb-srpt", 128.0)):
             extra = {"preempt": True, "preempt_margin": margin, "repredict_s": repredict_s} if margin else {}
-            cfg = OnlineConfig(**{**base.__dict__, "aging": aging, "predict_s": preds["probe"][1], **extra})
+            predict_s = preds["probe"][1] if charge else 0.0
+            cfg = OnlineConfig(**{**base.__dict__, "aging": aging, "predict_s": predict_s, **extra})
             r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
-            key = f"{policy} aging={aging}" + (f" margin={margin:g}" if margin else "")
+            key = (
+                f"{policy} aging={aging}"
+                + (f" margin={margin:g}" if margin else "")
+                + ("" if charge else " [free-predict]")
+            )
             out[key] = {"mean_latency_x_cb": r.mean_latency_s / cb.mean_latency_s,
                         "p99_latency_x_cb": r.p99_latency_s / cb.p99_latency_s, "preemptions": r.preemptions}  # fmt: skip
             print(f"  {key}: {out[key]}")
