@@ -28,7 +28,7 @@ from ecru.serve.runner import POLICIES
 PREDICTORS = ("self-lora", "probe", "minilm", "oracle", "constant")
 # SmolLM2's labels committed with the repository (rebuilt by `ecru serve label`, see bench/results/)
 REPO_LABELS = Path(__file__).resolve().parents[3] / "bench" / "results" / "serve_labels_smollm2.jsonl"
-NEEDS_PREDICTION = ("sorted", "fcr", "fcr+vbs", "cb-sjf", "cb-ljf", "cb-kv")
+NEEDS_PREDICTION = ("sorted", "fcr", "fcr+vbs", "fcr+vbs+bins", "cb-sjf", "cb-ljf", "cb-kv")
 
 
 @dataclass(frozen=True)
