@@ -51,6 +51,7 @@ def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
         "sorted",
         "fcr",
         "fcr+vbs",
+        "fcr+vbs+bins",
         "oracle",
         "cb",
         "cb-sjf",

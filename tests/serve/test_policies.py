@@ -161,3 +161,33 @@ def test_demo_sentences_come_from_the_run():
     assert demo._shortfall({"real_cb_x_fcfs": 1.0}) == ""
     slow = {**summary, "real_cb_x_fcfs": 0.93}
     assert "measured 0.93x" in demo._takeaway(slow) and "1.37x" in demo._takeaway(slow)
+
+
+def test_bins_batches_never_mix_bins_and_run_at_the_bin_top():
+    from ecru.serve.policies import bin_top
+
+    # bin capacities under the budget 4 x (5 + 256): 18 rows at cap 50, 9 at 100, 6 at 150, 4 at 256
+    predicted = [10, 40, 30] * 12 + [60, 90, 70] * 3 + [140, 101] * 6 + [260, 255, 256, 251]
+    config = PlanConfig(batch_size=4, max_new_tokens=256, token_budget=4 * (5 + 256))
+    plan = plan_batches("fcr+vbs+bins", predicted=predicted, prompt_lens=[5] * len(predicted), config=config)
+    assert sorted(r for b in plan for r in b.rows) == list(range(len(predicted)))
+    assert [(len(b.rows), b.cap) for b in plan] == [
+        (18, 50),
+        (18, 50),
+        (9, 100),
+        (6, 150),
+        (6, 150),
+        (4, 256),
+    ]
+    for b in plan:
+        assert {bin_top(predicted[r], 50, 256) for r in b.rows} == {b.cap}
+
+
+def test_bins_merge_a_small_leftover_into_the_next_bin():
+    predicted = [20] * 17 + [90] * 8  # bin 50: one full batch of 16 (budget) and a leftover of 1
+    config = PlanConfig(batch_size=4, max_new_tokens=256, token_budget=16 * (10 + 50))
+    plan = plan_batches("fcr+vbs+bins", predicted=predicted, prompt_lens=[10] * 25, config=config)
+    assert [len(b.rows) for b in plan if b.cap == 50] == [16]
+    merged = [b for b in plan if 16 in b.rows]
+    assert merged[0].cap == 100  # the leftover row runs with the next bin, at its cap
+    assert sum(len(b.rows) for b in plan) == 25

@@ -14,7 +14,7 @@ from ecru.serve import (
     ridge_fit,
     timed_predict,
 )
-from ecru.serve.self_predict import bucket_label, parse_length
+from ecru.serve.self_predict import PiAPredictor, bucket_label, parse_length
 
 
 def test_length_metrics_by_hand():
@@ -80,3 +80,10 @@ def test_self_lora_learns_its_answer_and_disables_for_generation(tokenizer):
     assert predictor.predict(["an unseen question", "another one"]) == [150.0, 150.0]
     with predictor.adapter_disabled():
         assert generate_static(model, prompt, max_new_tokens=6, config=gen).tokens == before
+        # untuned PiA asks the same question of the base model: whatever it says, a number or the default
+        pia = PiAPredictor(predictor.model, tokenizer, cap=256, default=77.0, max_tokens=4)
+        stated = pia.predict(["an unseen question", "another one"])
+        assert all(x == 77.0 or 1 <= x <= 256 for x in stated) and 0 <= pia.parsed <= 2
+    # with the adapter on, the same query path reads the tuned answer
+    pia = PiAPredictor(predictor.model, tokenizer, cap=256, default=77.0)
+    assert pia.predict(["an unseen question"]) == [150.0] and pia.parsed == 1

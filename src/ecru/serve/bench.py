@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
+from ecru.serve.queues import DEFAULT_AGING
 from ecru.serve.runner import POLICIES
 
 PREDICTORS = ("self-lora", "probe", "minilm", "oracle", "constant")
 # SmolLM2's labels committed with the repository (rebuilt by `ecru serve label`, see bench/results/)
 REPO_LABELS = Path(__file__).resolve().parents[3] / "bench" / "results" / "serve_labels_smollm2.jsonl"
-NEEDS_PREDICTION = ("sorted", "fcr", "fcr+vbs", "cb-sjf", "cb-ljf", "cb-kv")
+NEEDS_PREDICTION = ("sorted", "fcr", "fcr+vbs", "fcr+vbs+bins", "cb-sjf", "cb-ljf", "cb-kv")
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class BenchConfig:
     """Labels JSONL for training the predictor (default: the cache, built on first use)."""
     train_n: int = 192
     """Train-split prompts to label (if missing) and train on."""
-    aging: float = 0.5
+    aging: float = DEFAULT_AGING
     """cb-sjf aging, priority tokens per decode step waited."""
     lora_epochs: int = 2
     """Epochs of self-lora tuning (the paper: 3; each SmolLM2 step costs seconds on a CPU)."""

@@ -9,6 +9,10 @@ rows x (longest prompt + cap) <= `token_budget`, the KV-cache positions it reser
 is what one FCFS batch of `batch_size` reserves at the global cap, batch_size x (longest prompt in the
 group + max_new_tokens), so VBS never needs more memory than the baseline and short-predicted batches
 grow in proportion to how short they are.
+
+`fcr+vbs+bins` is the paper's whole recipe: predictions rounded up to 50-token bins, batches never mix
+bins and run at their bin's top as cap; a bin's leftover rows that would fill less than half of a batch
+at its size join the next bin up (run at the larger cap) instead of running as a small batch.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-STATIC_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "oracle")
+STATIC_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "fcr+vbs+bins", "oracle")
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class PlanConfig:
     """fcr+vbs: max rows x (longest prompt + cap) per batch; None = batch_size x (longest prompt + cap)."""
     max_batch_size: int | None = None
     """fcr+vbs: an optional hard limit on rows per batch (None: only the token budget limits)."""
+    bin_width: int = 50
+    """fcr+vbs+bins: width of a length bin in tokens (the paper's 50)."""
 
     def __post_init__(self):
         if self.batch_size < 1 or self.max_new_tokens < 1:
@@ -52,6 +58,8 @@ class PlanConfig:
             )
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"token_budget must be >= 1 (or None for the default), got {self.token_budget}")
+        if self.bin_width < 1:
+            raise ValueError(f"bin_width must be >= 1, got {self.bin_width}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 (or None), got {self.max_batch_size}")
 
@@ -90,6 +98,27 @@ def vbs_batches(order: Sequence[int], predicted, prompt_lens, config: PlanConfig
     return batches + ([tuple(rows)] if rows else [])
 
 
+def bin_top(predicted: float, width: int, max_new_tokens: int) -> int:
+    """The upper edge of a prediction's bin: rounded up to a multiple of `width`, within 1..max_new_tokens."""
+    return min(max_new_tokens, max(width, width * math.ceil(predicted / width)))
+
+
+def binned_batches(order: Sequence[int], predicted, prompt_lens, config: PlanConfig) -> list[tuple[int, ...]]:
+    """VBS within bins of `config.bin_width` predicted tokens; small leftovers merge into the next bin."""
+    tops = [bin_top(p, config.bin_width, config.max_new_tokens) for p in predicted]
+    bins: dict[int, list[int]] = {}
+    for r in order:
+        bins.setdefault(tops[r], []).append(r)
+    batches, carry = [], []
+    for top in sorted(bins):
+        rows = carry + bins[top]
+        cut = vbs_batches(rows, {r: top for r in rows}, prompt_lens, config)
+        full = len(cut[0])
+        carry = list(cut.pop()) if top != max(bins) and len(cut[-1]) * 2 < full else []
+        batches += cut
+    return batches
+
+
 def plan_batches(
     policy: str, *, predicted: Sequence[float] | None, prompt_lens: Sequence[int], config: PlanConfig
 ) -> list[Batch]:
@@ -104,6 +133,10 @@ def plan_batches(
     order = sort_by_prediction(predicted)
     if policy in ("sorted", "oracle"):
         return [Batch(rows, cap) for rows in _chunks(order, config.batch_size)]
+    if policy == "fcr+vbs+bins":
+        tops = [bin_top(p, config.bin_width, cap) for p in predicted]
+        groups = binned_batches(order, predicted, prompt_lens, config)
+        return [Batch(rows, max(tops[r] for r in rows)) for rows in groups]
     groups = (
         _chunks(order, config.batch_size)
         if policy == "fcr"

@@ -141,8 +141,7 @@ class ProbePredictor(_RidgeOnFeatures):
         out = []
         for i in range(0, len(ids), self.batch_size):
             x, mask = left_pad(ids[i : i + self.batch_size], self.tokenizer.pad_token_id or 0)
-            hidden = self.model(
-                input_ids=x, attention_mask=mask, position_ids=positions(mask), output_hidden_states=True
-            ).hidden_states[-1]
+            decoder = self.model.get_decoder()  # the last hidden state without the LM head's logits
+            hidden = decoder(input_ids=x, attention_mask=mask, position_ids=positions(mask)).last_hidden_state
             out.append(mean_pool(hidden, mask))
         return torch.cat(out)

@@ -45,10 +45,17 @@ class FCFSQueue:
         return len(self._items)
 
 
+DEFAULT_AGING = 0.1
+"""Priority tokens per decode step waited. The old 0.5 made `cb-sjf` FCFS under any backlog: once requests
+wait a few hundred steps, 0.5 x the arrival gap outweighs predictions of at most the cap. 0.1 keeps most of
+shortest-first's mean-latency gain while bounding a long request's wait behind later arrivals to
+prediction / 0.1 steps (`bench/serve_online.py`'s aging sweep, mixed workload, load 1.2)."""
+
+
 class SJFQueue:
     """Shortest predicted job first, aged by `aging` tokens of priority per decode step waited."""
 
-    def __init__(self, predicted: Sequence[float], *, aging: float = 0.5):
+    def __init__(self, predicted: Sequence[float], *, aging: float = DEFAULT_AGING):
         if aging < 0:
             raise ValueError(f"aging must be >= 0 (0 = pure SJF, may starve long requests), got {aging}")
         self.predicted, self.aging = predicted, aging
@@ -70,7 +77,9 @@ class SJFQueue:
 CONTINUOUS_POLICIES = ("cb", "cb-sjf", "cb-ljf", "cb-kv")
 
 
-def make_queue(policy: str, predicted: Sequence[float] | None = None, *, aging: float = 0.5) -> RequestQueue:
+def make_queue(
+    policy: str, predicted: Sequence[float] | None = None, *, aging: float = DEFAULT_AGING
+) -> RequestQueue:
     """The waiting queue of a continuous-batching policy of `CONTINUOUS_POLICIES`."""
     if policy not in CONTINUOUS_POLICIES:
         raise ValueError(

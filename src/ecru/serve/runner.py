@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ecru.serve.continuous import ContinuousConfig, generate_continuous, kv_budget_config
 from ecru.serve.engine import GenerationConfig, generate_static
 from ecru.serve.policies import STATIC_POLICIES, PlanConfig, plan_batches, rerun_batches
-from ecru.serve.queues import CONTINUOUS_POLICIES, make_queue
+from ecru.serve.queues import CONTINUOUS_POLICIES, DEFAULT_AGING, make_queue
 
 POLICIES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
 
@@ -103,7 +103,7 @@ def run_continuous(
     predicted,
     gen: GenerationConfig,
     config: ContinuousConfig,
-    aging: float = 0.5,
+    aging: float = DEFAULT_AGING,
     predict_s: float = 0.0,
 ) -> PolicyRun:
     """`cb` (FCFS admission), `cb-sjf` (shortest predicted first) or `cb-ljf` (longest first), aged;
@@ -149,7 +149,7 @@ def run_policy(
     predicted: Sequence[float] | None,
     gen: GenerationConfig,
     plan: PlanConfig,
-    aging: float = 0.5,
+    aging: float = DEFAULT_AGING,
     refill_min: int = 4,
     predict_s: float = 0.0,
     progress: bool = False,

@@ -71,6 +71,49 @@ def parse_length(text: str, *, default: float, cap: int) -> float:
     return float(min(cap, max(1, int(match.group())))) if match else default
 
 
+@torch.no_grad()
+def stated_lengths(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    default: float,
+    cap: int,
+    batch_size: int = 32,
+    max_tokens: int = 6,
+) -> list[float]:
+    """The length the model states when asked `QUERY` (greedy, `max_tokens` tokens, first integer)."""
+    from ecru.serve.prompts import encode_chat
+
+    gen = GenerationConfig.for_tokenizer(tokenizer)
+    ids = encode_chat(tokenizer, [QUERY.format(prompt=p) for p in prompts])
+    out = []
+    for i in range(0, len(ids), batch_size):
+        result = generate_static(model, ids[i : i + batch_size], max_new_tokens=max_tokens, config=gen)
+        texts = tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
+        out += [parse_length(t, default=default, cap=cap) for t in texts]
+    return out
+
+
+class PiAPredictor:
+    """Perception in advance, untuned: the base LLM is asked how many tokens its answer will have."""
+
+    name = "pia"
+
+    def __init__(self, model, tokenizer, *, cap: int = 256, default: float = 128.0, max_tokens: int = 16):
+        self.model, self.tokenizer = model, tokenizer
+        self.cap, self.default, self.max_tokens = cap, default, max_tokens
+        self.parsed = 0
+        """How many answers of the last `predict` held a number (the rest got `default`)."""
+
+    def predict(self, prompts: Sequence[str]) -> list[float]:
+        marker = -1.0  # parse_length's default: marks answers without a number
+        out = stated_lengths(self.model, self.tokenizer, prompts, default=marker, cap=self.cap,
+                             max_tokens=self.max_tokens)  # fmt: skip
+        self.parsed = sum(x != marker for x in out)
+        return [self.default if x == marker else x for x in out]
+
+
 class SelfLoRAPredictor:
     """The LLM with a length adapter: `fit` tunes it, `predict` generates the number, greedily."""
 
@@ -148,16 +191,9 @@ class SelfLoRAPredictor:
             target[row, start : len(ids)] = torch.tensor(ids[start:])
         return self.model(input_ids=x, attention_mask=mask, labels=target).loss
 
-    @torch.no_grad()
     def predict(self, prompts: Sequence[str], *, batch_size: int = 32) -> list[float]:
-        gen = GenerationConfig.for_tokenizer(self.tokenizer)
-        ids = self._query_ids(prompts)
-        out = []
-        for i in range(0, len(ids), batch_size):
-            result = generate_static(self.model, ids[i : i + batch_size], max_new_tokens=6, config=gen)
-            texts = self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
-            out += [parse_length(t, default=self.default, cap=self.config.cap) for t in texts]
-        return out
+        return stated_lengths(self.model, self.tokenizer, prompts, default=self.default, cap=self.config.cap,
+                              batch_size=batch_size)  # fmt: skip
 
     def adapter_disabled(self):
         """Context in which the model generates as the base LLM (the adapter is bypassed)."""

@@ -1,0 +1,354 @@
+"""Online serving with length perception: Poisson arrivals, continuous batching, re-prediction while generating.
+
+Replayed through the simulator (`ecru.serve.online`) with lengths and predictions measured here: the true
+lengths are SmolLM2-135M-Instruct's greedy answers on the mixed workload's unseen test prompts (committed
+labels, cap 256); the per-step cost model is measured on this machine in this run; every predictor is
+fitted on train prompts only and its measured prediction time is charged on the serving clock.
+
+- Prompt-only predictors (cb-sjf; cb-srpt before its first re-prediction): the constant median, a ridge
+  probe on SmolLM2's mean-pooled prompt states (`ProbePredictor`), MiniLM ridge (`MiniLMPredictor`), and
+  PiA, SmolLM2 untuned asked for its answer's length (`PiAPredictor`; the train median where it gives no
+  number).
+- Re-prediction (cb-srpt): `RemainingProbe`, ridge on the running row's own last hidden state, trained
+  teacher-forced on the train prompts' answers (cached in --answers-dir; generated if missing), scored on
+  the test answers every --repredict-every tokens.
+- Online: the labelled test prompts resampled to --requests requests, Poisson arrivals at each --loads
+  (load = arrival rate / cb's saturated throughput on the same trace), policies fcfs (static), cb, cb-sjf,
+  cb-srpt (re-prediction, preemption), oracle-srpt (true remaining lengths); aging and preemption sweeps.
+- Static (the paper's offline recipe): groups of 256 requests, fcfs vs sorted, FCR+VBS and FCR+VBS with
+  50-token bins, on each predictor.
+
+    OMP_NUM_THREADS=1 python bench/serve_online.py --quick --json bench/results/serve_online_quick.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from scipy.stats import spearmanr
+
+from ecru.cliargs import ArgumentParser, atomic_write_json, positive_int, prepare_out_file
+from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
+from ecru.serve.cost import measure_cost_model
+from ecru.serve.online import OnlineConfig, OnlineRequest, simulate_online
+from ecru.serve.predictors import ConstantPredictor, ProbePredictor, timed_predict
+from ecru.serve.prompts import encode_chat
+from ecru.serve.remaining import RemainingProbe, answer_states
+from ecru.serve.responses import generate_responses
+from ecru.serve.self_predict import PiAPredictor
+
+RESULTS = Path(__file__).parent / "results"
+NOTE = "replayed through simulator with measured lengths/predictions"
+
+
+def spearman(a, b) -> float | None:
+    if len(set(a)) < 2 or len(set(b)) < 2:
+        return None
+    return float(spearmanr(a, b).statistic)
+
+
+def read_split(path: Path, n: int, cap: int) -> tuple[list[str], list[int]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:n]
+    return [r["prompt"] for r in rows], [min(cap, r["lengths"][0]) for r in rows]
+
+
+def prompt_predictors(model, tok, train, y_train, test, cap) -> dict[str, tuple[list[float], float]]:
+    """name -> (test predictions, seconds per request), each fitted on the train prompts only."""
+    fitted = {
+        "constant": ConstantPredictor(statistics.median(y_train)),
+        "probe": ProbePredictor(model, tok, cap=cap).fit(train, y_train),
+        "minilm": MiniLMPredictor(cap=cap).fit(train, y_train),
+        "pia": PiAPredictor(model, tok, cap=cap, default=statistics.median(y_train)),
+    }
+    out = {}
+    for name, p in fitted.items():
+        pred, s = timed_predict(p, test)
+        out[name] = (pred, s / len(test))
+    print(f"pia: {fitted['pia'].parsed} of {len(test)} answers held a number", file=sys.stderr)
+    return out
+
+
+def fit_remaining(model, tok, prompts, answers, lengths, *, cap, every) -> tuple[RemainingProbe, float]:
+    """The probe and the seconds its state extraction took per answer token (reported, not charged:
+    serving already computes these states)."""
+    start = time.perf_counter()
+    states = answer_states(model, encode_chat(tok, prompts), answers)
+    per_token = (time.perf_counter() - start) / sum(len(a) for a in answers)
+    return RemainingProbe(cap=cap).fit(states, lengths), per_token
+
+
+def remaining_trajectories(model, tok, probe, prompts, answers, *, every) -> tuple[list[list[float]], float]:
+    """Predicted remaining length after 0, k, 2k, ... tokens of each test answer; seconds per row-prediction."""
+    states = answer_states(model, encode_chat(tok, prompts), answers)
+    start = time.perf_counter()
+    traj = [probe.trajectory(s, every=every) for s in states]
+    per_row = (time.perf_counter() - start) / sum(len(t) for t in traj)
+    return traj, per_row
+
+
+def remaining_metrics(traj, lengths, *, every, cap) -> dict:
+    """Accuracy of re-predictions against the true remaining length, pooled over re-prediction points
+    t >= every, and Spearman at chosen t (over the answers still running at t)."""
+    pred, true, by_t = [], [], {}
+    for tr, n in zip(traj, lengths, strict=True):
+        for j, p in enumerate(tr):
+            t = j * every
+            if t >= n:
+                break
+            by_t.setdefault(t, ([], []))
+            by_t[t][0].append(p)
+            by_t[t][1].append(n - t)
+            if t:
+                pred.append(p)
+                true.append(n - t)
+    out = {**length_metrics(pred, true), "spearman": spearman(pred, true), "points": len(pred)}
+    out["spearman_at_t"] = {
+        str(t): spearman(*by_t[t]) for t in sorted(by_t) if t in (0, every, 2 * every, 4 * every, 8 * every)
+    }
+    hits = by_t.get(every)
+    if hits:
+        from sklearn.metrics import roc_auc_score
+
+        capped = [int(r + every >= cap) for r in hits[1]]
+        out[f"cap_hit_auc_at_{every}"] = (
+            float(roc_auc_score(capped, hits[0])) if 0 < sum(capped) < len(capped) else None
+        )
+    return out
+
+
+def resample(n_prompts: int, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(n_prompts) for _ in range(n)]
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def build_trace(idx, arrivals, prompt_lens, lengths, predicted, traj) -> list[OnlineRequest]:
+    return [
+        OnlineRequest(a, prompt_lens[i], lengths[i], predicted[i], tuple(traj[i]) if traj else ())
+        for i, a in zip(idx, arrivals, strict=True)
+    ]
+
+
+def static_table(idx, prompt_lens, lengths, preds, cost, cap, group=256) -> dict:
+    """Offline groups of `group` requests: each policy's throughput over fcfs (prediction time charged)."""
+    out = {}
+    for name, (pred, per_req) in list(preds.items()) + [
+        (f"{n}[free-predict]", (p, 0.0)) for n, (p, _) in preds.items()
+    ]:
+        times: dict[str, float] = {}
+        for g in range(0, len(idx), group):
+            rows = idx[g : g + group]
+            trace = [TraceRequest(prompt_lens[i], lengths[i], pred[i]) for i in rows]
+            config = PlanConfig(batch_size=16, max_new_tokens=cap)
+            for policy in ("fcfs", "sorted", "fcr+vbs", "fcr+vbs+bins", "oracle"):
+                charged = per_req * len(rows) if policy not in ("fcfs", "oracle") else 0.0
+                r = simulate(trace, policy=policy, config=config, cost=cost, predict_s=charged)
+                times[policy] = times.get(policy, 0.0) + r.time_s
+        out[name] = {p: times["fcfs"] / t for p, t in times.items() if p != "fcfs"}
+        print(f"  static x fcfs [{name}]: " + ", ".join(f"{p} {v:.2f}" for p, v in out[name].items()))
+    return out
+
+
+def run_policies(trace_for, policies, config, cost) -> dict:
+    out = {}
+    for name, (policy, predictor, overrides) in policies.items():
+        cfg = OnlineConfig(**{**config.__dict__, **overrides})
+        out[name] = simulate_online(trace_for(predictor), policy=policy, config=cfg, cost=cost).to_json()
+    return out
+
+
+def main(argv=None) -> None:
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer train answers for the remaining probe")
+    ap.add_argument("--json", required=True, help="write the results here")
+    ap.add_argument("--cap", type=positive_int, default=256, help="max new tokens (the labels' cap)")
+    ap.add_argument("--requests", type=positive_int, default=3000, help="requests per online trace")
+    ap.add_argument("--repredict-every", type=positive_int, default=16, help="tokens between re-predictions")
+    ap.add_argument(
+        "--answers-dir", default=str(RESULTS), help="cache of greedy answers (generated if missing)"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="resampling and arrival seed")
+    args = ap.parse_args(argv)
+    out_path = prepare_out_file(args.json, flag="--json")
+    torch.manual_seed(0)
+    started = time.perf_counter()
+    train, y_train = read_split(RESULTS / "serve_workload_labels_train.jsonl", 480, args.cap)
+    test, y_test = read_split(RESULTS / "serve_workload_labels_test.jsonl", 240, args.cap)
+    from ecru.serve.models import load_model
+
+    model, tok = load_model("smollm2")
+    print("measuring the cost model ...", file=sys.stderr)
+    cost = measure_cost_model(model, reps=3, source="SmolLM2-135M fp32, measured in this run")
+    preds = prompt_predictors(model, tok, train, y_train, test, args.cap)
+    n_answers = 240 if args.quick else 480
+    answers_dir = Path(args.answers_dir)
+    gen_start = time.perf_counter()
+    tr_ans = generate_responses(model, tok, train[:n_answers], out=answers_dir / "serve_online_answers_train.jsonl",
+                                max_new_tokens=args.cap, order_hint=y_train[:n_answers])  # fmt: skip
+    te_ans = generate_responses(model, tok, test, out=answers_dir / "serve_online_answers_test.jsonl",
+                                max_new_tokens=args.cap, order_hint=y_test)  # fmt: skip
+    gen_s = time.perf_counter() - gen_start
+    k = args.repredict_every
+    probe, state_s = fit_remaining(model, tok, train[:n_answers], [tr_ans[p] for p in train[:n_answers]],
+                                   [len(tr_ans[p]) for p in train[:n_answers]], cap=args.cap, every=k)  # fmt: skip
+    traj, repredict_s = remaining_trajectories(model, tok, probe, test, [te_ans[p] for p in test], every=k)
+    mismatch = sum(len(te_ans[p]) != n for p, n in zip(test, y_test, strict=True))
+    predictors = {}
+    for name, (pred, per_req) in preds.items():
+        predictors[name] = {**length_metrics(pred, y_test), "spearman": spearman(pred, y_test),
+                            "predict_s_per_request": per_req}  # fmt: skip
+    predictors["remaining-probe"] = {**remaining_metrics(traj, y_test, every=k, cap=args.cap),
+                                     "predict_s_per_row": repredict_s}  # fmt: skip
+    t0 = [tr[0] for tr in traj]
+    predictors["remaining-probe@t0"] = {**length_metrics(t0, y_test), "spearman": spearman(t0, y_test)}
+    for name, m in predictors.items():
+        print(f"{name:>20}: acc50 {m['acc50']:.3f} mae {m['mae']:.1f} spearman {m['spearman']}")
+
+    prompt_lens = [len(i) for i in encode_chat(tok, test)]
+    idx = resample(len(test), args.requests, args.seed)
+    static = static_table(idx, prompt_lens, y_test, preds, cost, args.cap)
+    base = OnlineConfig(max_new_tokens=args.cap, repredict_every=k, token_s=cost.step_time(16, 200))
+    online = online_tables(idx, prompt_lens, y_test, preds, traj, repredict_s, base, cost, args.seed)
+    sweeps = sweep(
+        idx, prompt_lens, y_test, preds, traj, online["capacity"], base, cost, repredict_s, args.seed
+    )
+    clinc = clinc_banking(base, cost, args)
+    out = {
+        "workload": "mixed (ecru.serve.workload), unseen test prompts, SmolLM2-135M-Instruct greedy, cap "
+        f"{args.cap}",
+        "method": NOTE + "; cost model measured in this run on this machine (1 thread); latency in simulated "
+        "seconds; load = arrival rate / cb's saturated throughput; prediction time charged on the serving "
+        "clock (prompt-only: a separate forward per request, measured; re-prediction: the probe's dot "
+        "product per row, measured; [free-predict] variants charge no prompt-only prediction)",
+        "command": "python bench/serve_online.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "quick": args.quick,
+        "requests": len(idx),
+        "distinct_prompts": len(test),
+        "train_prompts": len(train),
+        "train_answers_for_remaining_probe": n_answers,
+        "answers_length_mismatch_vs_labels": mismatch,
+        "cost_model": cost.__dict__,
+        "capacity_requests_per_s": online["capacity"],
+        "config": {**base.__dict__, "cb-srpt": "preemption on; oracle-srpt too"},
+        "loads": online["loads"],
+        "predictors": predictors,
+        "static_throughput_x_fcfs": static,
+        "sweeps_load_1.2": sweeps,
+        "clinc_banking": clinc,
+        "per_prompt": {
+            "true_lengths": y_test,
+            "prompt_lens": prompt_lens,
+            "resampled_index": idx,
+            "predicted": {n: p for n, (p, _) in preds.items()},
+            "remaining_trajectories": traj,
+        },
+        "answer_generation_s": gen_s,
+        "state_extraction_s_per_token": state_s,
+        "wall_s": time.perf_counter() - started,
+    }
+    atomic_write_json(out_path, out)
+    print(f"wrote {out_path} ({out['wall_s']:.0f} s)")
+
+
+def online_tables(idx, prompt_lens, lengths, preds, traj, repredict_s, base, cost, seed) -> dict:
+    """Every policy at each load; load = arrival rate / cb's throughput with every request waiting at t=0."""
+    sat = simulate_online(build_trace(idx, [0.0] * len(idx), prompt_lens, lengths, lengths, None), policy="cb",
+                          config=base, cost=cost)  # fmt: skip
+    capacity = len(idx) / sat.time_s
+    policies = {"fcfs": ("fcfs", None, {}), "cb": ("cb", None, {})}
+    learned = [n for n in preds if n != "constant"]
+    primary = "probe" if "probe" in learned else learned[0]
+    for name in learned:
+        per_req = preds[name][1]
+        tag = "" if name == primary else f"[{name}]"
+        policies[f"cb-sjf{tag}"] = ("cb-sjf", name, {"predict_s": per_req})
+        policies[f"cb-sjf{tag}[free-predict]"] = ("cb-sjf", name, {})
+        if traj:
+            srpt = {"predict_s": per_req, "repredict_s": repredict_s}
+            policies[f"cb-srpt{tag}"] = ("cb-srpt", name, {**srpt, "preempt": True})
+            policies[f"cb-srpt{tag}[no-preempt]"] = ("cb-srpt", name, srpt)
+            policies[f"cb-srpt{tag}[free-predict]"] = (
+                "cb-srpt",
+                name,
+                {"repredict_s": repredict_s, "preempt": True},
+            )
+    policies["oracle-srpt"] = ("oracle-srpt", None, {"preempt": True})
+    policies["oracle-srpt[no-preempt]"] = ("oracle-srpt", None, {})
+    loads = {}
+    for load in (0.8, 1.2, 2.0):
+        arrivals = poisson_arrivals(len(idx), load * capacity, seed + 1)
+
+        def trace_for(name, arrivals=arrivals):
+            pred = preds[name][0] if name else preds[primary][0]
+            return build_trace(idx, arrivals, prompt_lens, lengths, pred, traj)
+
+        res = run_policies(trace_for, policies, base, cost)
+        for r in res.values():
+            r["mean_latency_x_cb"] = r["mean_latency_s"] / res["cb"]["mean_latency_s"]
+            r["p99_latency_x_cb"] = r["p99_latency_s"] / res["cb"]["p99_latency_s"]
+        loads[str(load)] = {"arrival_rate_per_s": load * capacity, "policies": res}
+        print(f"load {load}: " + "; ".join(f"{n} {r['mean_latency_x_cb']:.2f}/{r['p99_latency_x_cb']:.2f}"
+                                           for n, r in res.items()))  # fmt: skip
+    return {"capacity": capacity, "loads": loads}
+
+
+def clinc_banking(base, cost, args) -> dict:
+    """The hard second workload (CLINC150/Banking77 queries): the true lengths, prompt lengths and MiniLM
+    predictions (fitted on 192 train labels) of bench/results/serve_bench_target.json's 256 held-out
+    prompts; no answers were generated for them, so no re-prediction (cb-srpt) here."""
+    setup = json.loads((RESULTS / "serve_bench_target.json").read_text())
+    s, p = setup["setup"], setup["predictor"]
+    lengths = [min(args.cap, int(n)) for n in s["true_lengths"]]
+    preds = {"minilm": ([float(x) for x in s["predicted_lengths"]], p["predict_s"] / len(lengths))}
+    idx = resample(len(lengths), args.requests, args.seed)
+    static = static_table(idx, s["prompt_lens"], lengths, preds, cost, args.cap)
+    online = online_tables(idx, s["prompt_lens"], lengths, preds, None, 0.0, base, cost, args.seed)
+    metrics = {
+        **length_metrics(preds["minilm"][0], lengths),
+        "spearman": spearman(preds["minilm"][0], lengths),
+    }
+    return {"source": "bench/results/serve_bench_target.json (setup, predictor)", "cap_hit_share":
+            sum(n >= args.cap for n in lengths) / len(lengths), "predictors": {"minilm": metrics},
+            "static_throughput_x_fcfs": static, "capacity_requests_per_s": online["capacity"],
+            "loads": online["loads"]}  # fmt: skip
+
+
+def sweep(idx, prompt_lens, lengths, preds, traj, capacity, base, cost, repredict_s, seed) -> dict:
+    """cb-sjf and cb-srpt at load 1.2 over aging and preemption margins (latency x cb)."""
+    arrivals = poisson_arrivals(len(idx), 1.2 * capacity, seed + 1)
+    trace = build_trace(idx, arrivals, prompt_lens, lengths, preds["probe"][0], traj)
+    cb = simulate_online(trace, policy="cb", config=base, cost=cost)
+    out = {}
+    for aging, charge in itertools.product((0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), (True, False)):
+        for policy, margin in (("cb-sjf", None), ("cb-srpt", 32.0), ("cb-srpt", 64.0), ("cb-srpt", 128.0)):
+            extra = {"preempt": True, "preempt_margin": margin, "repredict_s": repredict_s} if margin else {}
+            predict_s = preds["probe"][1] if charge else 0.0
+            cfg = OnlineConfig(**{**base.__dict__, "aging": aging, "predict_s": predict_s, **extra})
+            r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
+            key = (
+                f"{policy} aging={aging}"
+                + (f" margin={margin:g}" if margin else "")
+                + ("" if charge else " [free-predict]")
+            )
+            out[key] = {"mean_latency_x_cb": r.mean_latency_s / cb.mean_latency_s,
+                        "p99_latency_x_cb": r.p99_latency_s / cb.p99_latency_s, "preemptions": r.preemptions}  # fmt: skip
+            print(f"  {key}: {out[key]}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

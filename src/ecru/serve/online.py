@@ -1,0 +1,286 @@
+"""Online serving in the simulator: requests arrive over time (seconds), a policy decides who runs.
+
+Policies (`ONLINE_POLICIES`):
+- `fcfs`: static batching; when the model is idle, up to `max_batch_size` waiting requests (arrival order)
+  form one batch that runs until its longest answer ends (a row's answer is complete at its own last token);
+- `cb`: continuous batching, first come first served;
+- `cb-sjf`: continuous batching, shortest predicted (prompt-only) answer admitted first;
+- `cb-srpt`: shortest predicted *remaining* answer first: every `repredict_every` tokens a running row's
+  remaining length is predicted again (from its own hidden states); with `preempt`, the running row
+  predicted to run longest gives its place to a waiting request predicted shorter by `preempt_margin`;
+- `oracle-srpt`: `cb-srpt` on the true remaining lengths.
+
+Aging is in the predictions' own unit, tokens: a waiting request's key is its predicted remaining length
+minus `aging` x (seconds waited / `token_s`), `token_s` being the measured time of one decode step, i.e.
+the time a running row takes to produce one token (aging 1: a waiting request gains priority as fast as a
+running row works off its remaining length; the default 0.1 is `queues.DEFAULT_AGING`). All waiting requests age alike, so the order among them
+is fixed at enqueue time (a heap); a request's wait is bounded by its prediction / aging in decode steps
+behind any later arrival.
+
+Costs (`CostModel`): one prefill per admission over the widest (prompt + tokens kept) row, one decode step
+per token over the padded cache (rows x widest row, the engine's left-padded layout, which is also
+`peak_kv_tokens`). A preempted row keeps its tokens and is prefilled again with them when readmitted (the
+server's behaviour). Prompt-only prediction costs `predict_s` per request and re-prediction `repredict_s`
+per row, both on the serving clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from ecru.serve.cost import CostModel
+from ecru.serve.queues import DEFAULT_AGING
+
+ONLINE_POLICIES = ("fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt")
+
+
+@dataclass(frozen=True)
+class OnlineRequest:
+    """One request of an online trace."""
+
+    arrival_s: float
+    """When it arrives (seconds from the start)."""
+    prompt_len: int
+    """Prompt tokens (chat template included)."""
+    output_len: int
+    """True answer length in tokens (capped by `OnlineConfig.max_new_tokens` when served)."""
+    predicted: float = 0.0
+    """Prompt-only predicted answer length (cb-sjf; cb-srpt before its first re-prediction)."""
+    remaining: tuple[float, ...] = ()
+    """cb-srpt: predicted remaining length after 0, k, 2k, ... generated tokens (k = repredict_every);
+    entry 0 is unused (the prompt-only `predicted` stands there)."""
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """Limits and knobs of the online simulator."""
+
+    max_batch_size: int = 16
+    """Rows decoded together at most."""
+    max_new_tokens: int = 256
+    """Cap on generated tokens per request."""
+    refill_min: int = 4
+    """Continuous policies admit only when this many rows are free (or the batch is empty), as the engine."""
+    repredict_every: int = 16
+    """cb-srpt: tokens between re-predictions of a running row's remaining length."""
+    aging: float = DEFAULT_AGING
+    """Priority tokens gained per decode-step time waited (0: none, long requests may starve)."""
+    token_s: float = 0.1
+    """Seconds of one decode step (the aging unit); set it from the measured cost model."""
+    preempt: bool = False
+    """cb-srpt, oracle-srpt: preempt the longest-predicted running row when a shorter one waits."""
+    preempt_margin: float = 64.0
+    """Tokens by which the waiting request must be predicted shorter than the row it displaces."""
+    predict_s: float = 0.0
+    """Seconds of prompt-only prediction per request (cb-sjf, cb-srpt), charged on arrival."""
+    repredict_s: float = 0.0
+    """Seconds per row per re-prediction (cb-srpt)."""
+
+    def __post_init__(self):
+        if min(self.max_batch_size, self.max_new_tokens, self.refill_min, self.repredict_every) < 1:
+            raise ValueError("max_batch_size, max_new_tokens, refill_min, repredict_every must be >= 1")
+        if min(self.aging, self.preempt_margin, self.predict_s, self.repredict_s) < 0 or self.token_s <= 0:
+            raise ValueError("aging, preempt_margin, predict_s, repredict_s must be >= 0 and token_s > 0")
+
+
+@dataclass
+class OnlineResult:
+    """One policy over one online trace (names as in the JSON)."""
+
+    policy: str
+    requests: int
+    mean_latency_s: float
+    p50_latency_s: float
+    p99_latency_s: float
+    max_latency_s: float
+    tokens_per_s: float
+    peak_kv_tokens: int
+    time_s: float
+    preemptions: int = 0
+    latencies: list[float] = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.pop("latencies")
+        return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation between order statistics."""
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _result(policy, trace, finish, tokens, clock, peak_kv, preemptions) -> OnlineResult:
+    lat = [f - r.arrival_s for f, r in zip(finish, trace, strict=True)]
+    return OnlineResult(
+        policy=policy,
+        requests=len(trace),
+        mean_latency_s=sum(lat) / len(lat),
+        p50_latency_s=percentile(lat, 50),
+        p99_latency_s=percentile(lat, 99),
+        max_latency_s=max(lat),
+        tokens_per_s=tokens / clock if clock else float("inf"),
+        peak_kv_tokens=peak_kv,
+        time_s=clock,
+        preemptions=preemptions,
+        latencies=lat,
+    )
+
+
+def simulate_online(
+    trace: Sequence[OnlineRequest], *, policy: str, config: OnlineConfig, cost: CostModel
+) -> OnlineResult:
+    """Serve `trace` (any order of arrivals) with `policy`; latency = finish - arrival per request."""
+    if policy not in ONLINE_POLICIES:
+        raise ValueError(f"unknown online policy {policy!r}; choose from {', '.join(ONLINE_POLICIES)}")
+    if not trace:
+        raise ValueError("the trace is empty")
+    if policy == "fcfs":
+        return _simulate_static(trace, config, cost)
+    return _Continuous(trace, policy, config, cost).run()
+
+
+def _simulate_static(trace: Sequence[OnlineRequest], config: OnlineConfig, cost: CostModel) -> OnlineResult:
+    order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
+    finish, clock, peak, tokens, pos = [0.0] * len(trace), 0.0, 0, 0, 0
+    while pos < len(order):
+        clock = max(clock, trace[order[pos]].arrival_s)
+        batch = []
+        while (
+            pos < len(order) and len(batch) < config.max_batch_size and trace[order[pos]].arrival_s <= clock
+        ):
+            batch.append(order[pos])
+            pos += 1
+        lens = [max(1, min(trace[i].output_len, config.max_new_tokens)) for i in batch]
+        prompt = max(trace[i].prompt_len for i in batch)
+        for i, n in zip(batch, lens, strict=True):
+            finish[i] = clock + cost.batch_time(len(batch), prompt, n)
+        clock += cost.batch_time(len(batch), prompt, max(lens))
+        peak = max(peak, len(batch) * (prompt + max(lens) - 1))
+        tokens += sum(lens)
+    return _result("fcfs", trace, finish, tokens, clock, peak, 0)
+
+
+class _Continuous:
+    """The continuous-batching loop: arrivals, admission by key, prefill, decode steps, re-prediction."""
+
+    def __init__(self, trace, policy: str, config: OnlineConfig, cost: CostModel):
+        self.trace, self.policy, self.config, self.cost = trace, policy, config, cost
+        self.target = [max(1, min(r.output_len, config.max_new_tokens)) for r in trace]
+        self.done = [0] * len(trace)
+        self.estimate = [float(r.predicted) for r in trace]  # predicted remaining, in tokens
+        if policy == "oracle-srpt":
+            self.estimate = [float(t) for t in self.target]
+        self.waited = [0.0] * len(trace)  # seconds waited before the current enqueue
+        self.enqueued = [0.0] * len(trace)
+        self.finish = [0.0] * len(trace)
+        self.heap: list[tuple[float, int, int]] = []
+        self.seq = 0
+        self.clock, self.peak, self.preemptions = 0.0, 0, 0
+        self.running: list[int] = []
+
+    # -- priorities -------------------------------------------------------------------------------------
+    def _static_key(self, i: int) -> float:
+        """Key at enqueue, up to the term - aging x clock / token_s shared by every waiting request."""
+        if self.policy == "cb":
+            return self.enqueued[i]
+        a = self.config.aging / self.config.token_s
+        return self.estimate[i] - a * self.waited[i] + a * self.enqueued[i]
+
+    def _running_key(self, i: int) -> float:
+        """A running row's key now: its remaining estimate less the aging it earned while it waited."""
+        return self.estimate[i] - self.config.aging / self.config.token_s * self.waited[i]
+
+    def _push(self, i: int) -> None:
+        self.enqueued[i] = self.clock
+        heapq.heappush(self.heap, (self._static_key(i), self.seq, i))
+        self.seq += 1
+
+    def _pop(self) -> int:
+        i = heapq.heappop(self.heap)[2]
+        self.waited[i] += self.clock - self.enqueued[i]
+        return i
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def run(self) -> OnlineResult:
+        cfg, trace = self.config, self.trace
+        pending = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
+        pos, predicts = 0, self.policy in ("cb-sjf", "cb-srpt")
+        while pos < len(pending) or self.heap or self.running:
+            if not self.heap and not self.running:
+                self.clock = max(self.clock, trace[pending[pos]].arrival_s)
+            while pos < len(pending) and trace[pending[pos]].arrival_s <= self.clock:
+                self.clock += cfg.predict_s if predicts else 0.0
+                self._push(pending[pos])
+                pos += 1
+            swapped = self._maybe_preempt()
+            self._admit(upcoming=len(pending) - pos, force=swapped > 0)
+            if self.running:
+                self._step()
+        tokens = sum(self.target)
+        return _result(self.policy, trace, self.finish, tokens, self.clock, self.peak, self.preemptions)
+
+    def _width(self, rows) -> int:
+        return max(self.trace[i].prompt_len + self.done[i] for i in rows)
+
+    def _admit(self, *, upcoming: int, force: bool = False) -> None:
+        free, waiting = self.config.max_batch_size - len(self.running), len(self.heap)
+        if not (waiting and free > 0):
+            return
+        if free < min(self.config.refill_min, waiting + upcoming) and self.running and not force:
+            return
+        admit = [self._pop() for _ in range(min(free, waiting))]
+        # a prefill over prompt (+ tokens kept by a preempted row) yields each row's next token
+        self.clock += self.cost.prefill_time(len(admit), self._width(admit))
+        self._grow(admit)
+        self.running += [i for i in admit if self.done[i] < self.target[i]]
+
+    def _step(self) -> None:
+        width = self._width(self.running)
+        self.peak = max(self.peak, len(self.running) * width)
+        self.clock += self.cost.step_time(len(self.running), width)
+        self._grow(self.running)
+        self.running = [i for i in self.running if self.done[i] < self.target[i]]
+
+    def _grow(self, rows) -> None:
+        """One more token for each row; finished rows record their time; re-prediction every k tokens."""
+        k, repredicted = self.config.repredict_every, 0
+        for i in rows:
+            self.done[i] += 1
+            if self.done[i] >= self.target[i]:
+                self.finish[i] = self.clock
+            elif self.policy == "oracle-srpt":
+                self.estimate[i] = self.target[i] - self.done[i]
+            elif self.policy == "cb-srpt" and self.done[i] % k == 0:
+                step = self.done[i] // k
+                rem = self.trace[i].remaining
+                if step < len(rem):
+                    self.estimate[i], repredicted = float(rem[step]), repredicted + 1
+        self.clock += repredicted * self.config.repredict_s
+
+    def _maybe_preempt(self) -> int:
+        """SRPT with limited preemption: a full batch swaps up to `refill_min` rows, each the longest-
+        predicted running row against the next shortest waiting one, when the gap exceeds the margin."""
+        cfg = self.config
+        if not (cfg.preempt and self.policy in ("cb-srpt", "oracle-srpt") and self.heap):
+            return 0
+        if len(self.running) < cfg.max_batch_size:
+            return 0
+        now = cfg.aging / cfg.token_s * self.clock
+        waiting = [key - now for key, _, _ in heapq.nsmallest(cfg.refill_min, self.heap)]
+        ready = [i for i in self.running if self.done[i] % cfg.repredict_every == 0]
+        victims = sorted(ready, key=self._running_key, reverse=True)
+        swapped = [
+            v for v, w in zip(victims, waiting, strict=False) if self._running_key(v) - w > cfg.preempt_margin
+        ]
+        for v in swapped:
+            self.running.remove(v)
+            self._push(v)
+        self.preemptions += len(swapped)
+        return len(swapped)

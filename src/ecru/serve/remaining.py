@@ -1,0 +1,84 @@
+"""Re-prediction while generating: a probe on a running row's own hidden state predicts its REMAINING length.
+
+After t generated tokens a row's last hidden state (the one that emits token t + 1) has read the prompt
+and its answer so far, so it knows more than the prompt alone: a list that has reached its last item, a
+story winding down, a repetition loop that will run to the cap. `RemainingProbe` is ridge regression of
+log(1 + remaining) on that state plus t; it is trained teacher-forced: one forward of prompt + answer
+(`answer_states`) gives the state at every t, equal to what the decode steps compute. At serving time the
+engine already has this state at every step, so a re-prediction costs one dot product per row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ecru.serve.predictors import ridge_fit
+
+
+@torch.no_grad()
+def answer_states(
+    model, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, batch_size: int = 8
+) -> list[torch.Tensor]:
+    """Per example, the last-layer hidden states [len(answer), H] after t = 0 .. len(answer) - 1 answer
+    tokens (row t is the state at the prompt's last token + t: the one that emits answer token t + 1)."""
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        seqs = [list(p) + list(a) for p, a in zip(prompts[start : start + batch_size],
+                                                   answers[start : start + batch_size], strict=True)]  # fmt: skip
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, s in enumerate(seqs):  # right padding: positions 0.. per row without position ids
+            ids[row, : len(s)], mask[row, : len(s)] = torch.tensor(s), 1
+        # the decoder stack alone: its output is the model's last hidden state, without the vocabulary-sized
+        # LM head at every position (most of a teacher-forced forward's memory traffic)
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        for row, (p, a) in enumerate(zip(prompts[start : start + batch_size],
+                                         answers[start : start + batch_size], strict=True)):  # fmt: skip
+            out.append(hidden[row, len(p) - 1 : len(p) - 1 + len(a)].float().clone())
+    return out
+
+
+def position_features(states: torch.Tensor, t: torch.Tensor, *, cap: int) -> torch.Tensor:
+    """[state, t / cap, log(1 + t) / log(1 + cap)]: the hidden state plus how far the row has come."""
+    t = t.float()[:, None]
+    return torch.cat([states, t / cap, torch.log1p(t) / math.log1p(cap)], dim=1)
+
+
+class RemainingProbe:
+    """Ridge regression of log(1 + remaining tokens) on `position_features`; predictions in [1, cap - t]."""
+
+    name = "remaining-probe"
+
+    def __init__(self, *, cap: int = 256, lam: float = 10.0, stride: int = 4):
+        self.cap, self.lam, self.stride = cap, lam, stride
+        self.w: torch.Tensor | None = None
+        self.b: torch.Tensor | None = None
+
+    def fit(self, states: Sequence[torch.Tensor], lengths: Sequence[int]) -> RemainingProbe:
+        """`states[i]` from `answer_states`; `lengths[i]` the answer's length (capped at `cap`). Every
+        `stride`-th position of each answer is one training row."""
+        xs, ys = [], []
+        for s, n in zip(states, lengths, strict=True):
+            n = min(n, self.cap, len(s))
+            t = torch.arange(0, n, self.stride)
+            xs.append(position_features(s[t], t, cap=self.cap))
+            ys.append(torch.log1p((n - t).float()))
+        self.w, self.b = ridge_fit(torch.cat(xs), torch.cat(ys), lam=self.lam)
+        return self
+
+    def predict(self, states: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Predicted remaining tokens of rows with hidden states `states` [N, H] after `t` [N] tokens."""
+        if self.w is None:
+            raise RuntimeError("RemainingProbe is not fitted: call fit(states, lengths) first")
+        log_rem = position_features(states, t, cap=self.cap) @ self.w + self.b
+        upper = (self.cap - t).clamp_min(1).float()
+        return torch.minimum(torch.expm1(log_rem).clamp_min(1.0), upper)
+
+    def trajectory(self, states: torch.Tensor, *, every: int) -> list[float]:
+        """Predicted remaining length after 0, every, 2 x every, ... tokens of one answer."""
+        t = torch.arange(0, len(states), every)
+        return self.predict(states[t], t).tolist()

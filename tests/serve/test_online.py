@@ -1,0 +1,112 @@
+"""The online simulator: arrivals in seconds, shortest-(remaining-)first admission, aging, preemption."""
+
+import numpy as np
+import pytest
+
+from ecru.serve.cost import CostModel
+from ecru.serve.online import OnlineConfig, OnlineRequest, percentile, simulate_online
+
+UNIT = CostModel(1.0, 0.0, 0.0, 0.0, 0.0, source="1 s per decode step, free prefill")
+
+
+def config(**kw) -> OnlineConfig:
+    return OnlineConfig(**{"max_batch_size": 1, "max_new_tokens": 100, "refill_min": 1, "token_s": 1.0, **kw})
+
+
+def finish_order(result, trace) -> list[int]:
+    finish = [lat + r.arrival_s for lat, r in zip(result.latencies, trace, strict=True)]
+    return sorted(range(len(trace)), key=lambda i: finish[i])
+
+
+def test_single_request_latency_and_tokens():
+    # the prefill yields token 1, then n - 1 decode steps of 1 s each
+    trace = [OnlineRequest(2.0, prompt_len=5, output_len=7)]
+    for policy in ("fcfs", "cb", "cb-sjf", "oracle-srpt"):
+        r = simulate_online(trace, policy=policy, config=config(), cost=UNIT)
+        assert r.mean_latency_s == pytest.approx(6.0)
+        assert r.tokens_per_s == pytest.approx(7 / 8.0)
+        assert r.peak_kv_tokens == 5 + 6  # the widest cache a decode step ran over: prompt + 6 tokens
+
+
+def test_output_capped_at_max_new_tokens():
+    trace = [OnlineRequest(0.0, 3, 500)]
+    r = simulate_online(trace, policy="cb", config=config(max_new_tokens=10), cost=UNIT)
+    assert r.mean_latency_s == pytest.approx(9.0)
+
+
+def test_sjf_admits_shortest_predicted_first():
+    trace = [OnlineRequest(0.0, 4, n, predicted=p) for n, p in ((30, 30), (5, 50), (10, 1))]
+    cb = simulate_online(trace, policy="cb", config=config(aging=0.0), cost=UNIT)
+    sjf = simulate_online(trace, policy="cb-sjf", config=config(aging=0.0), cost=UNIT)
+    assert finish_order(cb, trace) == [0, 1, 2]
+    assert finish_order(sjf, trace) == [2, 0, 1]  # by prediction, not by the true length
+
+
+def _stream():
+    # one long request at t=0.5 while a short one arrives every 2 s and keeps the single row busy
+    trace = [OnlineRequest(0.0, 4, 3, predicted=3)]
+    trace += [OnlineRequest(0.5, 4, 3, predicted=200)]
+    trace += [OnlineRequest(1.0 + 2 * i, 4, 3, predicted=3) for i in range(300)]
+    return trace
+
+
+def test_no_aging_starves_the_long_request():
+    trace = _stream()
+    r = simulate_online(trace, policy="cb-sjf", config=config(aging=0.0), cost=UNIT)
+    assert finish_order(r, trace)[-1] == 1
+
+
+def test_aging_bounds_the_wait_in_tokens():
+    trace = _stream()
+    aging = 0.5
+    r = simulate_online(trace, policy="cb-sjf", config=config(aging=aging), cost=UNIT)
+    # its key falls by 0.5 per second waited; a newcomer's is 3: it must run within (200 - 3) / 0.5 s
+    assert r.latencies[1] <= (200 - 3) / aging + 2 * 3 + 1
+    assert r.latencies[1] > 100  # but it did let short requests go first
+
+
+def test_oracle_srpt_preempts_a_long_row_for_a_short_one():
+    trace = [OnlineRequest(0.0, 4, 80), OnlineRequest(10.5, 4, 3)]
+    base = config(aging=0.0, repredict_every=4, preempt_margin=10)
+    plain = simulate_online(trace, policy="oracle-srpt", config=base, cost=UNIT)
+    pre = simulate_online(trace, policy="oracle-srpt", config=OnlineConfig(**{**base.__dict__, "preempt": True}),
+                          cost=UNIT)  # fmt: skip
+    assert finish_order(plain, trace) == [0, 1] and plain.preemptions == 0
+    assert finish_order(pre, trace) == [1, 0] and pre.preemptions == 1
+    assert pre.latencies[1] < 5
+    # the preempted row keeps its tokens: it pays the short request's 2 decode steps, and its own readmission
+    # prefill (free here) yields its next token
+    assert pre.latencies[0] == pytest.approx(plain.latencies[0] + 2 - 1)
+
+
+def test_cb_srpt_uses_the_repredicted_remaining_length():
+    # both predicted short from the prompt; after 4 tokens row 0 is re-predicted to run long
+    long_row = OnlineRequest(0.0, 4, 80, predicted=5, remaining=(5.0, 76.0, 72.0))
+    short = OnlineRequest(5.5, 4, 3, predicted=3)
+    base = config(aging=0.0, repredict_every=4, preempt_margin=10, preempt=True)
+    r = simulate_online([long_row, short], policy="cb-srpt", config=base, cost=UNIT)
+    assert r.preemptions == 1 and finish_order(r, [long_row, short]) == [1, 0]
+    wrong = OnlineRequest(0.0, 4, 80, predicted=5, remaining=(5.0, 5.0, 5.0))  # never re-predicted long
+    r = simulate_online([wrong, short], policy="cb-srpt", config=base, cost=UNIT)
+    assert r.preemptions == 0
+
+
+def test_static_fcfs_batches_what_is_waiting():
+    trace = [OnlineRequest(0.0, 4, 10), OnlineRequest(0.0, 6, 2), OnlineRequest(0.5, 4, 2)]
+    r = simulate_online(trace, policy="fcfs", config=config(max_batch_size=4), cost=UNIT)
+    # rows 0 and 1 form a batch at t=0 (10 tokens: 9 s); row 2 waits for it, then runs 1 s
+    assert r.latencies == pytest.approx([9.0, 1.0, 9.5])
+    assert r.peak_kv_tokens == 2 * (6 + 9)
+
+
+def test_percentile_matches_numpy():
+    xs = list(np.random.default_rng(0).exponential(size=101))
+    for q in (50, 90, 99):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_config_validated():
+    with pytest.raises(ValueError):
+        OnlineConfig(aging=-1)
+    with pytest.raises(ValueError):
+        simulate_online([OnlineRequest(0, 1, 1)], policy="sjf", config=OnlineConfig(), cost=UNIT)
