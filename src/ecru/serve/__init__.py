@@ -59,6 +59,13 @@ _LAZY: dict[str, str] = {
     "simulate": "ecru.serve.simulator",
     "simulate_continuous": "ecru.serve.simulator",
     "timed_predict": "ecru.serve.predictors",
+    "DEFAULT_AGING": "ecru.serve.queues",
+    "ONLINE_POLICIES": "ecru.serve.online",
+    "OnlineConfig": "ecru.serve.online",
+    "OnlineRequest": "ecru.serve.online",
+    "simulate_online": "ecru.serve.online",
+    "RemainingProbe": "ecru.serve.remaining",
+    "PiAPredictor": "ecru.serve.self_predict",
 }
 
 if TYPE_CHECKING:  # static analysers see the real imports
@@ -73,6 +80,7 @@ if TYPE_CHECKING:  # static analysers see the real imports
     from ecru.serve.engine import BatchResult, GenerationConfig, generate_static, left_pad
     from ecru.serve.labels import LengthLabel, label_prompts, read_labels
     from ecru.serve.models import ServedModel
+    from ecru.serve.online import ONLINE_POLICIES, OnlineConfig, OnlineRequest, simulate_online
     from ecru.serve.openai_api import create_app
     from ecru.serve.policies import (
         STATIC_POLICIES,
@@ -92,11 +100,12 @@ if TYPE_CHECKING:  # static analysers see the real imports
         ridge_fit,
         timed_predict,
     )
-    from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue, make_queue
+    from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue, make_queue
+    from ecru.serve.remaining import RemainingProbe
     from ecru.serve.request_engine import EngineConfig, Request, RequestEngine
     from ecru.serve.runner import POLICIES, PolicyRun, run_policy
     from ecru.serve.sampling import SamplingParams
-    from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
+    from ecru.serve.self_predict import PiAPredictor, SelfLoRAConfig, SelfLoRAPredictor
     from ecru.serve.simulator import SimResult, TraceRequest, read_trace, simulate, simulate_continuous
 
 
@@ -162,4 +171,11 @@ __all__ = [
     "simulate",
     "simulate_continuous",
     "timed_predict",
+    "DEFAULT_AGING",
+    "ONLINE_POLICIES",
+    "OnlineConfig",
+    "OnlineRequest",
+    "simulate_online",
+    "RemainingProbe",
+    "PiAPredictor",
 ]

@@ -16,7 +16,7 @@ from ecru.cliargs import (
     positive_int,
 )
 from ecru.serve.policies import STATIC_POLICIES
-from ecru.serve.queues import CONTINUOUS_POLICIES
+from ecru.serve.queues import CONTINUOUS_POLICIES, DEFAULT_AGING
 
 PENALTY = number_in(float, "a number", lambda v: -2 <= v <= 2, "between -2 and 2")  # OpenAI's range
 POLICY_NAMES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
@@ -372,7 +372,7 @@ def _configure_simulate(sub) -> None:
     sim.add_argument(
         "--aging",
         type=non_negative_float,
-        default=0.5,
+        default=DEFAULT_AGING,
         help="cb-sjf, cb-ljf: priority tokens per step waited",
     )
     sim.add_argument(
@@ -425,7 +425,7 @@ def _configure_bench(sub) -> None:
     )
     bench.add_argument("--train-n", type=positive_int, default=192, help="labelled train prompts used")
     bench.add_argument(
-        "--aging", type=non_negative_float, default=0.5, help="cb-sjf priority tokens per step"
+        "--aging", type=non_negative_float, default=DEFAULT_AGING, help="cb-sjf priority tokens per step"
     )
     bench.add_argument("--lora-epochs", type=positive_int, default=2, help="self-lora tuning epochs")
     bench.add_argument(

@@ -31,7 +31,7 @@ import torch
 from ecru.serve.continuous import Admitter, ContinuousConfig, RunningBatch, admissions, prefill_groups
 from ecru.serve.detok import Decoder, TextStream
 from ecru.serve.engine import forward, left_pad, new_cache
-from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
+from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue
 from ecru.serve.sampling import SamplingParams, next_token_ids
 
 ENGINE_POLICIES = ("cb", "cb-sjf", "cb-kv")
@@ -50,7 +50,7 @@ class EngineConfig:
     """The largest max_tokens a request may ask for (and the default in the front ends)."""
     refill_min: int = 4
     """Admit only when this many rows are free (or the batch is empty, or fewer wait)."""
-    aging: float = 0.5
+    aging: float = DEFAULT_AGING
     """cb-sjf: priority tokens gained per decode step waited (no starvation)."""
     kv_prompt_tokens: int = 128
     """cb-kv: prompt tokens per row in the budget, max_batch_size x (max_new_tokens + this)."""
