@@ -64,6 +64,9 @@ class RoutedConfig:
     """Encoder layers that get adapters (MiniLM has 0..5); the layers below them are frozen and cached."""
     lr: float = 1e-3
     """AdamW learning rate of each adapter."""
+    label_smoothing: float | None = None
+    """Label smoothing of each adapter's task loss; None: the run's `TrainConfig.label_smoothing`. An adapter
+    only ever sees texts routed to its task, so it need not keep foreign labels' similarities up."""
     router: Literal["prototypes", "knn"] = "prototypes"
     """"prototypes": a text's score for a task is its best cosine similarity to the task's class means (stores
     C x D floats per task); "knn": the mean similarity to its `knn` nearest training texts (stores N x D)."""
@@ -112,6 +115,8 @@ class RoutedConfig:
             raise EcruError(f"anchor must be >= 0; got {self.anchor}")
         if not 0 <= self.percentile <= 100:
             raise EcruError(f"percentile must be in [0, 100]; got {self.percentile}")
+        if self.label_smoothing is not None and not 0 <= self.label_smoothing < 1:
+            raise EcruError(f"label_smoothing must be in [0, 1) or None; got {self.label_smoothing}")
         if self.reference < 0:
             raise EcruError(f"reference must be >= 0; got {self.reference}")
         if not 0 <= self.prototype_weight <= 1:
@@ -370,6 +375,9 @@ class RoutedAdapters:
         items = [(e, task) for e in task.train]
         ref_rng = random.Random(self.train.seed * 7_919 + index)  # reference batches: apart from batch order
         self.model.train()
+        smoothing = (
+            self.train.label_smoothing if self.cfg.label_smoothing is None else self.cfg.label_smoothing
+        )
 
         def loss_fn(batch: list, step: int) -> torch.Tensor:
             if names is None:  # names trained through the adapter too
@@ -377,9 +385,7 @@ class RoutedAdapters:
             else:
                 emb, label_emb = self.student([e.text for e, _ in batch]), names
                 labels = torch.tensor([task.intents.index(e.label) for e, _ in batch], dtype=torch.long)
-            loss = task_loss(
-                emb, label_emb, labels, scale=self.train.scale, label_smoothing=self.train.label_smoothing
-            )
+            loss = task_loss(emb, label_emb, labels, scale=self.train.scale, label_smoothing=smoothing)
             if self.cfg.anchor > 0:
                 t = torch.stack([teacher[e.text] for e, _ in batch])
                 loss = loss + self.cfg.anchor * distill_loss(
