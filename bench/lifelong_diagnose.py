@@ -5,7 +5,7 @@ score decision rules offline in seconds (task-agnostic protocol, validation spli
     python bench/lifelong_diagnose.py --cache runs/diag/medium_val.pt --tasks 5 --train-per-intent 16 \
         --test-per-intent 10 --heldout-per-class 5
 
-The cache holds, for the evaluation texts (every task's val texts, then the Banking77 probe), the training
+Then `python bench/lifelong_rules.py CACHE...` scores decision rules on the caches. The cache holds, for the evaluation texts (every task's val texts, then the Banking77 probe), the training
 texts and the reference sentences: the frozen embeddings and each learned adapter's embeddings (an adapter
 never changes after its task, so the final adapters give every row of the accuracy matrix), plus the frozen
 embeddings of every label name and the router's state.
@@ -76,7 +76,8 @@ def build_cache(args) -> dict:
                  "gold": ev.gold, "spans": ev.spans, "name_emb": enc.frozen(ev.names),
                  "train_task": [i for i, t in enumerate(stream.tasks) for _ in t.train],
                  "train_gold": [humanize_intent(e.label) for t in stream.tasks for e in t.train],
-                 "router": m.router.state_dict(), "config": vars(args) | {"cache": str(args.cache)}}  # fmt: skip
+                 "router": m.router.state_dict(), "config": vars(args) | {"cache": str(args.cache)},
+                 "method_config": dataclasses.asdict(config)}  # fmt: skip
     for key, texts in groups.items():
         out[f"{key}_frozen"] = enc.frozen(texts)
         if key == "train" and args.skip_train_adapted:
