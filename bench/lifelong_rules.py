@@ -110,9 +110,18 @@ def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight
     return out
 
 
+def lda_alone(c: Cache, k: int) -> torch.Tensor:
+    """Training-free streaming LDA over the frozen embeddings: the learned labels' LDA logits, and far below
+    them the frozen cosines of the unlearned ones (so only its `last` means anything: no open-set rule)."""
+    s = c.F @ c.NE.T - 1e4
+    s[:, c.learned(k)] = c.lda(k)
+    return s
+
+
 RULES = {
     "zeroshot": lambda c, k: c.F @ c.NE.T,
     "ncm": ncm,
+    "LDA alone (training-free; only last is meaningful)": lda_alone,
     "routed-lora-proto (prototype route, blend 0.5)": routed,
     "prototype route, adapter only": lambda c, k: routed(c, k, w=0.0),
     "prototype route, blend 0.7": lambda c, k: routed(c, k, w=0.7),
