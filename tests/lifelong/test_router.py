@@ -337,3 +337,13 @@ def test_lda_weight_needs_the_lda_router():
         RoutedConfig(router="prototypes", lda_weight=0.1)
     with pytest.raises(EcruError, match="lda_weight"):
         RoutedConfig(router="lda", lda_weight=-1.0)
+
+
+def test_lda_router_survives_a_task_whose_texts_repeat_verbatim():
+    from ecru.lifelong.router import LDARouter
+
+    emb = _unit([1, 0, 0], [1, 0, 0], [0, 1, 0], [0, 1, 0])  # two classes, each one text twice: no spread
+    router = LDARouter(percentile=0.0)
+    router.add_task(emb, labels=torch.tensor([0, 0, 1, 1]))
+    assert router.logits(emb, 0).isfinite().all()
+    assert router(emb, open_set=False).eq(0).all() and router(-emb).eq(FROZEN).all()

@@ -197,6 +197,11 @@ def lda_head(means: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, torc
     return weight, -0.5 * (weight * means).sum(-1)
 
 
+RIDGE = 1e-6
+"""Added to the shrunk covariance's diagonal so that it stays invertible when every class's texts coincide
+(unit-norm embeddings spread about 1 / D = 2.6e-3 per dimension for MiniLM)."""
+
+
 class LDARouter(PrototypeRouter):
     """Streaming LDA over the frozen embeddings (as SLDA, Hayes and Kanan, CVPR-W 2020): per task the class
     means, the within-class scatter and its count; the covariance is pooled over every learned task and shrunk
@@ -231,6 +236,7 @@ class LDARouter(PrototypeRouter):
         """LDA weights [C, D] and biases [C] over every learned class, and each class's task (cached)."""
         if self._head is None:
             cov = ledoit_wolf(sum(s.double() for s in self.scatters), sum(self.counts), sum(self.fourths))
+            cov = cov + RIDGE * torch.eye(cov.shape[0], dtype=cov.dtype)  # texts repeated verbatim: no spread
             weight, bias = lda_head(torch.cat(self.means).double(), cov)
             owner = [t for t, m in enumerate(self.means) for _ in range(m.shape[0])]
             self._head = (weight.float(), bias.float(), owner)
