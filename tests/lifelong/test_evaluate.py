@@ -80,3 +80,15 @@ def test_the_gate_is_given_for_learned_tasks_only(tiny_evaluator):
     assert gated.told == [0] and row.ti[0] == 100.0  # told task 1: right although the decoy wins untold
     gold1 = [humanize_intent(e.label) for e in stream.tasks[0].test]
     assert row.agnostic[0] == 100.0 * sum(g == decoy for g in gold1) / len(gold1)
+
+
+def test_distractor_accuracy_adds_the_held_out_labels_to_the_learned_tasks_candidates(tiny_evaluator):
+    stream = tiny_evaluator.stream
+    decoy = humanize_intent(
+        stream.heldout_labels[0]
+    )  # a Banking77 label (no task taught it) beats every gold
+    assert tiny_evaluator.evaluate(Oracle(stream), seen=0).distractor is None  # nothing learned yet
+    row = tiny_evaluator.evaluate(Oracle(stream, decoy), seen=1)
+    assert row.agnostic[0] == 100.0  # the decoy is no candidate of a learned task's own question
+    assert row.distractor == 0.0  # with Banking77's labels added it wins every learned text
+    assert tiny_evaluator.evaluate(Oracle(stream), seen=2).distractor == 100.0

@@ -213,3 +213,24 @@ def test_distilling_method_without_teacher_is_a_clear_error(tiny_model):
         make_method("zscl", tiny_model(), train=TRAIN)
     with pytest.raises(EcruError, match="unknown method"):
         make_method("sgd", tiny_model(), train=TRAIN)
+
+
+def _adapter_weights(tiny_model, stream, train, cfg):
+    method = make_method("routed-lora", tiny_model(), train=train, config=cfg)
+    method.learn(stream.tasks[0], index=0)
+    return method.state_dict()["weights"]
+
+
+def test_routed_label_smoothing_overrides_the_run_s_only_when_set(tiny_model, tiny_evaluator):
+    from ecru.lifelong import RoutedConfig
+
+    stream, cfg = tiny_evaluator.stream, RoutedConfig()
+    smooth, plain = replace(TRAIN, label_smoothing=0.2), replace(TRAIN, label_smoothing=0.0)
+    own = _adapter_weights(tiny_model, stream, smooth, replace(cfg, label_smoothing=0.0))
+    run = _adapter_weights(tiny_model, stream, plain, replace(cfg, label_smoothing=None))
+    other = _adapter_weights(tiny_model, stream, smooth, replace(cfg, label_smoothing=None))
+    assert own.keys() == run.keys()
+    assert all(torch.equal(own[k], run[k]) for k in own)  # 0.0 in the config = 0.0 in the run's TrainConfig
+    assert any(not torch.equal(own[k], other[k]) for k in own)  # and differs from the run's 0.2
+    with pytest.raises(EcruError, match="label_smoothing"):
+        RoutedConfig(label_smoothing=1.0)

@@ -221,7 +221,8 @@ def test_prototype_router_by_hand():
 
 def _variant(method, **fields):
     """The trained `method`'s state under another decision rule (same adapters and router)."""
-    other = make_method("routed-lora", load_minilm(), train=TRAIN, config=RoutedConfig(**fields))
+    config = RoutedConfig(**{"router": method.cfg.router, **fields})
+    other = make_method("routed-lora", load_minilm(), train=TRAIN, config=config)
     other.load_state_dict(method.state_dict())
     return other.encoder()
 
@@ -283,3 +284,66 @@ def test_rejected_texts_prefer_unlearned_labels_and_routes_never_pick_another_ta
     assert not in_cards[routes == 0].any() and not (pred[routes == 1] < len(banking)).any()
     with pytest.raises(EcruError, match="margin"):
         RoutedConfig(reject_penalty=1.0)
+
+
+def test_ledoit_wolf_matches_sklearn_on_centred_samples():
+    from sklearn.covariance import LedoitWolf
+
+    from ecru.lifelong.router import ledoit_wolf
+
+    torch.manual_seed(0)
+    x = torch.randn(40, 6, dtype=torch.float64) @ torch.randn(6, 6, dtype=torch.float64)
+    got = ledoit_wolf(x.T @ x, 40, float((x.norm(dim=-1) ** 4).sum()))
+    want = torch.tensor(LedoitWolf(assume_centered=True).fit(x.numpy()).covariance_)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_lda_router_pools_the_covariance_and_separates_what_cosine_cannot():
+    from ecru.lifelong.router import LDARouter, PrototypeRouter, lda_head
+
+    # two tasks of one class each, 1 degree apart in direction, both spread widely along a shared axis:
+    # the cosine to the class means mixes them up, LDA with the pooled covariance does not
+    torch.manual_seed(0)
+    base, spread, sep = torch.tensor([1.0, 0, 0]), torch.tensor([0, 1.0, 0]), torch.tensor([0, 0, 0.02])
+
+    def task(sign, n=200):
+        return base + sign * sep + spread * 0.5 * torch.randn(n, 1) + 0.002 * torch.randn(n, 3)
+
+    a, b = task(1), task(-1)
+    lda, proto = LDARouter(percentile=0.0), PrototypeRouter(percentile=0.0)
+    for r in (lda, proto):
+        r.add_task(a, labels=torch.zeros(200, dtype=torch.long))
+        r.add_task(b, labels=torch.zeros(200, dtype=torch.long))
+    test_a, test_b = task(1), task(-1)
+    assert lda(test_a, open_set=False).eq(0).float().mean() > 0.95
+    assert lda(test_b, open_set=False).eq(1).float().mean() > 0.95
+    assert proto(test_a, open_set=False).eq(0).float().mean() < 0.9  # the prototypes alone cannot
+    # the head is LDA with the pooled (shrunk) covariance, by hand
+    means = torch.stack([a.mean(0), b.mean(0)]).double()
+    cov = torch.tensor([[1.0, 0.2, 0], [0.2, 2.0, 0], [0, 0, 0.5]], dtype=torch.float64)
+    w, bias = lda_head(means, cov)
+    x = torch.randn(3, dtype=torch.float64)
+    inv = torch.linalg.inv(cov)
+    torch.testing.assert_close(x @ w.T + bias, x @ inv @ means.T - 0.5 * ((means @ inv) * means).sum(-1))
+    # learned in two steps or loaded from two one-task states (the store's path): the same head
+    merged = LDARouter(percentile=0.0)
+    one, two = ({k: v[i : i + 1] for k, v in lda.state_dict().items()} for i in (0, 1))
+    merged.load_state_dict({k: one[k] + two[k] for k in one})
+    torch.testing.assert_close(merged.logits(test_a, 1), lda.logits(test_a, 1))
+
+
+def test_lda_weight_needs_the_lda_router():
+    with pytest.raises(EcruError, match="lda_weight"):
+        RoutedConfig(router="prototypes", lda_weight=0.1)
+    with pytest.raises(EcruError, match="lda_weight"):
+        RoutedConfig(router="lda", lda_weight=-1.0)
+
+
+def test_lda_router_survives_a_task_whose_texts_repeat_verbatim():
+    from ecru.lifelong.router import LDARouter
+
+    emb = _unit([1, 0, 0], [1, 0, 0], [0, 1, 0], [0, 1, 0])  # two classes, each one text twice: no spread
+    router = LDARouter(percentile=0.0)
+    router.add_task(emb, labels=torch.tensor([0, 0, 1, 1]))
+    assert router.logits(emb, 0).isfinite().all()
+    assert router(emb, open_set=False).eq(0).all() and router(-emb).eq(FROZEN).all()

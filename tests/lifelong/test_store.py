@@ -244,3 +244,38 @@ def test_csv_and_jsonl_read_alike_and_bad_lines_are_named(tmp_path):
     mixed = _jsonl(tmp_path / "m.jsonl", [{"text": "a", "label": "x"}, {"text": "b"}])
     with pytest.raises(EcruError, match="all or none"):
         read_records(mixed, labels=False)
+
+
+def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predicts(store, tmp_path, data):
+    from safetensors.torch import load_file, save_file
+
+    folder = store.path / "tasks" / store.manifest["tasks"][0]["folder"]
+    saved = load_file(folder / "router.safetensors")
+    assert {"prototypes", "threshold", "means", "scatter", "count", "fourth"} <= set(
+        saved
+    )  # the LDA router's
+    texts = [r.text for r in read_records(data["banking_test"], labels=True)]
+    want = [p.label for p in store.predict(texts)]
+    # a store written before the LDA router: prototype router config, router files with prototypes only
+    old = tmp_path / "old"
+    shutil.copytree(store.path, old)
+    manifest = json.loads((old / "store.json").read_text())
+    manifest["config"] = {
+        k: v for k, v in manifest["config"].items() if k not in ("lda_weight", "label_smoothing")
+    }
+    manifest["config"].update(router="prototypes", prototype_weight=0.5)
+    (old / "store.json").write_text(json.dumps(manifest))
+    for t in manifest["tasks"]:
+        f = old / "tasks" / t["folder"] / "router.safetensors"
+        keep = load_file(f)
+        save_file({k: keep[k] for k in ("prototypes", "threshold")}, f)
+    from ecru.lifelong.router import LDARouter, PrototypeRouter
+
+    assert isinstance(store.method().router, LDARouter)
+    old_store = KnowledgeStore(old)
+    got = old_store.predict(texts)
+    assert type(old_store.method().router) is PrototypeRouter
+    assert (
+        len(got) == len(texts)
+        and sum(p.label == w for p, w in zip(got, want, strict=True)) >= len(texts) // 2
+    )

@@ -18,7 +18,8 @@ from ecru.cliargs import (
 )
 
 METHOD_NAMES = ("zeroshot", "ncm", "seqft", "lwf", "replay", "wise-ft", "zscl", "independent", "joint",
-                "seqlora", "lora-per-task", "shared-lora-zscl", "routed-lora", "routed-lora-knn")  # fmt: skip
+                "seqlora", "lora-per-task", "shared-lora-zscl", "routed-lora", "routed-lora-proto",
+                "routed-lora-knn")  # fmt: skip
 OLD_NAMES = ("ecru", "ecru-shared")  # still accepted (ecru.lifelong.methods.ALIASES)
 
 

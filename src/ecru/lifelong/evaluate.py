@@ -71,6 +71,10 @@ class EvalRow:
     """Banking77 among its own 77 labels."""
     heldout_agnostic: float
     """Banking77 among the learned labels plus its own 77."""
+    distractor: float | None = None
+    """The learned tasks' texts among the learned labels plus Banking77's 77 (labels no task taught as
+    distractors): what an open-set rule that sends texts to unlearned labels costs the learned tasks.
+    None before any task is learned or without a held-out probe."""
 
 
 def encode_sorted(encoder: Encoder, texts: list[str], *, batch_size: int = 64) -> torch.Tensor:
@@ -139,4 +143,8 @@ class Evaluator:
         lo, hi = self.spans[-1], len(self.texts)
         held = self._acc(scores, lo, hi, self.heldout_names)
         held_agnostic = self._acc(scores, lo, hi, list(dict.fromkeys(learned + self.heldout_names)))
-        return EvalRow(ti, agnostic, held, held_agnostic)
+        distractor = None
+        if seen and self.heldout_names:
+            cands = list(dict.fromkeys(learned + self.heldout_names))
+            distractor = self._acc(scores, 0, self.spans[seen], cands)
+        return EvalRow(ti, agnostic, held, held_agnostic, distractor)

@@ -176,6 +176,107 @@ class PrototypeRouter(_Routing):
         self.prototypes, self.thresholds = list(state["prototypes"]), [float(t) for t in state["thresholds"]]
 
 
+def ledoit_wolf(scatter: torch.Tensor, n: int, fourth: float) -> torch.Tensor:
+    """Ledoit-Wolf shrunk covariance [D, D] of centred samples x_i from their scatter sum_i x_i x_i^T [D, D],
+    their number `n` and `fourth` = sum_i |x_i|^4: (1 - a) S + a (tr S / D) I with S = scatter / n and
+    a = min(1, b2 / d2), b2 = (sum_i |x_i x_i^T - S|_F^2) / n^2 = (fourth - n |S|_F^2) / n^2, d2 = |S - (tr S / D) I|_F^2
+    (Ledoit and Wolf, 2004; sklearn.covariance.LedoitWolf on the same samples, centred)."""
+    dim = scatter.shape[0]
+    cov = scatter / n
+    target = torch.eye(dim, dtype=cov.dtype) * cov.trace() / dim
+    d2 = ((cov - target) ** 2).sum()
+    b2 = ((fourth - n * (cov**2).sum()) / n**2).clamp(min=0)
+    a = torch.clamp(b2 / d2, max=1.0) if d2 > 0 else torch.tensor(1.0, dtype=cov.dtype)
+    return (1 - a) * cov + a * target
+
+
+def lda_head(means: torch.Tensor, cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights [C, D] and biases [C] of linear discriminant analysis with class means [C, D] and a shared
+    covariance [D, D] (equal priors): logit_c(x) = x . S^-1 mu_c - mu_c . S^-1 mu_c / 2."""
+    weight = torch.linalg.solve(cov, means.T).T
+    return weight, -0.5 * (weight * means).sum(-1)
+
+
+RIDGE = 1e-6
+"""Added to the shrunk covariance's diagonal so that it stays invertible when every class's texts coincide
+(unit-norm embeddings spread about 1 / D = 2.6e-3 per dimension for MiniLM)."""
+
+
+class LDARouter(PrototypeRouter):
+    """Streaming LDA over the frozen embeddings (as SLDA, Hayes and Kanan, CVPR-W 2020): per task the class
+    means, the within-class scatter and its count; the covariance is pooled over every learned task and shrunk
+    (Ledoit-Wolf), so the decision between tasks sees how all of them spread. A text goes to the task of its
+    best class by LDA logit. Whether it belongs to any learned task at all is the prototype test of
+    `PrototypeRouter` (that task's best prototype cosine against that task's threshold)."""
+
+    def __init__(self, *, percentile: float, negative_quantile: float | None = None):
+        super().__init__(percentile=percentile, negative_quantile=negative_quantile)
+        self.means: list[torch.Tensor] = []
+        self.scatters: list[torch.Tensor] = []
+        self.counts: list[int] = []
+        self.fourths: list[float] = []
+        self._head: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
+
+    def add_task(
+        self, train_emb: torch.Tensor, *, labels: torch.Tensor, negatives: torch.Tensor | None = None
+    ) -> None:
+        super().add_task(train_emb, labels=labels, negatives=negatives)
+        emb = train_emb.detach().double()
+        classes = int(labels.max()) + 1
+        sums = torch.zeros(classes, emb.shape[1], dtype=emb.dtype).index_add_(0, labels, emb)
+        means = sums / torch.bincount(labels, minlength=classes).clamp(min=1)[:, None]
+        centred = emb - means[labels]
+        self.means.append(means.float())
+        self.scatters.append((centred.T @ centred).float())
+        self.counts.append(int(emb.shape[0]))
+        self.fourths.append(float((centred.norm(dim=-1) ** 4).sum()))
+        self._head = None
+
+    def head(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """LDA weights [C, D] and biases [C] over every learned class, and each class's task (cached)."""
+        if self._head is None:
+            cov = ledoit_wolf(sum(s.double() for s in self.scatters), sum(self.counts), sum(self.fourths))
+            cov = cov + RIDGE * torch.eye(cov.shape[0], dtype=cov.dtype)  # texts repeated verbatim: no spread
+            weight, bias = lda_head(torch.cat(self.means).double(), cov)
+            owner = [t for t, m in enumerate(self.means) for _ in range(m.shape[0])]
+            self._head = (weight.float(), bias.float(), owner)
+        return self._head
+
+    def logits(self, emb: torch.Tensor, task: int) -> torch.Tensor:
+        """[Q, C_task] LDA logits of frozen embeddings `emb` [Q, D] for task `task`'s classes."""
+        weight, bias, owner = self.head()
+        cols = [c for c, t in enumerate(owner) if t == task]
+        return emb @ weight[cols].T.to(emb.dtype) + bias[cols].to(emb.dtype)
+
+    def __call__(
+        self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True
+    ) -> torch.Tensor:
+        """Route [Q]: the task of the best LDA class among `tasks` (default all), or `FROZEN` when
+        `open_set` and that task's best prototype cosine is below its threshold."""
+        tasks = list(range(len(self))) if tasks is None else list(tasks)
+        if not tasks:
+            return torch.full((emb.shape[0],), FROZEN, dtype=torch.long)
+        if not all(0 <= t < len(self) for t in tasks):
+            raise ValueError(f"tasks {tasks} must be learned ones (0..{len(self) - 1})")
+        best = torch.stack([self.logits(emb, t).max(-1).values for t in tasks], dim=-1).argmax(-1)
+        picked = torch.tensor(tasks, dtype=torch.long)[best]
+        if not open_set:
+            return picked
+        proto = self.scores(emb, tasks).gather(1, best[:, None])[:, 0]
+        thresholds = torch.tensor(self.thresholds, dtype=emb.dtype)[picked]
+        return torch.where(proto >= thresholds, picked, torch.full_like(picked, FROZEN))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "means": list(self.means), "scatters": list(self.scatters),
+                "counts": list(self.counts), "fourths": list(self.fourths)}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.means, self.scatters = list(state["means"]), list(state["scatters"])
+        self.counts, self.fourths = [int(c) for c in state["counts"]], [float(f) for f in state["fourths"]]
+        self._head = None
+
+
 class Router(_Routing):
     """Per-task frozen embeddings of training utterances and a threshold per task (k nearest neighbours)."""
 

@@ -44,7 +44,8 @@ class RunResult:
     metrics: dict[str, float] = field(default_factory=dict)
     """ZSCL's metrics of `R` (learned tasks with the task given; unseen ones without)."""
     agnostic: dict[str, float] = field(default_factory=dict)
-    """The headline: last, avg, transfer, transfer_retention, bwt, heldout_change of the task-agnostic protocol."""
+    """The headline: last, avg, transfer, transfer_retention, bwt, heldout_change of the task-agnostic protocol;
+    with a held-out probe also last_with_heldout_labels (Last with Banking77's labels as extra candidates)."""
     gated: dict[str, Any] = field(default_factory=dict)
     """The label-gated protocol, every method given the same gate: learned tasks with the task given, unseen
     tasks and Banking77 through the frozen model; the keys in `by_construction` hold by construction."""
@@ -255,6 +256,10 @@ def _result(name: str, tasks, r0: EvalRow, progress: _Progress) -> RunResult:
     res.metrics["heldout_drop"] = res.heldout[-1] - res.heldout[0]
     res.metrics["heldout_worst_drop"] = min(res.heldout[1:]) - res.heldout[0]
     res.agnostic = protocol_metrics(R_agn, r0.agnostic, heldout_agn)
+    if (
+        rows[-1].distractor is not None
+    ):  # the learned tasks' texts with Banking77's labels as extra candidates
+        res.agnostic["last_with_heldout_labels"] = rows[-1].distractor
     gated = protocol_metrics(gated_matrix(R, r0.ti), r0.ti, [heldout[0]] * len(heldout))
     res.gated = {**gated, "by_construction": ["transfer_retention", "heldout_change"]}
     res.cost = _summarise(progress.costs)

@@ -8,7 +8,8 @@
 Layout (all written atomically; `store.json` is the commit point):
 - `store.json`: format version, the encoder (path and fingerprint), the method's config, the task list.
 - `tasks/<folder>/`: one standard peft LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`),
-  the task's router state (`router.safetensors`: its class prototypes and threshold) and `labels.json`
+  the task's router state (`router.safetensors`: its class prototypes and threshold; with the LDA router also
+  its class means, within-class scatter, count and fourth moment sum) and `labels.json`
   (the labels as written and the names the zero-shot head embeds, `ecru.lifelong.userdata.label_name`).
 
 Relearning a task writes a new folder, then swaps `store.json` to it, then deletes the old folder: a reader
@@ -158,10 +159,9 @@ class KnowledgeStore:
             method = _new_method(self.model_record, self._config())
             for t in (self.manifest or {}).get("tasks", []):
                 folder = self.path / "tasks" / t["folder"]
-                router = load_file(folder / "router.safetensors")
                 method.add_trained(
                     load_file(folder / "adapter_model.safetensors"),
-                    {"prototypes": [router["prototypes"]], "thresholds": [float(router["threshold"])]},
+                    _router_state(load_file(folder / "router.safetensors")),
                     t["names"],
                 )
             self._method = method
@@ -295,6 +295,18 @@ def _new_method(model_record: dict[str, str], cfg, train=None):
     return RoutedAdapters(METHOD, load_encoder(model_record), train or TrainConfig(progress=False), cfg)
 
 
+ROUTER_FILE_KEYS = {"thresholds": "threshold", "scatters": "scatter", "counts": "count", "fourths": "fourth"}
+"""The router state's per-task lists -> their one-task names in `router.safetensors` (prototypes and, for the
+LDA router, means keep their names)."""
+
+
+def _router_state(tensors: dict[str, Any]) -> dict[str, list]:
+    """One task's router state, as the method's `state_dict` holds it, from its `router.safetensors`."""
+    back = {v: k for k, v in ROUTER_FILE_KEYS.items()}
+    scalar = {"threshold": float, "count": int, "fourth": float}
+    return {back.get(k, k): [scalar[k](v) if k in scalar else v] for k, v in tensors.items()}
+
+
 def _write_task(folder: Path, trained: dict[str, Any], model_record: dict[str, str]) -> int:
     """Write one task's files into `folder`; returns their total bytes."""
     import torch
@@ -305,9 +317,9 @@ def _write_task(folder: Path, trained: dict[str, Any], model_record: dict[str, s
     lora.save_pretrained(folder)  # adapter_config.json
     save_file({k: v.contiguous() for k, v in trained["weights"].items()}, folder / "adapter_model.safetensors",
               metadata={"format": "pt"})  # fmt: skip
-    router = trained["router"]
-    save_file({"prototypes": router["prototypes"][0].float().contiguous(),
-               "threshold": torch.tensor(float(router["thresholds"][0]))}, folder / "router.safetensors")  # fmt: skip
+    router = {ROUTER_FILE_KEYS.get(k, k): torch.as_tensor(v[0]) for k, v in trained["router"].items()}
+    save_file({k: (v.double() if v.ndim == 0 else v.float()).contiguous() for k, v in router.items()},
+              folder / "router.safetensors")  # fmt: skip
     (folder / "labels.json").write_text(
         json.dumps({"labels": trained["labels"], "names": trained["names"]}, indent=1)
     )

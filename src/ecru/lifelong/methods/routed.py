@@ -45,7 +45,7 @@ from ecru.lifelong.methods.base import (
 )
 from ecru.lifelong.prefix import FrozenPrefix, PrefixCachedEncoder
 from ecru.lifelong.reference import TeacherCache
-from ecru.lifelong.router import FROZEN, PrototypeRouter, Router, TaskRouter
+from ecru.lifelong.router import FROZEN, LDARouter, PrototypeRouter, Router, TaskRouter
 from ecru.lifelong.stream import Task
 from ecru.models import MiniLM
 
@@ -64,9 +64,15 @@ class RoutedConfig:
     """Encoder layers that get adapters (MiniLM has 0..5); the layers below them are frozen and cached."""
     lr: float = 1e-3
     """AdamW learning rate of each adapter."""
-    router: Literal["prototypes", "knn"] = "prototypes"
+    label_smoothing: float | None = None
+    """Label smoothing of each adapter's task loss; None: the run's `TrainConfig.label_smoothing`. An adapter
+    only ever sees texts routed to its task, so it need not keep foreign labels' similarities up."""
+    router: Literal["prototypes", "knn", "lda"] = "prototypes"
     """"prototypes": a text's score for a task is its best cosine similarity to the task's class means (stores
-    C x D floats per task); "knn": the mean similarity to its `knn` nearest training texts (stores N x D)."""
+    C x D floats per task); "knn": the mean similarity to its `knn` nearest training texts (stores N x D);
+    "lda": the task of the text's best class by linear discriminant analysis over every learned class (class
+    means and a pooled, Ledoit-Wolf shrunk covariance of the frozen embeddings: stores C x D + D x D floats per
+    task), with the prototype threshold of "prototypes" deciding whether it belongs to a learned task at all."""
     knn: int = 5
     """With the knn router: a text's score for a task is its mean cosine similarity to its `knn` nearest
     training texts."""
@@ -77,7 +83,10 @@ class RoutedConfig:
     prototype_weight: float = 0.0
     """Among a routed task's labels, score = (1 - w) x the adapter's cosine + w x the frozen text embedding's
     cosine to the label's prototype (the router's class mean): nearest class mean and adapter as one
-    classifier. Needs router="prototypes"."""
+    classifier. Needs router="prototypes" or "lda"."""
+    lda_weight: float = 0.0
+    """With router="lda": among a routed task's labels, add lda_weight / scale x the text's LDA logit to the
+    score; the order is that of the product of softmax(scale x score) and softmax(lda_weight x LDA logit)."""
     margin: float | None = None
     """None: a text routed to task t takes one of t's labels whenever one is a candidate. A number m: only if
     the frozen model's best score for any of t's labels plus m reaches its best score for the candidates no
@@ -112,20 +121,28 @@ class RoutedConfig:
             raise EcruError(f"anchor must be >= 0; got {self.anchor}")
         if not 0 <= self.percentile <= 100:
             raise EcruError(f"percentile must be in [0, 100]; got {self.percentile}")
+        if self.label_smoothing is not None and not 0 <= self.label_smoothing < 1:
+            raise EcruError(f"label_smoothing must be in [0, 1) or None; got {self.label_smoothing}")
         if self.reference < 0:
             raise EcruError(f"reference must be >= 0; got {self.reference}")
         if not 0 <= self.prototype_weight <= 1:
             raise EcruError(f"prototype_weight must be in [0, 1]; got {self.prototype_weight}")
-        if self.prototype_weight > 0 and self.router != "prototypes":
-            raise EcruError("prototype_weight needs router='prototypes' (the class means it scores against)")
+        if self.prototype_weight > 0 and self.router not in ("prototypes", "lda"):
+            raise EcruError(
+                "prototype_weight needs router='prototypes' or 'lda' (the class means it scores against)"
+            )
+        if not self.lda_weight >= 0:
+            raise EcruError(f"lda_weight must be >= 0; got {self.lda_weight}")
+        if self.lda_weight > 0 and self.router != "lda":
+            raise EcruError("lda_weight needs router='lda' (the discriminant it adds)")
         if not self.reject_penalty >= 0:
             raise EcruError(f"reject_penalty must be >= 0; got {self.reject_penalty}")
         if self.reject_penalty > 0 and self.margin is None:
             raise EcruError("reject_penalty needs a margin (the rule that lets an unlearned label win)")
         if self.margin is not None and not self.margin >= 0:
             raise EcruError(f"margin must be >= 0 or None; got {self.margin}")
-        if self.router not in ("prototypes", "knn"):
-            raise EcruError(f"router must be 'prototypes' or 'knn'; got {self.router!r}")
+        if self.router not in ("prototypes", "knn", "lda"):
+            raise EcruError(f"router must be 'prototypes', 'knn' or 'lda'; got {self.router!r}")
         if self.negative_quantile is not None and not 0 < self.negative_quantile <= 1:
             raise EcruError(f"negative_quantile must be in (0, 1] or None; got {self.negative_quantile}")
 
@@ -243,6 +260,8 @@ class RoutedEncoder:
         w = self.m.cfg.prototype_weight
         if w > 0:
             blend = (1 - w) * blend + w * frozen @ self.m.router.prototypes[task].to(frozen.dtype).T
+        if self.m.cfg.lda_weight > 0:
+            blend = blend + self.m.cfg.lda_weight / self.m.train.scale * self.m.router.logits(frozen, task)
         if self.m.cfg.margin is None or not gate:
             block = block - OFFSET
             block[:, own] = blend[:, cols]
@@ -299,11 +318,7 @@ class RoutedAdapters:
         self.name, self.model, self.train, self.cfg, self.teacher = name, model, train, cfg, teacher
         self.adapters: list[str] = []
         self.names: list[list[str]] = []  # each learned task's intent names, as classified among
-        self.router: TaskRouter = (
-            PrototypeRouter(percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
-            if cfg.router == "prototypes"
-            else Router(k=cfg.knn, percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
-        )
+        self.router: TaskRouter = _make_router(cfg)
         layers = len(self.prefix_model_layers(model))
         if max(cfg.layers) >= layers:
             raise EcruError(f"layers {cfg.layers} do not exist: the encoder has layers 0..{layers - 1}")
@@ -370,6 +385,9 @@ class RoutedAdapters:
         items = [(e, task) for e in task.train]
         ref_rng = random.Random(self.train.seed * 7_919 + index)  # reference batches: apart from batch order
         self.model.train()
+        smoothing = (
+            self.train.label_smoothing if self.cfg.label_smoothing is None else self.cfg.label_smoothing
+        )
 
         def loss_fn(batch: list, step: int) -> torch.Tensor:
             if names is None:  # names trained through the adapter too
@@ -377,9 +395,7 @@ class RoutedAdapters:
             else:
                 emb, label_emb = self.student([e.text for e, _ in batch]), names
                 labels = torch.tensor([task.intents.index(e.label) for e, _ in batch], dtype=torch.long)
-            loss = task_loss(
-                emb, label_emb, labels, scale=self.train.scale, label_smoothing=self.train.label_smoothing
-            )
+            loss = task_loss(emb, label_emb, labels, scale=self.train.scale, label_smoothing=smoothing)
             if self.cfg.anchor > 0:
                 t = torch.stack([teacher[e.text] for e, _ in batch])
                 loss = loss + self.cfg.anchor * distill_loss(
@@ -455,6 +471,13 @@ class RoutedAdapters:
             self.peft.peft_config[self.adapters[index]],
             {k: v[index : index + 1] for k, v in state.items()},
         )
+
+
+def _make_router(cfg: RoutedConfig) -> TaskRouter:
+    if cfg.router == "knn":
+        return Router(k=cfg.knn, percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
+    kind = LDARouter if cfg.router == "lda" else PrototypeRouter
+    return kind(percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
 
 
 def _router_args(router: TaskRouter) -> dict[str, Any]:

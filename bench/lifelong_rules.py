@@ -1,0 +1,268 @@
+"""Decision rules of `routed-lora` scored offline on `bench/lifelong_diagnose.py` caches, in seconds.
+
+    python bench/lifelong_rules.py runs/diag/quick_val.pt [more caches] --json bench/results/lifelong_rules.json
+
+For each cache (one trained run: frozen and per-adapter embeddings of every evaluation text), every rule's
+task-agnostic metrics (as `bench/lifelong.py` computes them: last, avg, transfer_retention, heldout_change,
+last_with_heldout_labels), the split of its errors on the learned tasks after the last task into routing
+errors (a label of the wrong task) and within-task errors (right task, wrong label), where the Banking77
+probe's losses come from, and how well candidate signals separate the learned tasks' texts from texts of no
+learned task (AUROC). `own_rule_matches` checks that the offline rule of the cache's own method reproduces
+the method's own scores (`scores` in the cache): the rules here are the code's, not a paraphrase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from sklearn.metrics import roc_auc_score
+
+from ecru.lifelong.methods.routed import OFFSET
+from ecru.lifelong.router import lda_head, ledoit_wolf
+
+SCALE = 30.0
+
+
+class Cache:
+    """A diagnose cache with the index bookkeeping every rule needs."""
+
+    def __init__(self, path: Path):
+        c = torch.load(path, weights_only=False)
+        self.raw, self.path = c, path
+        self.names, self.task_names = c["names"], c["task_names"]
+        col = {n: k for k, n in enumerate(self.names)}
+        self.T, self.spans, self.N = len(self.task_names), c["spans"], c["eval_frozen"].shape[0]
+        self.F, self.A, self.NE = c["eval_frozen"], c["eval_adapted"], c["name_emb"]
+        self.P, self.TH = c["router"]["prototypes"], torch.tensor(c["router"]["thresholds"])
+        self.gold = torch.tensor([col[g] for g in c["gold"]])
+        self.cols = [torch.tensor([col[n] for n in t]) for t in self.task_names]
+        self.held = torch.tensor([col[n] for n in c["heldout_names"]])
+        self.text_task = torch.full((self.N,), -1)
+        for j in range(self.T):
+            self.text_task[self.spans[j] : self.spans[j + 1]] = j
+        self.label_task = torch.full((len(self.names),), -1)
+        for t, cols in enumerate(self.cols):
+            self.label_task[cols] = t
+        train_col = torch.tensor([col[g] for g in c["train_gold"]])
+        self.train = (c["train_frozen"].double(), torch.tensor(c["train_task"]), train_col)
+        self._lda: dict[int, torch.Tensor] = {}
+
+    def learned(self, k: int) -> torch.Tensor:
+        return torch.cat(self.cols[:k]) if k else torch.zeros(0, dtype=torch.long)
+
+    def lda(self, k: int) -> torch.Tensor:
+        """[N, C_learned] LDA logits after k tasks (as `LDARouter`: pooled Ledoit-Wolf covariance)."""
+        if k not in self._lda:
+            emb, task, label = self.train
+            means, centred = [], []
+            for t in range(k):
+                for c in self.cols[t]:
+                    x = emb[(task == t) & (label == c)]
+                    means.append(x.mean(0))
+                    centred.append(x - x.mean(0))
+            x = torch.cat(centred)
+            cov = ledoit_wolf(x.T @ x, x.shape[0], float((x.norm(dim=-1) ** 4).sum()))
+            w, b = lda_head(torch.stack(means), cov)
+            self._lda[k] = (self.F.double() @ w.T + b).float()
+        return self._lda[k]
+
+
+def ncm(c: Cache, k: int) -> torch.Tensor:
+    s = c.F @ c.NE.T
+    for t in range(k):
+        s[:, c.cols[t]] = c.F @ c.P[t].T
+    return s
+
+
+def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight: float = 0.0,
+           margin: float = 0.0, penalty: float = 2.0) -> torch.Tensor:  # fmt: skip
+    """`RoutedEncoder.scores` after k tasks: route by prototypes or LDA, the prototype threshold, task then
+    class with the blend (1 - w) adapter cosine + w prototype cosine + lda_weight / scale x LDA logit."""
+    s = c.F @ c.NE.T
+    proto = torch.stack([(c.F @ c.P[t].T).max(-1).values for t in range(k)], -1)
+    if route == "lda":
+        owner = c.label_task[c.learned(k)]
+        task = owner[c.lda(k).argmax(-1)]
+    else:
+        task = proto.argmax(-1)
+    rejected = proto.gather(1, task[:, None])[:, 0] < c.TH[task]
+    learned = torch.zeros(len(c.names), dtype=torch.bool)
+    learned[c.learned(k)] = True
+    out = s.clone()
+    for t in range(k):
+        rows = (task == t).nonzero().flatten()
+        own = c.cols[t]
+        blend = (1 - w) * c.A[t, rows] @ c.NE[own].T + w * c.F[rows] @ c.P[t].T
+        if lda_weight:
+            blend = blend + lda_weight / SCALE * c.lda(k)[rows][:, c.label_task[c.learned(k)] == t]
+        block = s[rows].clone()
+        other = learned.clone()
+        other[own] = False
+        block[:, other] -= OFFSET
+        best = (c.F[rows] @ c.NE[own].T).max(-1, keepdim=True).values
+        block[:, own] = best + margin + blend - blend.max(-1, keepdim=True).values
+        block[:, learned] -= penalty * rejected[rows].float()[:, None]
+        out[rows] = block
+    return out
+
+
+def lda_alone(c: Cache, k: int) -> torch.Tensor:
+    """Training-free streaming LDA over the frozen embeddings: the learned labels' LDA logits, and far below
+    them the frozen cosines of the unlearned ones (so only its `last` means anything: no open-set rule)."""
+    s = c.F @ c.NE.T - 1e4
+    s[:, c.learned(k)] = c.lda(k)
+    return s
+
+
+RULES = {
+    "zeroshot": lambda c, k: c.F @ c.NE.T,
+    "ncm": ncm,
+    "LDA alone (training-free; only last is meaningful)": lda_alone,
+    "routed-lora-proto (prototype route, blend 0.5)": routed,
+    "prototype route, adapter only": lambda c, k: routed(c, k, w=0.0),
+    "prototype route, blend 0.7": lambda c, k: routed(c, k, w=0.7),
+    "LDA route, blend 0.5": lambda c, k: routed(c, k, route="lda"),
+    "prototype route, adapter + LDA 0.05": lambda c, k: routed(c, k, w=0.0, lda_weight=0.05),
+    "routed-lora (LDA route, adapter + LDA 0.05)": lambda c, k: routed(c, k, route="lda", w=0.0, lda_weight=0.05),
+    "LDA route, adapter + LDA 0.1": lambda c, k: routed(c, k, route="lda", w=0.0, lda_weight=0.1),
+    "LDA route, adapter + LDA 0.05, reject penalty 0.05": lambda c, k: routed(
+        c, k, route="lda", w=0.0, lda_weight=0.05, penalty=0.05
+    ),
+}  # fmt: skip
+
+
+def _acc(c: Cache, s: torch.Tensor, lo: int, hi: int, cand: torch.Tensor) -> float:
+    cand = torch.tensor(sorted(set(cand.tolist())))
+    pred = cand[s[lo:hi][:, cand].argmax(-1)]
+    return 100.0 * (pred == c.gold[lo:hi]).float().mean().item()
+
+
+def metrics(c: Cache, rule) -> dict[str, float]:
+    """The task-agnostic metrics of `bench/lifelong.py` for `rule`."""
+    T, sp = c.T, c.spans
+    s0 = c.F @ c.NE.T
+    r0 = [_acc(c, s0, sp[j], sp[j + 1], c.cols[j]) for j in range(T)]
+    h0 = _acc(c, s0, sp[T], c.N, c.held)
+    R, held = [], []
+    for k in range(1, T + 1):
+        s, L = rule(c, k), c.learned(k)
+        R.append([_acc(c, s, sp[j], sp[j + 1], torch.cat([L, c.cols[j]])) for j in range(T)])
+        held.append(_acc(c, s, sp[T], c.N, torch.cat([L, c.held])))
+    transfer = sum(sum(R[i][j] for i in range(j)) / j for j in range(1, T)) / (T - 1)
+    dis = _acc(c, rule(c, T), 0, sp[T], torch.cat([c.learned(T), c.held]))
+    return {"last": sum(R[-1]) / T, "avg": sum(map(sum, R)) / T / T,
+            "transfer_retention": transfer - sum(r0[1:]) / (T - 1), "heldout_change": held[-1] - h0,
+            "last_with_heldout_labels": dis}  # fmt: skip
+
+
+def error_split(c: Cache, rule) -> dict[str, float]:
+    """Points lost on the learned tasks after the last task: a wrong task's label vs the right task's wrong one."""
+    L, hi = c.learned(c.T), c.spans[c.T]
+    pred = L[rule(c, c.T)[:hi][:, L].argmax(-1)]
+    right_task = c.label_task[pred] == c.text_task[:hi]
+    wrong = pred != c.gold[:hi]
+    return {"task_wrong": 100.0 * (~right_task).float().mean().item(),
+            "task_right_label_wrong": 100.0 * (right_task & wrong).float().mean().item()}  # fmt: skip
+
+
+def heldout_breakdown(c: Cache, rule) -> dict[str, int]:
+    """Banking77 after the last task against before the first: texts lost and gained, and whether the router
+    had rejected them (rejected texts get the frozen model's answer among Banking77's labels)."""
+    lo, T = c.spans[c.T], c.T
+    cand = torch.tensor(sorted(set(torch.cat([c.learned(T), c.held]).tolist())))
+    before = c.held[(c.F[lo:] @ c.NE[c.held].T).argmax(-1)] == c.gold[lo:]
+    pred = cand[rule(c, T)[lo:][:, cand].argmax(-1)]
+    after = pred == c.gold[lo:]
+    proto = torch.stack([(c.F[lo:] @ c.P[t].T).max(-1).values for t in range(T)], -1)
+    best, task = proto.max(-1)
+    rejected = best < c.TH[task]
+    return {"texts": c.N - lo, "rejected": int(rejected.sum()), "lost": int((before & ~after).sum()),
+            "lost_not_rejected": int((before & ~after & ~rejected).sum()), "gained": int((~before & after).sum()),
+            "answered_with_a_learned_label": int((c.label_task[pred] >= 0).sum())}  # fmt: skip
+
+
+def open_set_auroc(c: Cache) -> dict[str, dict[str, float]]:
+    """AUROC of signals that a text belongs to a learned task: learned tasks' texts vs Banking77 (after the
+    last task), and task 1's texts vs the other tasks' (after task 1)."""
+
+    def signals(k: int, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        proto = torch.stack([(c.F[rows] @ c.P[t].T).max(-1).values for t in range(k)], -1)
+        best, task = proto.max(-1)
+        adapter = torch.stack(
+            [(c.A[t, r] @ c.NE[c.cols[t]].T).max() for t, r in zip(task, rows, strict=True)]
+        )
+        frozen = torch.stack([(c.F[r] @ c.NE[c.cols[t]].T).max() for t, r in zip(task, rows, strict=True)])
+        energy = torch.stack([torch.logsumexp(SCALE * c.A[t, r] @ c.NE[c.cols[t]].T, -1)
+                              for t, r in zip(task, rows, strict=True)])  # fmt: skip
+        return {"prototype cosine - task threshold": best - c.TH[task], "prototype cosine": best,
+                "LDA max logit": c.lda(k)[rows].max(-1).values, "adapter max cosine to names": adapter,
+                "adapter energy (logsumexp)": energy, "adapter - frozen max cosine": frozen - adapter}  # fmt: skip
+
+    def auroc(k: int, pos: torch.Tensor, neg: torch.Tensor) -> dict[str, float]:
+        sp, sn = signals(k, pos), signals(k, neg)
+        y = [1] * len(pos) + [0] * len(neg)
+        return {key: roc_auc_score(y, torch.cat([sp[key], sn[key]]).numpy()) for key in sp}
+
+    T, sp = c.T, c.spans
+    return {"learned_vs_banking77": auroc(T, torch.arange(sp[T]), torch.arange(sp[T], c.N)),
+            "task1_vs_unseen_tasks": auroc(1, torch.arange(sp[1]), torch.arange(sp[1], sp[T]))}  # fmt: skip
+
+
+def own_rule_matches(c: Cache) -> bool | None:
+    """Whether the offline rule of the cache's method reproduces the method's own scores (None: not cached)."""
+    if "scores" not in c.raw:
+        return None
+    cfg = c.raw.get("method_config", {})
+    if cfg.get("router", "prototypes") == "lda":
+        want = routed(c, c.T, route="lda", w=cfg.get("prototype_weight", 0.0), lda_weight=cfg["lda_weight"])
+    else:
+        want = routed(c, c.T, w=cfg.get("prototype_weight", 0.5))
+    return bool(torch.allclose(want, c.raw["scores"], atol=1e-4))
+
+
+def analyse(path: Path) -> dict:
+    c = Cache(path)
+    ours, proto = (
+        "routed-lora (LDA route, adapter + LDA 0.05)",
+        "routed-lora-proto (prototype route, blend 0.5)",
+    )
+    return {"cache": str(path), "config": c.raw["config"], "own_rule_matches": own_rule_matches(c),
+            "rules": {name: metrics(c, rule) for name, rule in RULES.items()},
+            "error_split": {name: error_split(c, RULES[name]) for name in ("ncm", proto, ours)},
+            "heldout_breakdown": {name: heldout_breakdown(c, RULES[name]) for name in (proto, ours)},
+            "open_set_auroc": open_set_auroc(c)}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("caches", type=Path, nargs="+", help="caches written by bench/lifelong_diagnose.py")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args(argv)
+    out = []
+    for path in args.caches:
+        res = analyse(path)
+        out.append(res)
+        print(f"\n{path} (own rule reproduces the method's scores: {res['own_rule_matches']})")
+        for name, m in res["rules"].items():
+            print(f"  {name:<52}" + " ".join(f"{k[:12]} {v:6.2f}" for k, v in m.items()))
+        for name, e in res["error_split"].items():
+            print(
+                f"  errors {name:<45} task wrong {e['task_wrong']:.2f}, label wrong {e['task_right_label_wrong']:.2f}"
+            )
+        for name, h in res["heldout_breakdown"].items():
+            print(f"  Banking77 {name:<42} {h}")
+        for probe, a in res["open_set_auroc"].items():
+            print(f"  AUROC {probe}: " + ", ".join(f"{k} {v:.3f}" for k, v in a.items()))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
