@@ -108,8 +108,9 @@ def section(ctx: DemoContext) -> Section:
             "labels seen so far (plus its own task's, for tasks not yet learned), with no task given. R[i][j] is "
             "the accuracy on domain j after training domain i; transfer retention is the change in zero-shot "
             "accuracy on domains not yet learned against the pretrained model's (ZSCL's definitions). "
-            "routed-lora trains one LoRA adapter per domain and routes each text by per-class prototypes of "
-            "frozen embeddings, or to the untouched model when it resembles no learned domain; ncm classifies "
+            "routed-lora trains one LoRA adapter per domain and routes each text by linear discriminant analysis "
+            "of frozen embeddings (class means and one pooled covariance), or to the untouched model when no "
+            "learned class prototype is close enough; ncm classifies "
             "by the nearest class mean of frozen embeddings of the training texts, with no training."
         ),
         takeaway=takeaway,
