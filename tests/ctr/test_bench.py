@@ -148,7 +148,17 @@ def test_decisive_on_a_tiny_setting(tmp_path, monkeypatch):
     out = tmp_path / "d.json"
     assert decisive.main(["--quick", "--variants", "cowclip,no-clip,summed-loss", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [r["variant"] for r in result["runs"]] == ["reference", "cowclip", "no-clip", "summed-loss"] * 2
+    order = [(r["seed"], r["variant"]) for r in result["runs"]]
+    assert order == [(0, "reference"), (0, "cowclip"), (0, "no-clip"), (0, "summed-loss")] + [
+        (1, "reference"),
+        (1, "cowclip"),
+        (1, "no-clip"),
+        (1, "summed-loss"),
+    ]
+    for r in result["runs"]:  # a no-clip run is copied only where the CowClip run clipped nothing
+        if r.get("identical_by_construction"):
+            cow = next(c for c in result["runs"] if c["variant"] == "cowclip" and c["seed"] == r["seed"])
+            assert cow["clipped_fraction"] == 0.0 and cow["auc"] == r["auc"]
     summary = result["summary"]
     ref = {r["seed"]: r["auc"] for r in result["runs"] if r["variant"] == "reference"}
     gaps = [ref[r["seed"]] - r["auc"] for r in result["runs"] if r["variant"] == "no-clip"]
