@@ -16,9 +16,11 @@ each over the same seeds (data, teacher, init, batch order). The verdict: each v
 reference (and its spread over seeds), the large-batch step count, and the fraction of rows clipped.
 
     python bench/ctr_decisive.py --quick --json bench/results/ctr_decisive_quick.json    # ~5-8 min, 2 CPU cores
-    python bench/ctr_decisive.py --json bench/results/ctr_decisive.json                  # the real thing: >= 3,000
-        # steps at 32K (98M samples per run, the 1K reference ~96K steps), 3 seeds, 7 variants: many CPU-days;
-        # meant for a GPU (--device cuda)
+    nohup nice python bench/ctr_decisive.py --setting cpu --resume --json bench/results/ctr_decisive.json &
+        # the run made: 3,000 steps at 32K (98M samples per run, the 1K reference 96,090 steps) on a reduced
+        # table and model, ~6 min of one core per 1K reference and ~2 min per 32K run; the JSON is rewritten
+        # after every run and --resume continues from it
+    python bench/ctr_decisive.py --setting full --device cuda --json ...   # Criteo-sized: meant for a GPU
 """
 
 from __future__ import annotations
@@ -167,15 +169,10 @@ def run(setting: Setting, name: str, spec, data, seed: int, device: str) -> dict
 
 
 def schedule(setting: Setting, names: list[str]) -> list[tuple[int, str]]:
-    """(seed, variant) in the order run: every variant on the first seed, then the reference, CowClip and
-    no-clip on the other seeds, then the knobs on their other seeds (a run cut short still has every knob
-    once and the core comparison on as many seeds as it reached)."""
-    first, *rest = setting.seeds
-    order = [(first, n) for n in names]
-    order += [(seed, n) for seed in rest for n in names if n in CORE]
-    return order + [
-        (seed, n) for seed in setting.seeds_of_knobs if seed != first for n in names if n not in CORE
-    ]
+    """(seed, variant) in the order run: the reference, CowClip and no-clip on every seed, then the knobs seed
+    by seed (a run cut short still has the core comparison on every seed and the knobs on the first)."""
+    order = [(seed, n) for seed in setting.seeds for n in names if n in CORE]
+    return order + [(seed, n) for seed in setting.seeds_of_knobs for n in names if n not in CORE]
 
 
 def identical_to_cowclip(runs: list[dict], seed: int) -> dict | None:
