@@ -299,6 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--resume", action="store_true", help="keep the runs already in --json, run the rest")
+    p.add_argument("--seeds", default=None, help="comma-separated: run only these of the setting's seeds")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="add the runs of these result files (same setting; e.g. a second process's) to --json and "
+        "rewrite its summary and plot; trains nothing",
+    )
     p.add_argument("--json", default="bench/results/ctr_decisive.json", help="result file (+ .png plot)")
     args = p.parse_args(argv)
     setting = globals()[SETTINGS["quick" if args.quick else args.setting]]
@@ -312,16 +321,26 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.json)
     args_line = " ".join(["python", "bench/ctr_decisive.py", *(argv if argv is not None else sys.argv[1:])])
     runs, oracle, wall = [], {}, 0.0
-    if args.resume and out.is_file():
-        old = json.loads(out.read_text())
+    sources = ([out] if args.resume or args.merge else []) + [Path(f) for f in args.merge or []]
+    for path in sources:
+        if not path.is_file():
+            continue
+        old = json.loads(path.read_text())
         if old["setting"] != json.loads(json.dumps(asdict(setting))):
-            p.error(f"{out} holds another setting; give a new --json")
-        runs, wall = old["runs"], old["wall_s"]
-        oracle = {int(k): v for k, v in old["oracle_auc"].items()}
+            p.error(f"{path} holds another setting; give a new --json")
+        seen = {(r["seed"], r["variant"]) for r in runs}
+        runs += [r for r in old["runs"] if (r["seed"], r["variant"]) not in seen]
+        wall = max(wall, old["wall_s"])
+        oracle.update({int(k): v for k, v in old["oracle_auc"].items()})
+    if args.merge:
+        result = write(out, args_line, setting, runs, oracle, wall)
+        print(f"{result['verdict']}\n-> {out}")
+        return 0
+    only = None if args.seeds is None else {int(x) for x in args.seeds.split(",")}
     done = {(r["seed"], r["variant"]) for r in runs}
     start, cached = time.perf_counter() - wall, (None, None)
     for seed, name in schedule(setting, list(specs)):
-        if (seed, name) in done:
+        if (seed, name) in done or (only is not None and seed not in only):
             continue
         same = identical_to_cowclip(runs, seed) if name == "no-clip" else None
         if same is not None:
