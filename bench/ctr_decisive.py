@@ -18,7 +18,7 @@ reference (and its spread over seeds), the large-batch step count, and the fract
     python bench/ctr_decisive.py --quick --json bench/results/ctr_decisive_quick.json    # ~5-8 min, 2 CPU cores
     nohup nice python bench/ctr_decisive.py --setting cpu --resume --json bench/results/ctr_decisive.json &
         # the run made: 3,000 steps at 32K (98M samples per run, the 1K reference 96,090 steps) on a reduced
-        # table and model, ~6 min of one core per 1K reference and ~2 min per 32K run; the JSON is rewritten
+        # table and model, ~8 min of one core per 1K reference and ~2-3 min per 32K run; the JSON is rewritten
         # after every run and --resume continues from it
     python bench/ctr_decisive.py --setting full --device cuda --json ...   # Criteo-sized: meant for a GPU
 """
@@ -77,7 +77,7 @@ class Setting:
 QUICK = Setting(
     rows=150_000, test_fraction=0.1, scale=1e-3, mlp=(64, 64), epochs=2, base=128, large=4096, seeds=(0, 1, 2)
 )
-# The run made on one CPU core (~40 min of CPU): 10 of Criteo's fields at 5e-3 x its cardinalities (62,217
+# The run made on CPU (~55 min of one core in all): 10 of Criteo's fields at 5e-3 x its cardinalities (62,217
 # ids, a 2^16-row table), embedding dim 4, DeepFM 32-32; 9.84M training rows x 10 epochs = 3,000 steps at
 # 32K (98M samples) against 96,090 at 1K. The knobs one at a time on seed 0 first, then seeds 1-2 if time allows.
 CPU = Setting(
