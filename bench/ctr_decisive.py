@@ -16,9 +16,11 @@ each over the same seeds (data, teacher, init, batch order). The verdict: each v
 reference (and its spread over seeds), the large-batch step count, and the fraction of rows clipped.
 
     python bench/ctr_decisive.py --quick --json bench/results/ctr_decisive_quick.json    # ~5-8 min, 2 CPU cores
-    python bench/ctr_decisive.py --json bench/results/ctr_decisive.json                  # the real thing: >= 3,000
-        # steps at 32K (98M samples per run, the 1K reference ~96K steps), 3 seeds, 7 variants: many CPU-days;
-        # meant for a GPU (--device cuda)
+    nohup nice python bench/ctr_decisive.py --setting cpu --resume --json bench/results/ctr_decisive.json &
+        # the run made: 3,000 steps at 32K (98M samples per run, the 1K reference 96,090 steps) on a reduced
+        # table and model, ~8 min of one core per 1K reference and ~2-3 min per 32K run; the JSON is rewritten
+        # after every run and --resume continues from it
+    python bench/ctr_decisive.py --setting full --device cuda --json ...   # Criteo-sized: meant for a GPU
 """
 
 from __future__ import annotations
@@ -59,11 +61,37 @@ class Setting:
     large: int
     """The large batch."""
     seeds: tuple[int, ...]
-    """Seeds of data, teacher, init and batch order."""
+    """Seeds of data, teacher, init and batch order (the reference, CowClip and no-clip run on each)."""
+    fields: int = 26
+    """Categorical fields (the first `fields` of Criteo's 26)."""
+    embed_dim: int = 10
+    """Embedding dimension."""
+    knob_seeds: tuple[int, ...] | None = None
+    """Seeds of the one-at-a-time knobs (None: `seeds`); fewer when CPU time is short."""
+
+    @property
+    def seeds_of_knobs(self) -> tuple[int, ...]:
+        return self.seeds if self.knob_seeds is None else self.knob_seeds
 
 
 QUICK = Setting(
     rows=150_000, test_fraction=0.1, scale=1e-3, mlp=(64, 64), epochs=2, base=128, large=4096, seeds=(0, 1, 2)
+)
+# The run made on CPU (~55 min of one core in all): 10 of Criteo's fields at 5e-3 x its cardinalities (62,217
+# ids, a 2^16-row table), embedding dim 4, DeepFM 32-32; 9.84M training rows x 10 epochs = 3,000 steps at
+# 32K (98M samples) against 96,090 at 1K. The knobs one at a time on seed 0 first, then seeds 1-2 if time allows.
+CPU = Setting(
+    rows=10_250_000,
+    test_fraction=0.04,
+    scale=5e-3,
+    mlp=(32, 32),
+    epochs=10,
+    base=1024,
+    large=32768,
+    seeds=(0, 1, 2),
+    fields=10,
+    embed_dim=4,
+    knob_seeds=(0, 1, 2),
 )
 # 32K x 3,000 steps = 98M samples: 11M training rows x 9 epochs = 3,021 steps at 32K
 FULL = Setting(
@@ -94,6 +122,9 @@ def variants(setting: Setting) -> dict[str, tuple[int, Recipe, dict]]:
     }
 
 
+CORE = ("reference", "cowclip", "no-clip")
+
+
 def run(setting: Setting, name: str, spec, data, seed: int, device: str) -> dict:
     batch, recipe, overrides = spec
     cfg = TrainConfig(
@@ -102,12 +133,14 @@ def run(setting: Setting, name: str, spec, data, seed: int, device: str) -> dict
         recipe="cowclip",
         mode="full",
         mlp=setting.mlp,
+        embed_dim=setting.embed_dim,
         base_batch=setting.base,
         seed=seed,
         progress=False,
         device=device,
         **overrides,
     )
+    cpu = time.process_time()
     res = train(cfg, *data, recipe=recipe)
     row = {
         "variant": name,
@@ -120,31 +153,54 @@ def run(setting: Setting, name: str, spec, data, seed: int, device: str) -> dict
         "clipped_fraction": res.clip.clipped_fraction,
         "clip_ratio_max": res.clip.ratio_quantiles["max"],
         "wall_s": res.wall_s,
+        "cpu_s": time.process_time() - cpu,
         "history": res.history,
         "settings": asdict(recipe),
         "overrides": overrides,
     }
     print(
-        f"seed {seed} {name:>14} b={batch:>6}: AUC {res.auc:.5f} logloss {res.logloss:.5f} {res.steps} steps "
-        f"clipped {res.clip.clipped_fraction:.3%} ({res.wall_s:.0f}s)",
+        f"{time.strftime('%H:%M:%S')} seed {seed} {name:>14} b={batch:>6}: AUC {res.auc:.5f} (best epoch "
+        f"{row['best_epoch_auc']:.5f}) logloss {res.logloss:.5f} {res.steps} steps clipped "
+        f"{res.clip.clipped_fraction:.3%} ({res.wall_s:.0f}s wall, {row['cpu_s']:.0f}s CPU)",
         file=sys.stderr,
         flush=True,
     )
     return row
 
 
+def schedule(setting: Setting, names: list[str]) -> list[tuple[int, str]]:
+    """(seed, variant) in the order run: the reference, CowClip and no-clip on every seed, then the knobs seed
+    by seed (a run cut short still has the core comparison on every seed and the knobs on the first)."""
+    order = [(seed, n) for seed in setting.seeds for n in names if n in CORE]
+    return order + [(seed, n) for seed in setting.seeds_of_knobs for n in names if n not in CORE]
+
+
+def identical_to_cowclip(runs: list[dict], seed: int) -> dict | None:
+    """The no-clip run, without running it, when the CowClip run of the same seed never clipped: the clip then
+    scaled every gradient by exactly 1.0, so the two runs are the same computation (bit-identical)."""
+    cow = next((r for r in runs if r["variant"] == "cowclip" and r["seed"] == seed), None)
+    if cow is None or cow["clipped_fraction"] != 0.0:
+        return None
+    return {**cow, "variant": "no-clip", "identical_by_construction": "the CowClip run clipped no row"}
+
+
 def summarize(runs: list[dict], oracle: dict[int, float]) -> dict:
     """Per variant: mean and spread of the AUC and of the paired gap to the reference (same seed)."""
-    ref = {r["seed"]: r["auc"] for r in runs if r["variant"] == "reference"}
+    ref = {r["seed"]: r for r in runs if r["variant"] == "reference"}
     out = {}
     for name in dict.fromkeys(r["variant"] for r in runs):
-        rows = [r for r in runs if r["variant"] == name]
-        gaps = [ref[r["seed"]] - r["auc"] for r in rows]
+        rows = [r for r in runs if r["variant"] == name and r["seed"] in ref]
+        if not rows:
+            continue
+        gaps = [ref[r["seed"]]["auc"] - r["auc"] for r in rows]
+        best_gaps = [ref[r["seed"]]["best_epoch_auc"] - r["best_epoch_auc"] for r in rows]
         out[name] = {
             "auc_mean": statistics.mean(r["auc"] for r in rows),
             "auc_std": statistics.stdev(r["auc"] for r in rows) if len(rows) > 1 else 0.0,
             "gap_to_reference_mean": statistics.mean(gaps),
             "gap_to_reference_std": statistics.stdev(gaps) if len(gaps) > 1 else 0.0,
+            "gaps": gaps,
+            "best_epoch_gap_mean": statistics.mean(best_gaps),
             "gap_to_oracle_mean": statistics.mean(oracle[r["seed"]] - r["auc"] for r in rows),
             "steps": rows[0]["steps"],
             "clipped_fraction_mean": statistics.mean(r["clipped_fraction"] for r in rows),
@@ -161,47 +217,100 @@ def verdict(summary: dict, setting: Setting) -> str:
     return (
         f"{len(summary['reference']['seeds'])} seeds, {cc['steps']} large-batch steps at {setting.large} "
         f"(s = {setting.large // setting.base}) vs {summary['reference']['steps']} at {setting.base}. "
-        f"CowClip rules: gap {cc['gap_to_reference_mean']:+.4f} +- {cc['gap_to_reference_std']:.4f} "
-        f"(clip fired on {cc['clipped_fraction_mean']:.2%} of rows); without the clip "
-        f"{nc['gap_to_reference_mean']:+.4f} +- {nc['gap_to_reference_std']:.4f}. Smallest gap: {best} "
-        f"({large[best]['gap_to_reference_mean']:+.4f}). Within one seed-spread (+1e-3) of the reference: "
-        f"{', '.join(lossless) or 'none'}."
+        f"CowClip rules ({len(cc['seeds'])} seeds): gap {cc['gap_to_reference_mean']:+.4f} +- "
+        f"{cc['gap_to_reference_std']:.4f} (clip fired on {cc['clipped_fraction_mean']:.2%} of rows); without "
+        f"the clip ({len(nc['seeds'])} seeds) {nc['gap_to_reference_mean']:+.4f} +- {nc['gap_to_reference_std']:.4f}. "
+        f"Smallest gap: {best} ({large[best]['gap_to_reference_mean']:+.4f}, {len(large[best]['seeds'])} seeds). "
+        f"Within one seed-spread (+1e-3) of the reference: {', '.join(lossless) or 'none'}."
     )
 
 
-def plot(summary: dict, path: Path, title: str) -> None:
+def plot(summary: dict, runs: list[dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [k for k in summary if k != "reference"]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.2))
     ax.bar(
-        names,
+        [f"{k}\n({len(summary[k]['seeds'])} seeds)" for k in names],
         [summary[k]["gap_to_reference_mean"] for k in names],
         yerr=[summary[k]["gap_to_reference_std"] for k in names],
         color="tab:blue",
         capsize=4,
     )
+    for i, k in enumerate(names):
+        ax.plot([i] * len(summary[k]["gaps"]), summary[k]["gaps"], "k.", ms=4)
     ax.axhline(0, color="black", lw=0.8)
-    ax.set(ylabel="AUC gap to the base batch (mean, sd over seeds)", title=title)
-    ax.tick_params(axis="x", labelrotation=20)
+    ax.set(ylabel="AUC gap to the base batch (final epoch)", title=title)
+    ax.tick_params(axis="x", labelsize=7)
+    colors = dict(zip(["reference", *names], plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for r in runs:
+        if r["seed"] == min(x["seed"] for x in runs):
+            ax2.plot(
+                [h["epoch"] for h in r["history"]],
+                [h["auc"] for h in r["history"]],
+                color=colors.get(r["variant"]),
+                label=r["variant"],
+                marker=".",
+            )
+    ax2.set(xlabel="epoch", ylabel="held-out AUC", title="AUC per epoch, first seed")
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def write(out: Path, args_line: str, setting: Setting, runs: list[dict], oracle: dict, wall: float) -> dict:
+    """The JSON (rewritten after every run, so a run cut short still leaves its results) and the plot."""
+    summary = summarize(runs, oracle)
+    text = verdict(summary, setting) if {"cowclip", "no-clip"} <= set(summary) else ""
+    result = {
+        "command": args_line,
+        "setting": asdict(setting),
+        "mode": "full (faithful: full-table L2 through Adam every step)",
+        "oracle_auc": oracle,
+        "summary": summary,
+        "verdict": text,
+        "runs": runs,
+        "wall_s": wall,
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out)
+    if summary.get("reference") and len(summary) > 1:
+        plot(summary, runs, out.with_suffix(".png"), f"DeepFM, faithful, s = {setting.large // setting.base}")
+    return result
+
+
+SETTINGS = {"quick": "QUICK", "cpu": "CPU", "full": "FULL"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the small setting (minutes on a CPU)")
+    p.add_argument("--quick", action="store_true", help="the small setting (same as --setting quick)")
+    p.add_argument("--setting", choices=SETTINGS, default="full", help="which size (see the module doc)")
     p.add_argument(
         "--variants", default=None, help="comma-separated subset of the variants (reference always runs)"
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--resume", action="store_true", help="keep the runs already in --json, run the rest")
+    p.add_argument("--seeds", default=None, help="comma-separated: run only these of the setting's seeds")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="add the runs of these result files (same setting; e.g. a second process's) to --json and "
+        "rewrite its summary and plot; trains nothing",
+    )
     p.add_argument("--json", default="bench/results/ctr_decisive.json", help="result file (+ .png plot)")
     args = p.parse_args(argv)
-    setting = QUICK if args.quick else FULL
+    setting = globals()[SETTINGS["quick" if args.quick else args.setting]]
     specs = variants(setting)
     if args.variants:
         keep = {"reference", *args.variants.split(",")}
@@ -209,38 +318,43 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown variants {sorted(unknown)}; choose from {sorted(specs)}")
         specs = {k: v for k, v in specs.items() if k in keep}
-    start, runs, oracle = time.perf_counter(), [], {}
-    for seed in setting.seeds:
-        data = generate(SyntheticConfig(n_rows=setting.rows, scale=setting.scale, seed=seed)).split_random(
-            setting.test_fraction, seed=seed
-        )
-        oracle[seed] = realised_oracle(data[1])[0]
-        runs += [run(setting, name, spec, data, seed, args.device) for name, spec in specs.items()]
-    summary = summarize(runs, oracle)
-    text = verdict(summary, setting) if {"cowclip", "no-clip"} <= set(summary) else ""
     out = Path(args.json)
-    result = {
-        "command": " ".join(
-            ["python", "bench/ctr_decisive.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "setting": asdict(setting),
-        "mode": "full (faithful: full-table L2 through Adam every step)",
-        "oracle_auc": oracle,
-        "summary": summary,
-        "verdict": text,
-        "runs": runs,
-        "wall_s": time.perf_counter() - start,
-        "threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(
-        summary,
-        out.with_suffix(".png"),
-        f"DeepFM, {'quick' if args.quick else 'full'}: s = {setting.large // setting.base}",
-    )
-    print(f"{text}\n-> {out}")
+    args_line = " ".join(["python", "bench/ctr_decisive.py", *(argv if argv is not None else sys.argv[1:])])
+    runs, oracle, wall = [], {}, 0.0
+    sources = ([out] if args.resume or args.merge else []) + [Path(f) for f in args.merge or []]
+    for path in sources:
+        if not path.is_file():
+            continue
+        old = json.loads(path.read_text())
+        if old["setting"] != json.loads(json.dumps(asdict(setting))):
+            p.error(f"{path} holds another setting; give a new --json")
+        seen = {(r["seed"], r["variant"]) for r in runs}
+        runs += [r for r in old["runs"] if (r["seed"], r["variant"]) not in seen]
+        wall = max(wall, old["wall_s"])
+        oracle.update({int(k): v for k, v in old["oracle_auc"].items()})
+    if args.merge:
+        result = write(out, args_line, setting, runs, oracle, wall)
+        print(f"{result['verdict']}\n-> {out}")
+        return 0
+    only = None if args.seeds is None else {int(x) for x in args.seeds.split(",")}
+    done = {(r["seed"], r["variant"]) for r in runs}
+    start, cached = time.perf_counter() - wall, (None, None)
+    for seed, name in schedule(setting, list(specs)):
+        if (seed, name) in done or (only is not None and seed not in only):
+            continue
+        same = identical_to_cowclip(runs, seed) if name == "no-clip" else None
+        if same is not None:
+            runs.append(same)
+            continue
+        if cached[0] != seed:
+            cached = (seed, None)  # free the last seed's rows before generating the next
+            gen = SyntheticConfig(n_rows=setting.rows, scale=setting.scale, seed=seed, fields=setting.fields)
+            cached = (seed, generate(gen).split_random(setting.test_fraction, seed=seed))
+            oracle[seed] = realised_oracle(cached[1][1])[0]
+        runs.append(run(setting, name, specs[name], cached[1], seed, args.device))
+        write(out, args_line, setting, runs, oracle, time.perf_counter() - start)
+    result = write(out, args_line, setting, runs, oracle, time.perf_counter() - start)
+    print(f"{result['verdict']}\n-> {out}")
     return 0
 
 

@@ -148,7 +148,16 @@ def test_decisive_on_a_tiny_setting(tmp_path, monkeypatch):
     out = tmp_path / "d.json"
     assert decisive.main(["--quick", "--variants", "cowclip,no-clip,summed-loss", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [r["variant"] for r in result["runs"]] == ["reference", "cowclip", "no-clip", "summed-loss"] * 2
+    order = [(r["seed"], r["variant"]) for r in result["runs"]]
+    assert order == [(0, "reference"), (0, "cowclip"), (0, "no-clip"), (1, "reference"), (1, "cowclip")] + [
+        (1, "no-clip"),
+        (0, "summed-loss"),
+        (1, "summed-loss"),
+    ]
+    for r in result["runs"]:  # a no-clip run is copied only where the CowClip run clipped nothing
+        if r.get("identical_by_construction"):
+            cow = next(c for c in result["runs"] if c["variant"] == "cowclip" and c["seed"] == r["seed"])
+            assert cow["clipped_fraction"] == 0.0 and cow["auc"] == r["auc"]
     summary = result["summary"]
     ref = {r["seed"]: r["auc"] for r in result["runs"] if r["variant"] == "reference"}
     gaps = [ref[r["seed"]] - r["auc"] for r in result["runs"] if r["variant"] == "no-clip"]
@@ -157,3 +166,18 @@ def test_decisive_on_a_tiny_setting(tmp_path, monkeypatch):
     # the summed loss makes the clip fire where the mean loss leaves it inert
     assert summary["summed-loss"]["clipped_fraction_mean"] > summary["cowclip"]["clipped_fraction_mean"]
     assert out.with_suffix(".png").stat().st_size > 0
+    # a second process on one seed (resuming from a copy holding that seed's reference), then merged back
+    main = {**result, "runs": [r for r in result["runs"] if r["variant"] != "summed-loss"]}
+    out.write_text(json.dumps(main))
+    knobs = tmp_path / "k.json"
+    knobs.write_text(json.dumps(main))
+    argv = ["--quick", "--resume", "--seeds", "1", "--variants", "summed-loss", "--json", str(knobs)]
+    assert decisive.main(argv) == 0
+    ran = json.loads(knobs.read_text())["runs"]
+    assert [(r["seed"], r["variant"]) for r in ran][-1] == (1, "summed-loss") and len(ran) == len(
+        main["runs"]
+    ) + 1
+    assert decisive.main(["--quick", "--json", str(out), "--merge", str(knobs)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["summary"]["summed-loss"]["seeds"] == [1]
+    assert merged["summary"]["summed-loss"]["gaps"] == pytest.approx(summary["summed-loss"]["gaps"][1:])

@@ -1,5 +1,6 @@
 """The synthetic generator: oracle AUC and logloss against Monte-Carlo estimates, shapes, metrics."""
 
+import pytest
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 
@@ -43,3 +44,11 @@ def test_metrics_match_sklearn():
     assert abs(auc(y, s) - roc_auc_score(y.numpy(), s.numpy())) < 1e-12
     p = torch.rand(3000, generator=gen).clamp(0.01, 0.99)
     assert abs(logloss(y, p) - log_loss(y.numpy(), p.double().numpy())) < 1e-9
+
+
+def test_fewer_fields_take_criteos_first_cardinalities():
+    data = generate(SyntheticConfig(n_rows=500, scale=1e-3, seed=2, fields=10))
+    assert data.cats.shape == (500, 10)
+    assert data.cardinalities == tuple(max(2, round(c * 1e-3)) for c in CRITEO_CARDINALITIES[:10])
+    with pytest.raises(ValueError, match="fields"):
+        SyntheticConfig(fields=27)

@@ -64,3 +64,46 @@ def test_two_ranks_equal_one_rank(tmp_path, mode):
     # same trajectory up to the float32 reduction order of the all-reduce
     torch.testing.assert_close(torch.tensor(ddp["losses"]), torch.tensor(single.losses), rtol=1e-5, atol=1e-6)
     assert abs(ddp["auc"] - single.auc) < 1e-4
+
+
+def test_embed_lr_rescales_every_recipe_at_the_base_batch():
+    from ecru.cowclip import scaled_recipe
+    from ecru.ctr.training import resolve_recipe
+
+    for name in ("cowclip", "tempered", "linear", "adam"):
+        table = scaled_recipe(name, 8192, base_batch=1024)
+        mine = resolve_recipe(TrainConfig(batch_size=8192, recipe=name, embed_lr=1e-3))
+        assert mine.embed_lr == pytest.approx(table.embed_lr * 10, rel=1e-12)  # the table's base is 1e-4
+        assert (mine.dense_lr, mine.l2, mine.clip) == (table.dense_lr, table.l2, table.clip)
+    assert resolve_recipe(TrainConfig(batch_size=8192, recipe="cowclip")) == scaled_recipe("cowclip", 8192)
+    assert resolve_recipe(TrainConfig(embed_lr=1e-3)).embed_lr == pytest.approx(1e-3)
+    with pytest.raises(EcruError, match="embed_lr"):
+        TrainConfig(embed_lr=0.0)
+
+
+def test_early_stopping_stops_on_the_validation_auc_and_keeps_the_best_epoch(monkeypatch, tmp_path):
+    import ecru.ctr.training as training
+
+    tr, te = data(n=3000)
+    tr, val = tr.split_random(0.2, seed=1)
+    scripted = iter([0.60, 0.70, 0.65, 0.64, 0.9])  # the best is epoch 2; patience 2 stops after epoch 4
+    snapshots = []
+
+    def fake_metrics(cfg, model, epoch, test_data, val_data):
+        assert val_data is val
+        snapshots.append({k: v.clone() for k, v in model.state_dict().items()})
+        return {"epoch": epoch + 1, "auc": 0.5 + epoch / 100, "logloss": 0.4, "val_auc": next(scripted)}
+
+    monkeypatch.setattr(training, "_epoch_metrics", fake_metrics)
+    cfg = TrainConfig(batch_size=128, epochs=10, patience=2, checkpoint=str(tmp_path / "c.pt"), **SMALL)
+    res = train(cfg, tr, te, val_data=val)
+    assert [h["epoch"] for h in res.history] == [1, 2, 3, 4] and res.epochs == 4
+    assert res.auc == pytest.approx(0.51)  # the test AUC of epoch 2, not of the last epoch
+    for k, v in res.model.state_dict().items():
+        assert torch.equal(v, snapshots[1][k])
+    assert not all(torch.equal(v, snapshots[3][k]) for k, v in res.model.state_dict().items())
+    assert torch.load(tmp_path / "c.pt", weights_only=True)["best_model"].keys() == snapshots[1].keys()
+    with pytest.raises(EcruError, match="validation rows"):
+        train(TrainConfig(batch_size=128, patience=1, **SMALL), tr, te)
+    with pytest.raises(EcruError, match="patience"):
+        TrainConfig(patience=0)

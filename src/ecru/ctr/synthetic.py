@@ -75,16 +75,20 @@ class SyntheticConfig:
     """Mean click probability (b0 is calibrated to it)."""
     seed: int = 0
     """Seed of the teacher and of the rows."""
+    fields: int = 26
+    """Categorical fields: the first `fields` of Criteo's 26 (fewer make a cheaper reduced setting)."""
 
     def __post_init__(self) -> None:
         if self.n_rows < 1 or self.scale <= 0 or self.zipf <= 0 or self.teacher_dim < 1:
             raise ValueError(f"invalid synthetic config {self}")
+        if not 1 <= self.fields <= len(CRITEO_CARDINALITIES):
+            raise ValueError(f"fields must be in [1, {len(CRITEO_CARDINALITIES)}], got {self.fields}")
         if not 0 < self.label_rate < 1:
             raise ValueError(f"label_rate must be in (0, 1), got {self.label_rate}")
 
     @property
     def cardinalities(self) -> tuple[int, ...]:
-        return tuple(max(2, round(c * self.scale)) for c in CRITEO_CARDINALITIES)
+        return tuple(max(2, round(c * self.scale)) for c in CRITEO_CARDINALITIES[: self.fields])
 
 
 def zipf_ids(n: int, cardinality: int, exponent: float, gen: torch.Generator) -> Tensor:
