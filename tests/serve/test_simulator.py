@@ -99,10 +99,10 @@ def test_cli_simulate_writes_json(tmp_path, policy):
         assert out["padded_slots"] == 35 and out["failure_ratio"] == 0.2
     if policy in ("cb", "cb-sjf"):  # refill at 4 free rows never triggers with 2 rows: each pair runs alone
         assert out["padded_slots"] == USEFUL and out["batches"] == 3
-    if policy == "cb-kv":  # the memory of 2 cap-length rows, shared by the predicted reservations
+    if policy == "cb-kv":  # the memory of 2 cap-length rows (padding counted), shared by the reservations
         from ecru.serve import ContinuousConfig, FCFSQueue, kv_budget_config, simulate_continuous
 
-        config = kv_budget_config(2, 10, [10] * len(ROWS))
+        config = kv_budget_config(2, 10, [10] * len(ROWS), accounting="padded")
         ref, _ = simulate_continuous(TRACE, queue=FCFSQueue(), config=config, reserve=[p for _, p in ROWS])
         assert (out["padded_slots"], out["batches"], out["failures"]) == (
             ref.padded_slots,
@@ -110,7 +110,7 @@ def test_cli_simulate_writes_json(tmp_path, policy):
             ref.failures,
         )
         cb, _ = simulate_continuous(TRACE, queue=FCFSQueue(), config=ContinuousConfig(2, 10))
-        assert (ref.batch_steps, cb.batch_steps) == (13, 15)  # more rows decode together in the same memory
+        assert ref.batch_steps < cb.batch_steps == 15  # more rows decode together in the same memory
 
 
 def test_cli_simulate_bad_trace_is_one_line_error(tmp_path, capsys):
@@ -249,12 +249,13 @@ def test_kv_budget_admission_and_preemption_hand_computed():
     assert (free.failures, free.batch_steps, free.padded_slots) == (0, 5, 11)
 
 
-def test_kv_budget_simulator_equals_the_real_loop(model, prompts, reference, gen):
+@pytest.mark.parametrize("accounting", ["reserved", "padded"])
+def test_kv_budget_simulator_equals_the_real_loop(model, prompts, reference, gen, accounting):
     from ecru.serve import FCFSQueue, generate_continuous, kv_budget_config, simulate_continuous
 
     true = [len(r) for r in reference]
     predicted = [max(1, (t * 7) % 13) for t in true]  # poor: many rows outgrow their reservation
-    config = kv_budget_config(4, 24, [len(p) for p in prompts], refill_min=2)
+    config = kv_budget_config(4, 24, [len(p) for p in prompts], refill_min=2, accounting=accounting)
     arrivals = [2 * (i // 3) for i in range(len(prompts))]
     run = generate_continuous(
         model, prompts, queue=FCFSQueue(), gen=gen, config=config, arrivals=arrivals, reserve=predicted

@@ -141,7 +141,8 @@ class Admitter:
     With `kv_accounting="padded"` the budget is checked on the cache this engine really holds
     (`padded_peak`: rows x widest row over the reservations' whole future, and the prefill's new cache
     next to the running one); the caller tells how many answer tokens each request has (`generated`: a
-    preempted request may keep its tokens and be prefilled with them). The simulator cannot model this.
+    preempted request may keep its tokens and be prefilled with them). The simulator sets `generated`
+    too, so it decides alike.
     """
 
     def __init__(self, queue: RequestQueue, prompt_lens: Sequence[int], config: ContinuousConfig,

@@ -133,9 +133,12 @@ def continuous_config(
     policy: str, plan: PlanConfig, prompt_lens: Sequence[int], *, refill_min: int = 4
 ) -> ContinuousConfig:
     """Rows of `plan.batch_size` for cb, cb-sjf and cb-ljf; for cb-kv the KV memory those rows hold
-    reserving the cap, shared by as many rows as their predicted reservations allow."""
+    reserving the cap, shared by as many rows as their predicted reservations allow, counted on the cache
+    really held (padding included)."""
     if policy == "cb-kv":
-        return kv_budget_config(plan.batch_size, plan.max_new_tokens, prompt_lens, refill_min=refill_min)
+        return kv_budget_config(
+            plan.batch_size, plan.max_new_tokens, prompt_lens, refill_min=refill_min, accounting="padded"
+        )
     return ContinuousConfig(
         max_batch_size=plan.batch_size, max_new_tokens=plan.max_new_tokens, refill_min=refill_min
     )

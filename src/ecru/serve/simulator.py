@@ -169,7 +169,7 @@ def simulate_continuous(
     one token; a row leaves when it has min(output_len, max_new_tokens) tokens. Time: one prefill per
     admission, cost.step_time(rows, widest row) per decode step. Latency: finish minus arrival clock.
     With `config.kv_budget`, the same `Admitter` reserves `reserve[i]` answer tokens per request and
-    preempts as the real loop does; a preempted request's tokens are computed again (slots count both
+    preempts as the real loop does (either `kv_accounting`); a preempted request's tokens are computed again (slots count both
     attempts) and `failures` counts preemptions.
     """
     n = len(trace)
@@ -181,6 +181,7 @@ def simulate_continuous(
     running: list[int] = []
     clock, step, slots, prefills, order = predict_s, 0, 0, 0, []
     admitter = Admitter(queue, [r.prompt_len for r in trace], config, reserve)
+    admitter.generated = lambda i: done[i]  # padded accounting: the tokens each request holds
     while incoming or len(admitter) or running:
         while incoming and arrivals[incoming[0]] <= step:
             i = incoming.pop(0)
@@ -218,6 +219,8 @@ def simulate_continuous(
                 admitter.leave(i)
         running = [i for i in running if done[i] < target[i]]
         preempted = admitter.preempt(running, [done[i] for i in running])
+        for i in preempted:
+            done[i] = 0  # restarts from its prompt, as the real loop does
         running = [i for i in running if i not in preempted]
         step += 1
     useful = sum(target)
