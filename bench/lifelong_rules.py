@@ -21,10 +21,11 @@ from pathlib import Path
 import torch
 from sklearn.metrics import roc_auc_score
 
+from ecru.lifelong.methods.base import TrainConfig
 from ecru.lifelong.methods.routed import OFFSET
 from ecru.lifelong.router import lda_head, ledoit_wolf
 
-SCALE = 30.0
+SCALE = TrainConfig().scale  # the adapters' inverse temperature, as trained
 
 
 class Cache:

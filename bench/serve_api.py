@@ -309,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         server.close()
     single["outputs_identical"] = single_tokens == ref_tokens[:single_n]
     result = assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out)
-    result["setup"] |= {"load_average_before": load_before, "load_average_after": os.getloadavg(),
+    command = ["python", "bench/serve_api.py", *(argv if argv is not None else sys.argv[1:])]
+    result["setup"] |= {"command": " ".join(command),
+                        "load_average_before": load_before, "load_average_after": os.getloadavg(),
                         "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                         "torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version()}  # fmt: skip
@@ -365,7 +367,6 @@ def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out
         "order": ["one_at_a_time", *ABCCBA(levels[-1]), *[f"server {c}" for c in reversed(levels[:-1])]],
         "reference": "generate_batch's first run (all prompts); one_at_a_time is compared on the first single_n",
         "cpu_s": "this process's for one_at_a_time, generate_batch, engine_alone; the server process's for server",
-        "command": " ".join(["python", "bench/serve_api.py", *(sys.argv[1:])]),
     }
     return {
         "setup": setup,

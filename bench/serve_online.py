@@ -23,6 +23,7 @@ fitted on train prompts only and its measured prediction time is charged on the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -75,7 +76,7 @@ def prompt_predictors(model, tok, train, y_train, test, cap) -> dict[str, tuple[
     return out
 
 
-def fit_remaining(model, tok, prompts, answers, lengths, *, cap, every) -> tuple[RemainingProbe, float]:
+def fit_remaining(model, tok, prompts, answers, lengths, *, cap) -> tuple[RemainingProbe, float]:
     """The probe and the seconds its state extraction took per answer token (reported, not charged:
     serving already computes these states)."""
     start = time.perf_counter()
@@ -166,7 +167,7 @@ def static_table(idx, prompt_lens, lengths, preds, cost, cap, group=256) -> dict
 def run_policies(trace_for, policies, config, cost) -> dict:
     out = {}
     for name, (policy, predictor, overrides) in policies.items():
-        cfg = OnlineConfig(**{**config.__dict__, **overrides})
+        cfg = dataclasses.replace(config, **overrides)
         out[name] = simulate_online(trace_for(predictor), policy=policy, config=cfg, cost=cost).to_json()
     return out
 
@@ -204,7 +205,7 @@ def main(argv=None) -> None:
     gen_s = time.perf_counter() - gen_start
     k = args.repredict_every
     probe, state_s = fit_remaining(model, tok, train[:n_answers], [tr_ans[p] for p in train[:n_answers]],
-                                   [len(tr_ans[p]) for p in train[:n_answers]], cap=args.cap, every=k)  # fmt: skip
+                                   [len(tr_ans[p]) for p in train[:n_answers]], cap=args.cap)  # fmt: skip
     traj, repredict_s = remaining_trajectories(model, tok, probe, test, [te_ans[p] for p in test], every=k)
     mismatch = sum(len(te_ans[p]) != n for p, n in zip(test, y_test, strict=True))
     predictors = {}
@@ -337,7 +338,7 @@ def sweep(idx, prompt_lens, lengths, preds, traj, capacity, base, cost, repredic
         for policy, margin in (("cb-sjf", None), ("cb-srpt", 32.0), ("cb-srpt", 64.0), ("cb-srpt", 128.0)):
             extra = {"preempt": True, "preempt_margin": margin, "repredict_s": repredict_s} if margin else {}
             predict_s = preds["probe"][1] if charge else 0.0
-            cfg = OnlineConfig(**{**base.__dict__, "aging": aging, "predict_s": predict_s, **extra})
+            cfg = dataclasses.replace(base, aging=aging, predict_s=predict_s, **extra)
             r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
             key = (
                 f"{policy} aging={aging}"

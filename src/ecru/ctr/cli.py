@@ -315,7 +315,9 @@ def _report(args, res, info: dict, metrics: dict) -> None:
         f"clipped {res.clip.clipped_fraction:.2%} of rows, ||g||/threshold max {res.clip.ratio_quantiles['max']:.3g})"
     )
     if args.patience:
-        best = max(res.history, key=lambda h: (h["val_auc"], -h["epoch"]))
+        from ecru.ctr.training import best_epoch
+
+        best = best_epoch(res.history)
         print(
             f"early stopping: {len(res.history)} of {args.epochs} epoch(s) trained; kept epoch {best['epoch']} "
             f"(validation AUC {best['val_auc']:.5f})"

@@ -305,16 +305,16 @@ def train(
         history.append(_epoch_metrics(cfg, model, epoch, test_data, val_data))
         if cfg.progress and rank == 0:
             tqdm.write(_epoch_line(history[-1]))
-        if cfg.patience is not None and _best(history) is history[-1]:
+        if cfg.patience is not None and best_epoch(history) is history[-1]:
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         _save(cfg, rank, model, embed_opt, dense_opt, sched, epoch, history, best_state)
-        if cfg.patience is not None and epoch + 1 - _best(history)["epoch"] >= cfg.patience:
+        if cfg.patience is not None and epoch + 1 - best_epoch(history)["epoch"] >= cfg.patience:
             break
     if not history:
         raise EcruError(f"checkpoint {cfg.checkpoint} already has all {cfg.epochs} epochs; raise --epochs")
     final = history[-1]
     if cfg.patience is not None:
-        final = _best(history)
+        final = best_epoch(history)
         if final is not history[-1] and best_state is not None:
             model.load_state_dict(best_state)
     samples = steps * cfg.batch_size
@@ -346,7 +346,7 @@ def _epoch_line(entry: dict) -> str:
     return line + (f" (validation AUC {entry['val_auc']:.5f})" if "val_auc" in entry else "")
 
 
-def _best(history: list[dict]) -> dict:
+def best_epoch(history: list[dict]) -> dict:
     """The epoch of the highest validation AUC (the first of equals)."""
     return max(history, key=lambda h: (h["val_auc"], -h["epoch"]))
 

@@ -142,9 +142,9 @@ class Evaluator:
             agnostic.append(self._acc(scores, lo, hi, list(dict.fromkeys(learned + own))))
         lo, hi = self.spans[-1], len(self.texts)
         held = self._acc(scores, lo, hi, self.heldout_names)
-        held_agnostic = self._acc(scores, lo, hi, list(dict.fromkeys(learned + self.heldout_names)))
+        with_heldout = list(dict.fromkeys(learned + self.heldout_names))
+        held_agnostic = self._acc(scores, lo, hi, with_heldout)
         distractor = None
         if seen and self.heldout_names:
-            cands = list(dict.fromkeys(learned + self.heldout_names))
-            distractor = self._acc(scores, 0, self.spans[seen], cands)
+            distractor = self._acc(scores, 0, self.spans[seen], with_heldout)
         return EvalRow(ti, agnostic, held, held_agnostic, distractor)

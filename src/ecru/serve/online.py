@@ -27,9 +27,10 @@ per row, both on the serving clock.
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from ecru.serve.cost import CostModel
 from ecru.serve.queues import DEFAULT_AGING
@@ -108,22 +109,14 @@ class OnlineResult:
         return out
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation between order statistics."""
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def _result(policy, trace, finish, tokens, clock, peak_kv, preemptions) -> OnlineResult:
     lat = [f - r.arrival_s for f, r in zip(finish, trace, strict=True)]
     return OnlineResult(
         policy=policy,
         requests=len(trace),
         mean_latency_s=sum(lat) / len(lat),
-        p50_latency_s=percentile(lat, 50),
-        p99_latency_s=percentile(lat, 99),
+        p50_latency_s=float(np.percentile(lat, 50)),
+        p99_latency_s=float(np.percentile(lat, 99)),
         max_latency_s=max(lat),
         tokens_per_s=tokens / clock if clock else float("inf"),
         peak_kv_tokens=peak_kv,

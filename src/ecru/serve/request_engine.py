@@ -310,10 +310,10 @@ class RequestEngine:
             order += group
         self.stats.observe_kv(held)  # the running cache and the new ones
         self.stats.prefills += 1
-        fresh.select(torch.tensor(order).argsort())  # back to admission order
-        alive = self._update(admitted, torch.cat(tok)[torch.tensor(order).argsort()], finished)
+        back = torch.tensor(order).argsort()  # group order -> admission order
+        alive = self._update(admitted, torch.cat(tok)[back], finished)
         if alive.any():
-            fresh.select(alive.nonzero().flatten())
+            fresh.select(back[alive])  # one copy: the live rows, in admission order
             self.run.merge([admitted[i].seq for i in fresh.ids], fresh.pending, fresh.mask, fresh.cache)
 
     def _decode(self, finished: list[Request]) -> None:
