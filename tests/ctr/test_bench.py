@@ -154,10 +154,12 @@ def test_decisive_on_a_tiny_setting(tmp_path, monkeypatch):
         (0, "summed-loss"),
         (1, "summed-loss"),
     ]
-    for r in result["runs"]:  # a no-clip run is copied only where the CowClip run clipped nothing
+    # a no-clip run is copied only where the CowClip run clipped nothing (that an inert clip is bit-identical
+    # to no clip is tests/cowclip/test_wrapper.py's test_nothing_clipped_equals_plain_adam_...)
+    for r in result["runs"]:
         if r.get("identical_by_construction"):
             cow = next(c for c in result["runs"] if c["variant"] == "cowclip" and c["seed"] == r["seed"])
-            assert cow["clipped_fraction"] == 0.0 and cow["auc"] == r["auc"]
+            assert cow["clipped_fraction"] == 0.0
     summary = result["summary"]
     ref = {r["seed"]: r["auc"] for r in result["runs"] if r["variant"] == "reference"}
     gaps = [ref[r["seed"]] - r["auc"] for r in result["runs"] if r["variant"] == "no-clip"]
