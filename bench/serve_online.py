@@ -234,7 +234,9 @@ def main(argv=None) -> None:
         "method": NOTE + "; cost model measured in this run on this machine (1 thread); latency in simulated "
         "seconds; load = arrival rate / cb's saturated throughput; prediction time charged on the serving "
         "clock (prompt-only: a separate forward per request, measured; re-prediction: the probe's dot "
-        "product per row, measured; [free-predict] variants charge no prompt-only prediction)",
+        "product per row, measured; [free-predict] variants charge no prompt-only prediction; [at-arrival]: the "
+        "engine's prefill on arrival, the probe's prediction read from the prompt's own prefill, done when it "
+        "arrives, grouped by refill_min, its KV kept until admission)",
         "command": "python bench/serve_online.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "quick": args.quick,
         "requests": len(idx),
@@ -286,6 +288,15 @@ def online_tables(idx, prompt_lens, lengths, preds, traj, repredict_s, base, cos
                 "cb-srpt",
                 name,
                 {"repredict_s": repredict_s, "preempt": True},
+            )
+    if "probe" in learned:  # the probe reads the prompt prefill's own hidden states: prefill on arrival
+        tag = "" if primary == "probe" else "[probe]"
+        policies[f"cb-sjf{tag}[at-arrival]"] = ("cb-sjf", "probe", {"prefill_at_arrival": True})
+        if traj:
+            policies[f"cb-srpt{tag}[at-arrival]"] = (
+                "cb-srpt",
+                "probe",
+                {"prefill_at_arrival": True, "repredict_s": repredict_s, "preempt": True},
             )
     policies["oracle-srpt"] = ("oracle-srpt", None, {"preempt": True})
     policies["oracle-srpt[no-preempt]"] = ("oracle-srpt", None, {})

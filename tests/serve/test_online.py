@@ -105,3 +105,56 @@ def test_config_validated():
         OnlineConfig(aging=-1)
     with pytest.raises(ValueError):
         simulate_online([OnlineRequest(0, 1, 1)], policy="sjf", config=OnlineConfig(), cost=UNIT)
+
+
+PREFILL = CostModel(1.0, 0.0, 0.0, 10.0, 0.0, source="1 s per decode step, 10 s per prefill forward")
+
+
+def test_prefill_at_arrival_costs_a_lone_request_nothing_more():
+    trace = [OnlineRequest(2.0, prompt_len=5, output_len=7, predicted=7)]
+    plain = simulate_online(trace, policy="cb-sjf", config=config(), cost=PREFILL)
+    early = simulate_online(trace, policy="cb-sjf", config=config(prefill_at_arrival=True), cost=PREFILL)
+    assert early.latencies == plain.latencies == pytest.approx([10.0 + 6.0])
+
+
+def test_prefill_at_arrival_groups_arrivals_in_one_forward():
+    # two arrivals, one row: admission prefills each alone (2 forwards); on arrival they share one
+    trace = [OnlineRequest(0.0, 4, 3, predicted=3), OnlineRequest(0.0, 4, 3, predicted=3)]
+    cfg = config(refill_min=2)
+    plain = simulate_online(trace, policy="cb-sjf", config=cfg, cost=PREFILL)
+    early = simulate_online(trace, policy="cb-sjf", config=dataclasses.replace(cfg, prefill_at_arrival=True),
+                            cost=PREFILL)  # fmt: skip
+    assert plain.time_s == pytest.approx(2 * 10 + 2 * 2)
+    assert early.time_s == pytest.approx(10 + 2 * 2)
+    assert early.latencies == pytest.approx([12.0, 14.0])
+    # the second request's prompt KV waited beside the running row: 4 (its prompt) + 1 x (4 + 2)
+    assert early.peak_kv_tokens == 4 + (4 + 2)
+
+
+def test_a_lone_arrival_waits_for_company_only_while_the_batch_is_full():
+    # request 1 arrives alone while request 0 holds the only row: it is not prefilled (refill_min 2)
+    # until the row frees; request 2 finds the engine empty and is prefilled at once
+    trace = [OnlineRequest(0.0, 4, 5, predicted=5), OnlineRequest(10.5, 4, 2, predicted=2),
+             OnlineRequest(30.0, 4, 2, predicted=2)]  # fmt: skip
+    cfg = config(refill_min=2, prefill_at_arrival=True)
+    r = simulate_online(trace, policy="cb-sjf", config=cfg, cost=PREFILL)
+    # 0: prefill 0-10, steps to 14; 1: prefill 14-24, one step; 2: prefill 30-40, one step
+    assert r.latencies == pytest.approx([14.0, 25.0 - 10.5, 41.0 - 30.0])
+
+
+def test_arrival_kv_bound_drops_the_longest_predicted_and_prefills_it_again():
+    trace = [OnlineRequest(0.0, 4, 3, predicted=p) for p in (3, 9, 3)]
+    cfg = config(refill_min=3, prefill_at_arrival=True)
+    keep_all = simulate_online(trace, policy="cb-sjf", config=cfg, cost=PREFILL)
+    bounded = simulate_online(trace, policy="cb-sjf", config=dataclasses.replace(cfg, arrival_kv_requests=2),
+                              cost=PREFILL)  # fmt: skip
+    assert keep_all.time_s == pytest.approx(10 + 3 * 2)
+    # request 1 (predicted 9) is prefilled again, with its first token: that forward yields its second
+    assert bounded.time_s == pytest.approx(keep_all.time_s + 10 - 1)
+
+
+def test_prefill_at_arrival_charges_no_prediction_time():
+    with pytest.raises(ValueError, match="predict_s must be 0"):
+        OnlineConfig(prefill_at_arrival=True, predict_s=0.1)
+    with pytest.raises(ValueError, match="arrival_kv_requests"):
+        OnlineConfig(arrival_kv_requests=0)

@@ -50,7 +50,7 @@ def test_online_tables_report_every_policy_at_every_load(bench):
     assert set(out["loads"]) == {"0.8", "1.2", "2.0"}
     for load in out["loads"].values():
         pols = load["policies"]
-        assert {"fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt"} <= set(pols)
+        assert {"fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt", "cb-sjf[at-arrival]"} <= set(pols)
         for r in pols.values():
             assert {"mean_latency_s", "p99_latency_s", "tokens_per_s", "peak_kv_tokens"} <= set(r)
         # with perfect predictions and no prediction cost, shortest-first without preemption is oracle SJF

@@ -21,7 +21,9 @@ Costs (`CostModel`): one prefill per admission over the widest (prompt + tokens 
 per token over the padded cache (rows x widest row, the engine's left-padded layout, which is also
 `peak_kv_tokens`). A preempted row keeps its tokens and is prefilled again with them when readmitted (the
 server's behaviour). Prompt-only prediction costs `predict_s` per request and re-prediction `repredict_s`
-per row, both on the serving clock.
+per row, both on the serving clock. With `prefill_at_arrival` (the engine's prefill on arrival) the
+prompt-only prediction rides on the prompt's own prefill, done when it arrives; its KV (counted in
+`peak_kv_tokens`) waits with it and admission costs no forward.
 """
 
 from __future__ import annotations
@@ -79,12 +81,25 @@ class OnlineConfig:
     """Seconds of prompt-only prediction per request (cb-sjf, cb-srpt), charged on arrival."""
     repredict_s: float = 0.0
     """Seconds per row per re-prediction (cb-srpt)."""
+    prefill_at_arrival: bool = False
+    """cb-sjf, cb-srpt: the engine's prefill on arrival (`RequestEngine(state_predictor=...)`): prompts are
+    prefilled as they arrive and the prompt-only prediction is read from that forward's hidden states, so
+    `predict_s` must be 0. Arrived prompts are prefilled together once `refill_min` of them wait
+    unprefilled or the batch could take them now (running + waiting < `max_batch_size`); each gets its
+    first token there and its KV waits with it, so admission needs no forward."""
+    arrival_kv_requests: int = 256
+    """With `prefill_at_arrival`: waiting requests whose KV is kept at most; beyond, the longest-predicted
+    one's KV is dropped and it is prefilled again (prompt + its first token) when admitted."""
 
     def __post_init__(self):
         if min(self.max_batch_size, self.max_new_tokens, self.refill_min, self.repredict_every) < 1:
             raise ValueError("max_batch_size, max_new_tokens, refill_min, repredict_every must be >= 1")
         if min(self.aging, self.preempt_margin, self.predict_s, self.repredict_s) < 0 or self.token_s <= 0:
             raise ValueError("aging, preempt_margin, predict_s, repredict_s must be >= 0 and token_s > 0")
+        if self.arrival_kv_requests < 1:
+            raise ValueError(f"arrival_kv_requests must be >= 1, got {self.arrival_kv_requests}")
+        if self.prefill_at_arrival and self.predict_s:
+            raise ValueError("prefill_at_arrival reads the prediction from the prefill: predict_s must be 0")
 
 
 @dataclass
@@ -177,6 +192,9 @@ class _Continuous:
         self.seq = 0
         self.clock, self.peak, self.preemptions = 0.0, 0, 0
         self.running: list[int] = []
+        self.arrived: list[int] = []  # prefill on arrival: arrived, not yet prefilled
+        self.kept: set[int] = set()  # prefill on arrival: waiting with their KV
+        self.kept_tokens = 0
 
     # -- priorities -------------------------------------------------------------------------------------
     def _static_key(self, i: int) -> float:
@@ -205,15 +223,20 @@ class _Continuous:
         cfg, trace = self.config, self.trace
         pending = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
         pos, predicts = 0, self.policy in ("cb-sjf", "cb-srpt")
-        while pos < len(pending) or self.heap or self.running:
-            if not self.heap and not self.running:
+        on_arrival = cfg.prefill_at_arrival and predicts
+        while pos < len(pending) or self.heap or self.running or self.arrived:
+            if not self.heap and not self.running and not self.arrived:
                 self.clock = max(self.clock, trace[pending[pos]].arrival_s)
             while pos < len(pending) and trace[pending[pos]].arrival_s <= self.clock:
-                self.clock += cfg.predict_s if predicts else 0.0
-                self._push(pending[pos])
+                if on_arrival:
+                    self.arrived.append(pending[pos])
+                else:
+                    self.clock += cfg.predict_s if predicts else 0.0
+                    self._push(pending[pos])
                 pos += 1
+            self._prefill_arrivals()
             swapped = self._maybe_preempt()
-            self._admit(upcoming=len(pending) - pos, force=swapped > 0)
+            self._admit(upcoming=len(pending) - pos + len(self.arrived), force=swapped > 0)
             if self.running:
                 self._step()
         tokens = sum(self.target)
@@ -229,14 +252,43 @@ class _Continuous:
         if free < min(self.config.refill_min, waiting + upcoming) and self.running and not force:
             return
         admit = [self._pop() for _ in range(min(free, waiting))]
-        # a prefill over prompt (+ tokens kept by a preempted row) yields each row's next token
-        self.clock += self.cost.prefill_time(len(admit), self._width(admit))
-        self._grow(admit)
+        # a prefill over prompt (+ tokens kept by a preempted row) yields each row's next token; rows
+        # prefilled on arrival bring their KV and their token
+        fresh = [i for i in admit if i not in self.kept]
+        for i in admit:
+            self._unkeep(i)
+        if fresh:
+            self.clock += self.cost.prefill_time(len(fresh), self._width(fresh))
+            self._grow(fresh)
         self.running += [i for i in admit if self.done[i] < self.target[i]]
+
+    def _prefill_arrivals(self) -> None:
+        """Prefill on arrival: one forward over the arrived prompts, once `refill_min` of them wait or the
+        batch could take them now; each gets its first token and waits, predicted, with its KV."""
+        cfg, group = self.config, self.arrived
+        if not group or (
+            len(group) < cfg.refill_min and len(self.running) + len(self.heap) >= cfg.max_batch_size
+        ):
+            return
+        self.arrived = []
+        self.clock += self.cost.prefill_time(len(group), self._width(group))
+        self._grow(group)
+        for i in group:
+            if self.done[i] < self.target[i]:
+                self._push(i)
+                self.kept.add(i)
+                self.kept_tokens += self.trace[i].prompt_len
+        while len(self.kept) > cfg.arrival_kv_requests:  # drop the longest-predicted waiting KV
+            self._unkeep(max(self.kept, key=lambda i: (self.estimate[i], i)))
+
+    def _unkeep(self, i: int) -> None:
+        if i in self.kept:
+            self.kept.remove(i)
+            self.kept_tokens -= self.trace[i].prompt_len
 
     def _step(self) -> None:
         width = self._width(self.running)
-        self.peak = max(self.peak, len(self.running) * width)
+        self.peak = max(self.peak, len(self.running) * width + self.kept_tokens)
         self.clock += self.cost.step_time(len(self.running), width)
         self._grow(self.running)
         self.running = [i for i in self.running if self.done[i] < self.target[i]]
