@@ -28,9 +28,18 @@ from typing import Protocol
 
 import torch
 
-from ecru.serve.continuous import Admitter, ContinuousConfig, RunningBatch, admissions, prefill_groups
+from ecru.serve.continuous import (
+    PREFILL_OVERHEAD_TOKENS,
+    Admitter,
+    ContinuousConfig,
+    RunningBatch,
+    admissions,
+    prefill_groups,
+)
 from ecru.serve.detok import Decoder, TextStream
 from ecru.serve.engine import forward, left_pad, new_cache
+from ecru.serve.kv_cache import HeadroomLayer
+from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix, row_kv
 from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue
 from ecru.serve.sampling import SamplingParams, next_token_ids
 
@@ -56,6 +65,9 @@ class EngineConfig:
     """cb-kv: prompt tokens per row in the budget, max_batch_size x (max_new_tokens + this)."""
     kv_row_factor: int = 4
     """cb-kv: rows allowed, as a multiple of max_batch_size, when reservations are small."""
+    prefix_cache: int = 16
+    """Recently prefilled sequences whose KV is kept for prompts that start alike (`prefix_cache`
+    module); 0 turns prefix caching off."""
 
     def __post_init__(self):
         if self.policy not in ENGINE_POLICIES:
@@ -64,6 +76,8 @@ class EngineConfig:
         for name in ints:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {self.prefix_cache}")
         if self.aging < 0:
             raise ValueError(f"aging must be >= 0, got {self.aging}")
 
@@ -127,6 +141,8 @@ class EngineStats:
     tokens: int = 0
     """Token slots computed: one per admitted request per prefill, one per running row per decode step."""
     preemptions: int = 0
+    prefix_hit_tokens: int = 0
+    """Prompt positions not recomputed at prefill: their keys and values came from the prefix cache."""
     peak_kv_tokens: int = 0
     """Most KV-cache positions held at once (rows x cache width, left padding included): the memory the
     engine really used, which a policy's reservations may understate."""
@@ -172,6 +188,10 @@ class RequestEngine:
         self.admission_log: list[int] | None = None
         """When a list, the keys of admitted requests are appended in admission order."""
         self.run, self.stats = RunningBatch(model), EngineStats()
+        full_attention = all(type(ly) is HeadroomLayer for ly in self.run.cache.layers)
+        self.prefixes = (
+            PrefixStore(self.config.prefix_cache) if self.config.prefix_cache and full_attention else None
+        )
         self.requests: dict[int, Request] = {}  # unfinished, by seq
         self._ids: dict[str, int] = {}
         self._seq = itertools.count()
@@ -299,13 +319,17 @@ class RequestEngine:
         ones still running into the batch in admission order. A preempted request keeps its tokens: its
         prompt and answer so far are prefilled together."""
         seqs = [r.prompt + r.output for r in admitted]
+        hits = self._prefix_hits(seqs)
         fresh, order, tok, held = RunningBatch(self.model), [], [], self.run.mask.numel()
-        for group in prefill_groups([len(s) for s in seqs]):
-            ids, mask = left_pad([seqs[i] for i in group], self.pad)
-            cache = new_cache(self.model)
+        for group in prefill_groups([len(s) - h.length for s, h in zip(seqs, hits, strict=True)]):
+            rows = [seqs[i] for i in group]
+            ids, mask, cache = self._prefill_inputs(rows, [hits[i] for i in group])
             tok.append(self._sample(forward(self.model, ids, mask, cache), [admitted[i] for i in group]))
             held += mask.numel()
             self.stats.prefill_forwards += 1
+            if self.prefixes is not None:
+                for r, seq in enumerate(rows):
+                    self.prefixes.insert(seq, row_kv(cache, r, len(seq)))
             fresh.merge(group, tok[-1], mask, cache)
             order += group
         self.stats.observe_kv(held)  # the running cache and the new ones
@@ -315,6 +339,42 @@ class RequestEngine:
         if alive.any():
             fresh.select(back[alive])  # one copy: the live rows, in admission order
             self.run.merge([admitted[i].seq for i in fresh.ids], fresh.pending, fresh.mask, fresh.cache)
+
+    def _prefix_hits(self, seqs: list[list[int]]) -> list[PrefixHit]:
+        """Each sequence's longest stored prefix. Sequences admitted together that share a start no entry
+        holds (the first requests after a start: a chat template's system prompt) get it computed once,
+        in a forward of its own, when that saves more prompt positions than a forward costs."""
+        if self.prefixes is None:
+            return [PrefixHit()] * len(seqs)
+        hits = [self.prefixes.lookup(s) for s in seqs]
+        missing = [seqs[i] for i, h in enumerate(hits) if not h.length]
+        if len(missing) >= 2:
+            shared = min(min(common_prefix(missing[0], m) for m in missing[1:]), min(map(len, missing)) - 1)
+            if shared >= self.prefixes.min_prefix and (len(missing) - 1) * shared > PREFILL_OVERHEAD_TOKENS:
+                start = missing[0][:shared]
+                ids, mask = left_pad([start], self.pad)
+                cache = new_cache(self.model)
+                forward(self.model, ids, mask, cache)
+                self.stats.prefill_forwards += 1
+                self.prefixes.insert(start, row_kv(cache, 0, shared))
+                hits = [self.prefixes.lookup(s) for s in seqs]
+        return hits
+
+    def _prefill_inputs(self, rows: list[list[int]], hits: list[PrefixHit]):
+        """`(input_ids, attention_mask, cache)` of one prefill forward: every row computes its last `new`
+        tokens (the most any row must, after its cached prefix), its earlier ones come from the prefix
+        cache, right-aligned after left padding."""
+        new = max(len(s) - h.length for s, h in zip(rows, hits, strict=True))
+        cached = [max(0, len(s) - new) for s in rows]
+        ids, mask = left_pad([s[c:] for s, c in zip(rows, cached, strict=True)], self.pad)
+        cache, width = new_cache(self.model), max(cached)
+        if width:
+            for layer in range(len(cache.layers)):
+                cache.update(*self.prefixes.prefix_kv(hits, cached, layer), layer)
+            before = (torch.arange(width) >= width - torch.tensor(cached)[:, None]).long()
+            mask = torch.cat([before, mask], dim=1)
+            self.stats.prefix_hit_tokens += sum(cached)
+        return ids, mask, cache
 
     def _decode(self, finished: list[Request]) -> None:
         run = self.run
