@@ -5,10 +5,11 @@ score decision rules offline in seconds (task-agnostic protocol, validation spli
     python bench/lifelong_diagnose.py --cache runs/diag/medium_val.pt --tasks 5 --train-per-intent 16 \
         --test-per-intent 10 --heldout-per-class 5
 
-Then `python bench/lifelong_rules.py CACHE...` scores decision rules on the caches. The cache holds, for the evaluation texts (every task's val texts, then the Banking77 probe), the training
-texts and the reference sentences: the frozen embeddings and each learned adapter's embeddings (an adapter
-never changes after its task, so the final adapters give every row of the accuracy matrix), plus the frozen
-embeddings of every label name and the router's state.
+Then `python bench/lifelong_rules.py CACHE...` scores decision rules on the caches. The cache holds, for the
+evaluation texts (every task's val texts, then the Banking77 probe), the frozen embeddings, each learned
+adapter's embeddings (an adapter never changes after its task, so the final adapters give every row of the
+accuracy matrix) and the method's own scores after the last task; for the training texts, their frozen
+embeddings (the LDA rules' statistics); and the frozen embeddings of every label name and the router's state.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--order", type=int, default=0, help="domain order")
     p.add_argument("--batch-size", type=int, default=16, help="training batch size")
     p.add_argument(
-        "--skip-train-adapted", action="store_true", help="do not encode training texts through adapters"
+        "--skip-train-adapted",
+        action="store_true",
+        help="no effect (training texts are no longer encoded through the adapters: no rule read them); kept so "
+        "recorded commands run and the cache's recorded config keeps its fields",
     )
     p.add_argument("--epochs", type=int, default=2, help="epochs per task")
     p.add_argument("--config", default="", metavar="K=V[;K=V]", help="routed-lora preset fields to replace")
@@ -71,23 +75,20 @@ def build_cache(args) -> dict:
     torch.set_grad_enabled(False)
     enc = m.encoder()
     train_texts = [e.text for t in stream.tasks for e in t.train]
-    groups = {"eval": ev.texts, "train": train_texts, "ref": list(stream.reference)}
     out: dict = {"names": ev.names, "task_names": ev.task_names, "heldout_names": ev.heldout_names,
                  "gold": ev.gold, "spans": ev.spans, "name_emb": enc.frozen(ev.names),
                  "train_task": [i for i, t in enumerate(stream.tasks) for _ in t.train],
                  "train_gold": [humanize_intent(e.label) for t in stream.tasks for e in t.train],
                  "router": m.router.state_dict(), "config": vars(args) | {"cache": str(args.cache)},
                  "method_config": dataclasses.asdict(config)}  # fmt: skip
-    for key, texts in groups.items():
-        out[f"{key}_frozen"] = enc.frozen(texts)
-        if key == "train" and args.skip_train_adapted:
-            continue
-        out[f"{key}_adapted"] = torch.stack(
-            [enc._embed(texts, t, batch_size=64) for t in range(len(stream.tasks))]
-        )
-        if key == "eval":
-            out["scores"] = enc.scores(ev.texts, ev.names)  # the method's own scores after the last task
-        print(f"encoded {key}: {len(texts)} texts", file=sys.stderr, flush=True)
+    out["eval_frozen"] = enc.frozen(ev.texts)
+    out["eval_adapted"] = torch.stack(
+        [enc._embed(ev.texts, t, batch_size=64) for t in range(len(stream.tasks))]
+    )
+    out["scores"] = enc.scores(ev.texts, ev.names)  # the method's own scores after the last task
+    print(f"encoded eval: {len(ev.texts)} texts", file=sys.stderr, flush=True)
+    out["train_frozen"] = enc.frozen(train_texts)
+    print(f"encoded train: {len(train_texts)} texts", file=sys.stderr, flush=True)
     return out
 
 

@@ -23,7 +23,7 @@ from sklearn.metrics import roc_auc_score
 
 from ecru.lifelong.methods.base import TrainConfig
 from ecru.lifelong.methods.routed import OFFSET
-from ecru.lifelong.router import lda_head, ledoit_wolf
+from ecru.lifelong.router import class_statistics, pooled_lda_head
 
 SCALE = TrainConfig().scale  # the adapters' inverse temperature, as trained
 
@@ -56,20 +56,27 @@ class Cache:
         return torch.cat(self.cols[:k]) if k else torch.zeros(0, dtype=torch.long)
 
     def lda(self, k: int) -> torch.Tensor:
-        """[N, C_learned] LDA logits after k tasks (as `LDARouter`: pooled Ledoit-Wolf covariance)."""
+        """[N, C_learned] LDA logits after k tasks, as `LDARouter.logits` computes them."""
         if k not in self._lda:
-            emb, task, label = self.train
-            means, centred = [], []
-            for t in range(k):
-                for c in self.cols[t]:
-                    x = emb[(task == t) & (label == c)]
-                    means.append(x.mean(0))
-                    centred.append(x - x.mean(0))
-            x = torch.cat(centred)
-            cov = ledoit_wolf(x.T @ x, x.shape[0], float((x.norm(dim=-1) ** 4).sum()))
-            w, b = lda_head(torch.stack(means), cov)
-            self._lda[k] = (self.F.double() @ w.T + b).float()
+            w, b = lda_head_after(self.train, self.cols, k)
+            self._lda[k] = self.F @ w.T.to(self.F.dtype) + b.to(self.F.dtype)
         return self._lda[k]
+
+
+def lda_head_after(
+    train: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cols: list[torch.Tensor], k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`LDARouter`'s head (weights [C, D], biases [C], float32) after k tasks, from the training texts' frozen
+    embeddings, task and label column (`train`) and each task's label columns `cols`: the router's own
+    `class_statistics` of each task, then its `pooled_lda_head`."""
+    emb, task, label = train
+    stats = []
+    for t in range(k):
+        rows = task == t
+        local = (label[rows, None] == cols[t][None, :]).int().argmax(-1)  # the label's index in its task
+        stats.append(class_statistics(emb[rows], local, len(cols[t])))
+    weight, bias = pooled_lda_head(*zip(*stats, strict=True))
+    return weight.float(), bias.float()
 
 
 def ncm(c: Cache, k: int) -> torch.Tensor:

@@ -183,3 +183,18 @@ def test_decisive_on_a_tiny_setting(tmp_path, monkeypatch):
     merged = json.loads(out.read_text())
     assert merged["summary"]["summed-loss"]["seeds"] == [1]
     assert merged["summary"]["summed-loss"]["gaps"] == pytest.approx(summary["summed-loss"]["gaps"][1:])
+
+
+def test_decisive_accepts_result_files_recording_the_dropped_knob_seeds(monkeypatch):
+    spec = importlib.util.spec_from_file_location("ctr_decisive", BENCH.parent / "ctr_decisive.py")
+    decisive = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ctr_decisive", decisive)  # dataclasses look their module up
+    spec.loader.exec_module(decisive)
+    recorded = json.loads(json.dumps(asdict(decisive.CPU)))
+    assert "knob_seeds" not in recorded and decisive.same_setting(recorded, decisive.CPU)
+    # written while Setting had knob_seeds: all of the seeds (or None, meaning them) is the same setting
+    for knobs in (recorded["seeds"], None):
+        assert decisive.same_setting({**recorded, "knob_seeds": knobs}, decisive.CPU)
+    assert not decisive.same_setting({**recorded, "knob_seeds": [0]}, decisive.CPU)  # knobs on fewer seeds
+    assert not decisive.same_setting({**recorded, "rows": 1}, decisive.CPU)
+    assert not decisive.same_setting(recorded, decisive.QUICK)

@@ -66,16 +66,28 @@ def test_two_ranks_equal_one_rank(tmp_path, mode):
     assert abs(ddp["auc"] - single.auc) < 1e-4
 
 
-def test_embed_lr_rescales_every_recipe_at_the_base_batch():
-    from ecru.cowclip import scaled_recipe
+# how each recipe scales the embedding LR with s = batch / base batch (recipes.scaled_recipe's definitions)
+EMBED_LR_FACTOR = {"adam": lambda s: 1.0, "adam-sqrt": lambda s: 1.0, "cowclip": lambda s: 1.0,
+                   "linear": lambda s: s, "tempered": lambda s: s, "ecru": lambda s: s}  # fmt: skip
+
+
+@pytest.mark.parametrize("dataset", ["criteo", "avazu"])
+def test_embed_lr_rescales_every_recipe_at_the_base_batch(dataset):
+    from dataclasses import replace
+
+    from ecru.cowclip import RECIPES, scaled_recipe
     from ecru.ctr.training import resolve_recipe
 
-    for name in ("cowclip", "tempered", "linear", "adam"):
-        table = scaled_recipe(name, 8192, base_batch=1024)
-        mine = resolve_recipe(TrainConfig(batch_size=8192, recipe=name, embed_lr=1e-3))
-        assert mine.embed_lr == pytest.approx(table.embed_lr * 10, rel=1e-12)  # the table's base is 1e-4
-        assert (mine.dense_lr, mine.l2, mine.clip) == (table.dense_lr, table.l2, table.clip)
-    assert resolve_recipe(TrainConfig(batch_size=8192, recipe="cowclip")) == scaled_recipe("cowclip", 8192)
+    assert set(RECIPES) <= set(EMBED_LR_FACTOR)
+    for name in EMBED_LR_FACTOR:
+        for base, batch in ((1024, 1024), (1024, 8192), (1024, 131072), (128, 4096), (512, 256)):
+            cfg = dict(batch_size=batch, base_batch=base, recipe=name, dataset=dataset)
+            table = scaled_recipe(name, batch, base_batch=base, dataset=dataset)
+            mine = resolve_recipe(TrainConfig(**cfg, embed_lr=3e-3))
+            want = 3e-3 * EMBED_LR_FACTOR[name](batch / base)
+            assert mine.embed_lr == pytest.approx(want, rel=1e-12), (name, base, batch)
+            assert mine == replace(table, embed_lr=mine.embed_lr)  # only the embedding LR moves
+            assert resolve_recipe(TrainConfig(**cfg)) == table  # no embed_lr: the table's
     assert resolve_recipe(TrainConfig(embed_lr=1e-3)).embed_lr == pytest.approx(1e-3)
     with pytest.raises(EcruError, match="embed_lr"):
         TrainConfig(embed_lr=0.0)

@@ -332,6 +332,30 @@ def test_lda_router_pools_the_covariance_and_separates_what_cosine_cannot():
     torch.testing.assert_close(merged.logits(test_a, 1), lda.logits(test_a, 1))
 
 
+def test_the_rules_bench_scores_the_routers_own_lda_head():
+    from ecru.lifelong.router import LDARouter
+    from tests.bench_scripts import load_bench_script
+
+    rules = load_bench_script("lifelong_rules")
+    torch.manual_seed(0)
+    sizes, dim = (3, 2, 4), 16  # classes per task
+    cols = list(torch.randperm(sum(sizes)).split(sizes))  # a task's label columns, in its class order
+    router, emb, task, label = LDARouter(percentile=0.0), [], [], []
+    for t, classes in enumerate(sizes):
+        local = torch.arange(classes).repeat(3)[torch.randperm(3 * classes)]
+        x = F.normalize(torch.randn(classes, dim)[local] + 0.3 * torch.randn(len(local), dim), dim=-1)
+        if t == 1:
+            x[local == 0] = x[local == 0][0]  # a class whose texts coincide: no spread of its own
+        router.add_task(x, labels=local)
+        emb.append(x)
+        task.append(torch.full((len(local),), t))
+        label.append(cols[t][local])
+        cache = (torch.cat(emb).double(), torch.cat(task), torch.cat(label))  # as the cache holds them
+        weight, bias = rules.lda_head_after(cache, cols, t + 1)
+        want_weight, want_bias, _ = router.head()
+        assert torch.equal(weight, want_weight) and torch.equal(bias, want_bias)
+
+
 def test_lda_weight_needs_the_lda_router():
     with pytest.raises(EcruError, match="lda_weight"):
         RoutedConfig(router="prototypes", lda_weight=0.1)

@@ -44,9 +44,23 @@ def test_oracle_and_constant():
 
 def test_bucket_and_parse():
     assert [bucket_label(v, bucket=50, cap=256) for v in (1, 50, 51, 240, 256)] == [50, 50, 100, 250, 256]
-    assert parse_length("About 150 tokens.", default=9, cap=256) == 150
-    assert parse_length("9999", default=9, cap=256) == 256
-    assert parse_length("no idea", default=9, cap=256) == 9
+    assert parse_length("About 150 tokens.", cap=256) == 150
+    assert parse_length("9999", cap=256) == 256 and parse_length("0", cap=256) == 1
+    assert parse_length("no idea", cap=256) is None
+
+
+def test_answers_without_a_number_get_the_predictors_default(monkeypatch):
+    import ecru.serve.self_predict as self_predict
+
+    stated = {"a": 40.0, "b": None, "c": 1.0}  # what the model's answers parse to
+    monkeypatch.setattr(
+        self_predict, "stated_lengths", lambda model, tok, prompts, **kw: [stated[p] for p in prompts]
+    )
+    pia = PiAPredictor(None, None, default=77.0)
+    assert pia.predict(["b", "a", "c", "b"]) == [77.0, 40.0, 1.0, 77.0] and pia.parsed == 2
+    lora = SelfLoRAPredictor.__new__(SelfLoRAPredictor)  # only its predict: no model to wrap
+    lora.model, lora.tokenizer, lora.config, lora.default = None, None, SelfLoRAConfig(), 99.0
+    assert lora.predict(["b", "a"]) == [99.0, 40.0]
 
 
 @pytest.fixture(scope="module")

@@ -68,13 +68,22 @@ def _scale(batch_size: int, base_batch: int, dataset: str) -> float:
     return batch_size / base_batch
 
 
-def cowclip_recipe(batch_size: int, *, base_batch: int = 1024, dataset: str = "criteo") -> Recipe:
+def _base(dataset: str, embed_lr: float | None) -> tuple[float, float, float]:
+    """The base batch's (embedding LR, dense LR, L2 lambda): the table's, with `embed_lr` if given."""
+    table_embed_lr, dense_lr, l2 = _BASE[dataset]
+    return (table_embed_lr if embed_lr is None else embed_lr), dense_lr, l2
+
+
+def cowclip_recipe(
+    batch_size: int, *, base_batch: int = 1024, dataset: str = "criteo", embed_lr: float | None = None
+) -> Recipe:
     """The CowClip paper's settings: embedding LR fixed, dense LR x sqrt(s), L2 x s, r = 1, zeta fixed.
 
     Avazu's table departs from the rule at 128x (dense LR 16e-4, L2 96e-5) and uses zeta 1e-3 up to 2x.
+    `embed_lr`: the embedding LR at the base batch (None: the table's).
     """
     s = _scale(batch_size, base_batch, dataset)
-    embed_lr, dense_lr, l2 = _BASE[dataset]
+    embed_lr, dense_lr, l2 = _base(dataset, embed_lr)
     dense_lr, l2, zeta = dense_lr * math.sqrt(s), l2 * s, 1e-5
     if dataset == "avazu":
         zeta = 1e-3 if s <= 2 else 1e-4
@@ -83,8 +92,16 @@ def cowclip_recipe(batch_size: int, *, base_batch: int = 1024, dataset: str = "c
     return Recipe("cowclip", batch_size, embed_lr, dense_lr, l2, clip=True, zeta=zeta)
 
 
-def scaled_recipe(name: str, batch_size: int, *, base_batch: int = 1024, dataset: str = "criteo") -> Recipe:
-    """A named recipe at `batch_size`.
+def scaled_recipe(
+    name: str,
+    batch_size: int,
+    *,
+    base_batch: int = 1024,
+    dataset: str = "criteo",
+    embed_lr: float | None = None,
+) -> Recipe:
+    """A named recipe at `batch_size`; `embed_lr` replaces the table's embedding LR at the base batch (each
+    recipe then scales it as it scales the table's).
 
     - adam: the 1K settings unchanged.
     - adam-sqrt: dense LR x sqrt(s), L2 x s (the CowClip rules without the clip).
@@ -106,14 +123,16 @@ def scaled_recipe(name: str, batch_size: int, *, base_batch: int = 1024, dataset
     """
     name = _ALIASES.get(name, name)
     s = _scale(batch_size, base_batch, dataset)
-    embed_lr, dense_lr, l2 = _BASE[dataset]
+    embed_lr, dense_lr, l2 = _base(dataset, embed_lr)
     if name == "cowclip":
-        return cowclip_recipe(batch_size, base_batch=base_batch, dataset=dataset)
+        return cowclip_recipe(batch_size, base_batch=base_batch, dataset=dataset, embed_lr=embed_lr)
     if name == "adam":
         return Recipe("adam", batch_size, embed_lr, dense_lr, l2)
     if name == "adam-sqrt":
         return replace(
-            cowclip_recipe(batch_size, base_batch=base_batch, dataset=dataset), name=name, clip=False
+            cowclip_recipe(batch_size, base_batch=base_batch, dataset=dataset, embed_lr=embed_lr),
+            name=name,
+            clip=False,
         )
     if name == "linear":
         return Recipe("linear", batch_size, embed_lr * s, dense_lr * s, l2 * s)

@@ -13,7 +13,7 @@ trajectory as one process on the same global batch.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -231,13 +231,11 @@ def _step(
 
 
 def resolve_recipe(cfg: TrainConfig) -> Recipe:
-    """The recipe's settings at `cfg.batch_size`, with the embedding LR rescaled to `cfg.embed_lr` at the base
-    batch (every recipe's embedding LR is the base value times a function of s, so the ratio carries over)."""
-    recipe = scaled_recipe(cfg.recipe, cfg.batch_size, base_batch=cfg.base_batch, dataset=cfg.dataset)
-    if cfg.embed_lr is None:
-        return recipe
-    table = scaled_recipe("adam", cfg.base_batch, base_batch=cfg.base_batch, dataset=cfg.dataset).embed_lr
-    return replace(recipe, embed_lr=recipe.embed_lr * cfg.embed_lr / table)
+    """The recipe's settings at `cfg.batch_size`, its embedding LR scaled from `cfg.embed_lr` at the base batch
+    (None: the table's)."""
+    return scaled_recipe(
+        cfg.recipe, cfg.batch_size, base_batch=cfg.base_batch, dataset=cfg.dataset, embed_lr=cfg.embed_lr
+    )
 
 
 def train(

@@ -202,6 +202,38 @@ RIDGE = 1e-6
 (unit-norm embeddings spread about 1 / D = 2.6e-3 per dimension for MiniLM)."""
 
 
+def class_statistics(
+    emb: torch.Tensor, labels: torch.Tensor, classes: int
+) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """What streaming LDA keeps of one task's embeddings `emb` [N, D] with class indices `labels` [N]: the class
+    means [classes, D] and the within-class scatter sum_i x_i x_i^T [D, D] of the centred x_i = emb_i - mu_label
+    (float32, computed in float64), their number N and sum_i |x_i|^4 (the Ledoit-Wolf shrinkage needs it)."""
+    emb = emb.detach().double()
+    sums = torch.zeros(classes, emb.shape[1], dtype=emb.dtype).index_add_(0, labels, emb)
+    means = sums / torch.bincount(labels, minlength=classes).clamp(min=1)[:, None]
+    centred = emb - means[labels]
+    return (
+        means.float(),
+        (centred.T @ centred).float(),
+        int(emb.shape[0]),
+        float((centred.norm(dim=-1) ** 4).sum()),
+    )
+
+
+def pooled_lda_head(
+    means: Sequence[torch.Tensor],
+    scatters: Sequence[torch.Tensor],
+    counts: Sequence[int],
+    fourths: Sequence[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LDA weights [C, D] and biases [C] (float64) over every task's classes (`means` concatenated in order)
+    from the tasks' `class_statistics`: the scatter pooled over tasks, shrunk (`ledoit_wolf`), plus `RIDGE` on
+    the diagonal (texts repeated verbatim have no spread), then `lda_head`."""
+    cov = ledoit_wolf(sum(s.double() for s in scatters), sum(counts), sum(fourths))
+    cov = cov + RIDGE * torch.eye(cov.shape[0], dtype=cov.dtype)
+    return lda_head(torch.cat(list(means)).double(), cov)
+
+
 class LDARouter(PrototypeRouter):
     """Streaming LDA over the frozen embeddings (as SLDA, Hayes and Kanan, CVPR-W 2020): per task the class
     means, the within-class scatter and its count; the covariance is pooled over every learned task and shrunk
@@ -221,23 +253,17 @@ class LDARouter(PrototypeRouter):
         self, train_emb: torch.Tensor, *, labels: torch.Tensor, negatives: torch.Tensor | None = None
     ) -> None:
         super().add_task(train_emb, labels=labels, negatives=negatives)
-        emb = train_emb.detach().double()
-        classes = int(labels.max()) + 1
-        sums = torch.zeros(classes, emb.shape[1], dtype=emb.dtype).index_add_(0, labels, emb)
-        means = sums / torch.bincount(labels, minlength=classes).clamp(min=1)[:, None]
-        centred = emb - means[labels]
-        self.means.append(means.float())
-        self.scatters.append((centred.T @ centred).float())
-        self.counts.append(int(emb.shape[0]))
-        self.fourths.append(float((centred.norm(dim=-1) ** 4).sum()))
+        means, scatter, count, fourth = class_statistics(train_emb, labels, int(labels.max()) + 1)
+        self.means.append(means)
+        self.scatters.append(scatter)
+        self.counts.append(count)
+        self.fourths.append(fourth)
         self._head = None
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """LDA weights [C, D] and biases [C] over every learned class, and each class's task (cached)."""
         if self._head is None:
-            cov = ledoit_wolf(sum(s.double() for s in self.scatters), sum(self.counts), sum(self.fourths))
-            cov = cov + RIDGE * torch.eye(cov.shape[0], dtype=cov.dtype)  # texts repeated verbatim: no spread
-            weight, bias = lda_head(torch.cat(self.means).double(), cov)
+            weight, bias = pooled_lda_head(self.means, self.scatters, self.counts, self.fourths)
             owner = [t for t, m in enumerate(self.means) for _ in range(m.shape[0])]
             self._head = (weight.float(), bias.float(), owner)
         return self._head

@@ -65,10 +65,10 @@ def bucket_label(length: float, *, bucket: int, cap: int) -> int:
     return min(cap, max(bucket, bucket * math.ceil(length / bucket)))
 
 
-def parse_length(text: str, *, default: float, cap: int) -> float:
-    """The first integer in the model's answer, clipped to [1, cap]; `default` when there is none."""
+def parse_length(text: str, *, cap: int) -> float | None:
+    """The first integer in the model's answer, clipped to [1, cap]; None when the answer holds no number."""
     match = re.search(r"\d+", text)
-    return float(min(cap, max(1, int(match.group())))) if match else default
+    return float(min(cap, max(1, int(match.group())))) if match else None
 
 
 @torch.no_grad()
@@ -77,12 +77,12 @@ def stated_lengths(
     tokenizer,
     prompts: Sequence[str],
     *,
-    default: float,
     cap: int,
     batch_size: int = 32,
     max_tokens: int = 6,
-) -> list[float]:
-    """The length the model states when asked `QUERY` (greedy, `max_tokens` tokens, first integer)."""
+) -> list[float | None]:
+    """The length the model states when asked `QUERY` (greedy, `max_tokens` tokens, first integer; None where
+    its answer holds no number)."""
     from ecru.serve.prompts import encode_chat
 
     gen = GenerationConfig.for_tokenizer(tokenizer)
@@ -91,7 +91,7 @@ def stated_lengths(
     for i in range(0, len(ids), batch_size):
         result = generate_static(model, ids[i : i + batch_size], max_new_tokens=max_tokens, config=gen)
         texts = tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
-        out += [parse_length(t, default=default, cap=cap) for t in texts]
+        out += [parse_length(t, cap=cap) for t in texts]
     return out
 
 
@@ -107,11 +107,9 @@ class PiAPredictor:
         """How many answers of the last `predict` held a number (the rest got `default`)."""
 
     def predict(self, prompts: Sequence[str]) -> list[float]:
-        marker = -1.0  # parse_length's default: marks answers without a number
-        out = stated_lengths(self.model, self.tokenizer, prompts, default=marker, cap=self.cap,
-                             max_tokens=self.max_tokens)  # fmt: skip
-        self.parsed = sum(x != marker for x in out)
-        return [self.default if x == marker else x for x in out]
+        out = stated_lengths(self.model, self.tokenizer, prompts, cap=self.cap, max_tokens=self.max_tokens)
+        self.parsed = sum(x is not None for x in out)
+        return [self.default if x is None else x for x in out]
 
 
 class SelfLoRAPredictor:
@@ -192,8 +190,8 @@ class SelfLoRAPredictor:
         return self.model(input_ids=x, attention_mask=mask, labels=target).loss
 
     def predict(self, prompts: Sequence[str], *, batch_size: int = 32) -> list[float]:
-        return stated_lengths(self.model, self.tokenizer, prompts, default=self.default, cap=self.config.cap,
-                              batch_size=batch_size)  # fmt: skip
+        out = stated_lengths(self.model, self.tokenizer, prompts, cap=self.config.cap, batch_size=batch_size)
+        return [self.default if x is None else x for x in out]
 
     def adapter_disabled(self):
         """Context in which the model generates as the base LLM (the adapter is bypassed)."""
