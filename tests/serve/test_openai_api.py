@@ -69,6 +69,19 @@ def test_models_health_and_metrics(server, served):
     assert 'ecru_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
 
 
+def test_chat_requests_reuse_the_templates_start_from_the_prefix_cache(server):
+    def hits() -> float:
+        text = get(server, "/metrics")[1]
+        return float(
+            next(ln.split()[-1] for ln in text.splitlines() if ln.startswith("ecru_prefix_cache_hit"))
+        )
+
+    ask(server, "what is the weather like", max_tokens=2, temperature=0)
+    before = hits()
+    ask(server, "book me a table for two", max_tokens=2, temperature=0)
+    assert hits() - before >= 16  # the chat template's system prompt, at least
+
+
 def test_concurrent_requests_share_the_batch_and_match_alone(server, served):
     texts = [f"tell me about item {i}" for i in range(8)]
     steps_before = server.threads.engine.stats.steps

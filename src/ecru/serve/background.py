@@ -82,6 +82,7 @@ class EngineThread:
             "rows": e.max_rows,
             "steps": e.stats.steps,
             "preemptions": e.stats.preemptions,
+            "prefix_hit_tokens": e.stats.prefix_hit_tokens,
         }
 
     def _apply(self, item: tuple) -> None:

@@ -50,6 +50,7 @@ def _engine_config(args: argparse.Namespace, *, max_new_tokens: int):
         policy=args.policy,
         max_batch_size=args.max_batch_size,
         max_new_tokens=max_new_tokens,
+        prefix_cache=args.prefix_cache,
     )
 
 
@@ -142,6 +143,13 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
     )
     p.add_argument("--max-batch-size", type=positive_int, default=16, help="rows decoded together at most")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help=max_new_tokens_help)
+    p.add_argument(
+        "--prefix-cache",
+        type=non_negative_int,
+        default=16,
+        help="recent prompts whose KV is kept so that prompts starting alike (a system prompt) skip "
+        "recomputing the start; 0: off",
+    )
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:

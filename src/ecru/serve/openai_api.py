@@ -222,6 +222,10 @@ class OpenAIServer:
             "ecru_batch_occupancy": (s["running"] / s["rows"], "Running rows / the batch's row limit"),
             "ecru_engine_steps": (s["steps"], "Engine iterations since start"),
             "ecru_preemptions": (s["preemptions"], "Requests preempted since start (cb-kv)"),
+            "ecru_prefix_cache_hit_tokens": (
+                s["prefix_hit_tokens"],
+                "Prompt tokens whose KV came from the prefix cache since start",
+            ),
         }
 
     # ---- errors -------------------------------------------------------------------------------------
