@@ -8,10 +8,11 @@ greedy, cap `--max-new-tokens`. `--quick`: 32 prompts on 16 rows, so finished ro
 prompts on 16 rows no row ever is, and continuous batching cannot show). Measured:
 - one request at a time: Hugging Face `model.generate` on each of the first `--single-n` prompts alone;
 - `model.generate_batch` (transformers' paged continuous batching, the same `--max-batch-size`) on all
-  prompts at once (A), the same engine in this process without HTTP (B, what the transport costs) and the
-  server (`python -m ecru serve api`, its own process, warmed by one request) driven through HTTP by 16
-  concurrent streaming clients (C, the official `openai` client), in the order A B C C B A so that a load
-  drifting linearly weighs on all three alike (the machine is shared); then the server at 4 clients (all
+  prompts at once (A), the same engine in this process without HTTP (B, what the transport costs), the
+  same without prefix caching (B0, what that gains) and the server (`python -m ecru serve api`, its own
+  process, warmed by one request) driven through HTTP by 16 concurrent streaming clients (C, the official
+  `openai` client), in the order A B B0 C C B0 B A so that a load drifting linearly weighs on all alike
+  (the machine is shared); then the server at 4 clients (all
   prompts) and at 1 client (the first `--single-n`). Each client sends its next prompt as soon as its
   previous answer has ended.
 Tokens/s is generated tokens (EOS included) / wall seconds of the whole group. CPU seconds are recorded
@@ -206,48 +207,56 @@ def run_batch(served, prompts, cap: int, rows: int) -> tuple[dict, list[list[int
     return batch, tokens
 
 
-def engine_alone(served, prompts, args) -> tuple[dict, list[list[int]]]:
-    """The same engine in this process, no HTTP: what the server's transport costs."""
+def engine_alone(served, prompts, args, *, prefix_cache: int = 16) -> tuple[dict, list[list[int]]]:
+    """The same engine in this process, no HTTP: what the server's transport costs (`prefix_cache=0`:
+    without prefix caching, what it gains)."""
     from ecru.serve import EngineConfig, SamplingParams
 
     engine = served.engine(EngineConfig(policy=args.policy, max_batch_size=args.max_batch_size,
-                                        max_new_tokens=args.max_new_tokens))  # fmt: skip
+                                        max_new_tokens=args.max_new_tokens, prefix_cache=prefix_cache))  # fmt: skip
     start, cpu = time.perf_counter(), time.process_time()
     reqs = engine.generate(prompts, SamplingParams(max_tokens=args.max_new_tokens))
     out = summary(sum(len(r.output) for r in reqs), time.perf_counter() - start,
                   [r.finish_s - start for r in reqs], cpu=time.process_time() - cpu)  # fmt: skip
     out |= {"prefills": engine.stats.prefills, "prefill_forwards": engine.stats.prefill_forwards,
-            "decode_steps": engine.stats.decode_steps, "peak_kv_tokens": engine.stats.peak_kv_tokens}  # fmt: skip
-    print(f"engine alone: {out['tokens_per_s']:.1f} tok/s ({out['wall_s']:.1f} s)", flush=True)
+            "decode_steps": engine.stats.decode_steps, "peak_kv_tokens": engine.stats.peak_kv_tokens,
+            "prefix_cache": prefix_cache, "prefix_hit_tokens": engine.stats.prefix_hit_tokens}  # fmt: skip
+    print(f"engine alone (prefix cache {prefix_cache}): {out['tokens_per_s']:.1f} tok/s ({out['wall_s']:.1f} s)",
+          flush=True)  # fmt: skip
     return out, [r.output for r in reqs]
 
 
 def compare_top(served, server, texts, prompts, decode, args, top: int):
-    """generate_batch (A), the engine alone (B) and the server at `top` clients (C) in the order
-    A B C C B A, so that a load drifting linearly during the run weighs on all three alike. The reference
-    answers are the first generate_batch run's."""
+    """generate_batch (A), the engine alone (B), the engine without prefix caching (B0) and the server at
+    `top` clients (C) in the order A B B0 C C B0 B A, so that a load drifting linearly during the run weighs
+    on all alike. The reference answers are the first generate_batch run's."""
     cap, rows = args.max_new_tokens, args.max_batch_size
     first, ref_tokens = run_batch(served, prompts, cap, rows)
     reference = [decode(t) for t in ref_tokens]
     alone = [engine_alone(served, prompts, args)]
+    plain = [engine_alone(served, prompts, args, prefix_cache=0)]
     tops = [run_level(server, texts, reference, cap, top) for _ in range(2)]
+    plain.append(engine_alone(served, prompts, args, prefix_cache=0))
     alone.append(engine_alone(served, prompts, args))
     last, last_tokens = run_batch(served, prompts, cap, rows)
     first["outputs_identical"], last["outputs_identical"] = (
         True,
         last_tokens == ref_tokens,
     )  # first: by definition
-    for run, tokens in alone:
+    for run, tokens in alone + plain:
         run["outputs_identical"] = tokens == ref_tokens
-    return [first, last], [run for run, _ in alone], tops, ref_tokens, reference
+    engines = [run for run, _ in alone], [run for run, _ in plain]
+    return [first, last], engines, tops, ref_tokens, reference
 
 
-def ABCCBA(top: int) -> list[str]:  # noqa: N802 - the name is the order
+def ABCCBA(top: int) -> list[str]:  # noqa: N802 - the name is the order (with B0 around the C's)
     return [
         "generate_batch",
         "engine alone",
+        "engine alone, no prefix cache",
         f"server {top}",
         f"server {top}",
+        "engine alone, no prefix cache",
         "engine alone",
         "generate_batch",
     ]
@@ -340,18 +349,27 @@ def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out
     batch = {"tokens_per_s": mean_of(batches, "tokens_per_s"), "runs": batches,
              "tokens_per_cpu_s": mean_of(batches, "tokens_per_cpu_s"),
              "outputs_identical": all(b["outputs_identical"] for b in batches)}  # fmt: skip
-    engine = {"tokens_per_s": mean_of(alone, "tokens_per_s"), "runs": alone,
-              "tokens_per_cpu_s": mean_of(alone, "tokens_per_cpu_s"),
-              "outputs_identical": all(r["outputs_identical"] for r in alone)}  # fmt: skip
+    alone, plain = alone
+    engine, no_prefix = (
+        {
+            "tokens_per_s": mean_of(runs, "tokens_per_s"),
+            "runs": runs,
+            "tokens_per_cpu_s": mean_of(runs, "tokens_per_cpu_s"),
+            "outputs_identical": all(r["outputs_identical"] for r in runs),
+        }
+        for runs in (alone, plain)
+    )
     ratios = {
         "x_one_at_a_time": top["tokens_per_s"] / single["tokens_per_s"],
         "x_generate_batch": top["tokens_per_s"] / batch["tokens_per_s"],
         "engine_alone_x_generate_batch": engine["tokens_per_s"] / batch["tokens_per_s"],
         "server_x_engine_alone": top["tokens_per_s"] / engine["tokens_per_s"],
+        "prefix_cache_x_none": engine["tokens_per_s"] / no_prefix["tokens_per_s"],
         "per_cpu_s_x_generate_batch": top["tokens_per_cpu_s"] / batch["tokens_per_cpu_s"],
         "engine_alone_per_cpu_s_x_generate_batch": engine["tokens_per_cpu_s"] / batch["tokens_per_cpu_s"],
     }
     identical = (single["outputs_identical"] and batch["outputs_identical"] and engine["outputs_identical"]
+                 and no_prefix["outputs_identical"]
                  and all(r["outputs_identical"] for r in levels_out.values()))  # fmt: skip
     met: dict[str, bool] = {k: ratios[k] >= v for k, v in TARGETS.items()}
     met["identical_greedy_outputs"] = identical
@@ -366,13 +384,15 @@ def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out
         "greedy": True,
         "order": ["one_at_a_time", *ABCCBA(levels[-1]), *[f"server {c}" for c in reversed(levels[:-1])]],
         "reference": "generate_batch's first run (all prompts); one_at_a_time is compared on the first single_n",
-        "cpu_s": "this process's for one_at_a_time, generate_batch, engine_alone; the server process's for server",
+        "cpu_s": "this process's for one_at_a_time, generate_batch, engine_alone(_no_prefix_cache); the server "
+        "process's for server",
     }
     return {
         "setup": setup,
         "one_at_a_time": single,
         "generate_batch": batch,
         "engine_alone": engine,
+        "engine_alone_no_prefix_cache": no_prefix,
         "server": levels_out,
         f"ratios_at_{levels[-1]}_clients": ratios,
         "targets": TARGETS,
