@@ -32,7 +32,7 @@ def test_store_evicts_the_least_recently_used():
     store.insert([2, 2], kv(2, 2.0))
     store.lookup([1, 1, 5])  # [1, 1] used: [2, 2] is now the oldest
     store.insert([3, 3], kv(2, 3.0))
-    assert len(store) == 2
+    assert len(store) == 2 and store.tokens == 4
     assert store.lookup([2, 2, 5]) == PrefixHit()
     assert store.lookup([1, 1, 5]).length == 2
 
@@ -85,6 +85,7 @@ def test_prompts_sharing_a_start_reuse_it_with_generates_tokens(model, gen, shar
     assert [r.output for r in reqs] == reference
     # the first prompts admitted together compute their shared start once; later ones find it stored
     assert engine.stats.prefix_hit_tokens >= 16 * len(prompts)
+    assert 0 < engine.stats.prefix_store_tokens == engine.prefixes.tokens <= 16 * max(map(len, prompts))
 
 
 def test_prefix_cache_off_computes_every_prompt_token(model, gen, shared):

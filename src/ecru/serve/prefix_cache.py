@@ -53,6 +53,11 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def tokens(self) -> int:
+        """KV positions held (per layer): the store's memory, next to the running batch's cache."""
+        return sum(len(key) for key in self._entries)
+
     def lookup(self, tokens: Sequence[int]) -> PrefixHit:
         """The longest stored prefix of `tokens`, leaving at least its last token to compute."""
         best = PrefixHit()

@@ -143,6 +143,9 @@ class EngineStats:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     """Prompt positions not recomputed at prefill: their keys and values came from the prefix cache."""
+    prefix_store_tokens: int = 0
+    """KV positions the prefix cache holds now (at most `EngineConfig.prefix_cache` sequences), memory
+    beside `peak_kv_tokens`."""
     peak_kv_tokens: int = 0
     """Most KV-cache positions held at once (rows x cache width, left padding included): the memory the
     engine really used, which a policy's reservations may understate."""
@@ -330,6 +333,7 @@ class RequestEngine:
             if self.prefixes is not None:
                 for r, seq in enumerate(rows):
                     self.prefixes.insert(seq, row_kv(cache, r, len(seq)))
+                self.stats.prefix_store_tokens = self.prefixes.tokens
             fresh.merge(group, tok[-1], mask, cache)
             order += group
         self.stats.observe_kv(held)  # the running cache and the new ones
