@@ -92,8 +92,9 @@ class ServedModel:
         )
         return list(out["input_ids"])
 
-    def engine(self, config):
-        """A `RequestEngine` for this model."""
+    def engine(self, config, *, state_predictor=None):
+        """A `RequestEngine` for this model (`state_predictor`, e.g. a fitted `ProbePredictor` of this
+        model: prefill on arrival, see `request_engine`)."""
         from ecru.serve.request_engine import RequestEngine
 
         return RequestEngine(
@@ -103,4 +104,5 @@ class ServedModel:
             config=config,
             tokenizer=self.tokenizer,
             context_len=self.context_len,
+            state_predictor=state_predictor,
         )
