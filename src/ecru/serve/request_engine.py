@@ -360,15 +360,14 @@ class RequestEngine:
             logits, pooled = forward_pooled(self.model, ids, mask, cache)
             self.stats.arrival_prefill_forwards += 1
             self.stats.observe_kv(self.run.mask.numel() + self.kept.tokens + mask.numel())
-            predicted = self.state_predictor.predict_states(pooled)
-            for req, p in zip(rows, predicted, strict=True):
+            for req, p in zip(rows, self.state_predictor.predict_states(pooled), strict=True):
                 req.predicted = min(float(req.params.max_tokens), p)
             alive = self._update(rows, self._sample(logits, rows), finished).tolist()
             for b, req in enumerate(rows):
-                if alive[b]:
+                if alive[b]:  # a request that ended at its first token is never queued
                     self.kept.keep(req.seq, cache, b, len(req.prompt), pending=req.output[-1],
-                                   predicted=predicted[b])  # fmt: skip
-                    self._enqueue(req, predicted[b])
+                                   predicted=req.predicted)  # fmt: skip
+                    self._enqueue(req, req.predicted)
             self.kept.drop_over_bound()
 
     def _admit_kept(self, admitted: list[Request]) -> list[Request]:
