@@ -5,7 +5,7 @@ forward per arrival group and per decode step (no admission or prediction forwar
 import pytest
 import torch
 
-from ecru.serve.continuous import prefill_groups
+from ecru.serve.arrival import arrival_groups
 from ecru.serve.predictors import ProbePredictor
 from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
@@ -61,7 +61,7 @@ def test_greedy_equals_hf_generate_with_one_forward_per_arrival_group_and_decode
     reqs = engine.generate(prompts, GREEDY)
     assert [r.output for r in reqs] == reference
     s = engine.stats
-    assert s.prefill_forwards == 0 and s.arrival_prefill_forwards >= 1
+    assert s.prefill_forwards == 0 and s.arrival_prefill_forwards >= len(prompts) / 4  # at most 4 rows each
     assert len(forwards) == s.arrival_prefill_forwards + s.decode_steps
     standalone = probe.predict_states(alone_features)
     torch.testing.assert_close([r.predicted for r in reqs], standalone, rtol=0, atol=1e-4)
@@ -84,6 +84,12 @@ def test_requests_arriving_mid_run_get_the_same_tokens(
     assert s.arrival_prefill_forwards > 1  # arrivals into a busy batch were grouped, not one forward
 
 
+def test_arrival_groups_split_by_length_then_by_rows():
+    assert arrival_groups([5, 7, 6], 16) == [[0, 2, 1]]  # one forward, as prefill_groups
+    assert arrival_groups([5, 7, 6, 5, 5], 2) == [[0, 3], [4, 2], [1]]  # at most 2 rows, in length order
+    assert arrival_groups([2, 70, 3, 2], 16) == [[0, 3, 2], [1]]  # very different lengths apart
+
+
 def test_arrivals_wait_for_refill_min_under_a_backlog_and_go_at_once_when_the_batch_has_room(
     model, prompts, reference, gen, probe
 ):
@@ -99,8 +105,8 @@ def test_arrivals_wait_for_refill_min_under_a_backlog_and_go_at_once_when_the_ba
     engine.step()  # the batch is full and 2 < refill_min arrived: they wait unprefilled
     assert engine.stats.arrival_prefill_forwards == 2 and len(engine.admitter) == 0
     engine.add_request(long[4], GREEDY)
-    engine.step()  # refill_min arrived: one group
-    assert engine.stats.arrival_prefill_forwards == 3 and len(engine.admitter) == 3
+    engine.step()  # refill_min arrived: prefilled, at most max_batch_size (2) per forward
+    assert engine.stats.arrival_prefill_forwards == 4 and len(engine.admitter) == 3
 
 
 def test_the_state_predictor_gets_the_probe_features_of_the_prompts(chat_model_dir):
@@ -133,7 +139,7 @@ def test_the_state_predictor_gets_the_probe_features_of_the_prompts(chat_model_d
     engine = served.engine(EngineConfig(max_new_tokens=24, max_batch_size=8), state_predictor=Recording())
     ids = encode_chat(served.tokenizer, texts)
     reqs = engine.generate(ids, SamplingParams(max_tokens=4))
-    order = [i for group in prefill_groups([len(p) for p in ids]) for i in group]  # rows as prefilled
+    order = [i for group in arrival_groups([len(p) for p in ids], 8) for i in group]  # rows as prefilled
     torch.testing.assert_close(torch.cat(seen), features[order], rtol=0, atol=1e-5)
     expected = [min(4.0, p) for p in probe.predict(texts)]  # the queue's key is at most max_tokens
     torch.testing.assert_close([r.predicted for r in reqs], expected, rtol=0, atol=1e-4)
@@ -182,7 +188,9 @@ def test_aborting_a_prefilled_waiting_request_frees_its_kv(model, prompts, refer
     assert engine.abort(late.request_id)  # arrived, never prefilled
     run_to_end(engine)
     assert late.output == [] and [first.output, other.output] == [reference[0], reference[2]]
-    assert engine.stats.arrival_prefill_forwards == 1
+    assert (
+        engine.stats.arrival_prefill_forwards == 3
+    )  # the first three, one row per forward (max_batch_size 1)
 
 
 def test_a_request_ending_at_its_first_token_is_never_queued(model, prompts, reference, gen, probe, forwards):
@@ -201,7 +209,8 @@ def test_peak_kv_counts_the_kept_kv(model, prompts, reference, gen, probe):
     for i in five:
         engine.add_request(prompts[i][:5], GREEDY)
     engine.step()
-    # the arrival forward holds 3 x 5; the decode step 1 row of 5 + 1 and two kept rows of 5
+    # the arrival forwards (one row each) hold up to 2 kept rows + 1 of 5; the decode step 1 row of 5 + 1
+    # and two kept rows of 5
     assert engine.stats.peak_kv_tokens == 6 + 10
 
 

@@ -9,7 +9,9 @@ another prompt forward.
 When (`arrival_prefill_due`): the arrived requests are prefilled together once `refill_min` of them have
 arrived, or at once when the batch could take them now (running rows + prefilled waiting requests <
 `max_batch_size`, an idle server included). Under a backlog arrivals are so prefilled in groups of
-`refill_min`, as cheap per prompt as the admission prefills they replace.
+`refill_min`, as cheap per prompt as the admission prefills they replace. Each forward takes prompts of
+similar lengths (`prefill_groups`), at most `max_batch_size` of them (`arrival_groups`): no forward is
+larger than an admission's, whatever burst arrives.
 
 `KeptKV` holds each waiting request's cache rows without padding (exactly its prompt's positions), for at
 most `bound` requests: beyond, the rows of the request predicted longest are dropped (it keeps its
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ecru.serve.continuous import prefill_groups
 from ecru.serve.engine import new_cache
 
 
@@ -34,6 +37,12 @@ def arrival_prefill_due(
     """Whether the `arrived` (unprefilled) requests are prefilled now: `refill_min` of them have arrived,
     or the batch could take them now (`running` rows + `waiting` prefilled requests < `max_batch_size`)."""
     return arrived > 0 and (arrived >= refill_min or running + waiting < max_batch_size)
+
+
+def arrival_groups(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
+    """The arrival prefill forwards: `prefill_groups` of the prompt lengths, each cut into consecutive
+    pieces (in length order) of at most `max_rows` prompts. Indices into `lengths`."""
+    return [g[i : i + max_rows] for g in prefill_groups(lengths) for i in range(0, len(g), max_rows)]
 
 
 @dataclass

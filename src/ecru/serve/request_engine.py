@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ecru.serve.arrival import KeptKV, arrival_prefill_due
+from ecru.serve.arrival import KeptKV, arrival_groups, arrival_prefill_due
 from ecru.serve.continuous import Admitter, ContinuousConfig, RunningBatch, admissions, prefill_groups
 from ecru.serve.detok import Decoder, TextStream
 from ecru.serve.engine import forward, forward_pooled, left_pad, new_cache
@@ -348,12 +348,12 @@ class RequestEngine:
                                    refill_min=self.admitter.config.refill_min)  # fmt: skip
 
     def _prefill_arrivals(self, finished: list[Request]) -> None:
-        """Prefill on arrival: the arrived prompts (similar lengths together), each group in one forward
+        """Prefill on arrival: the arrived prompts (`arrival_groups`), each group in one forward
         that gives their first tokens, their KV (kept) and the state predictor's features; then queue the
         ones still running by their predicted lengths."""
         arrived = [self.requests[i] for i in self._arrived]
         self._arrived.clear()
-        for group in prefill_groups([len(r.prompt) for r in arrived]):
+        for group in arrival_groups([len(r.prompt) for r in arrived], self.max_rows):
             rows = [arrived[i] for i in group]
             ids, mask = left_pad([r.prompt for r in rows], self.pad)
             cache = new_cache(self.model)
