@@ -6,10 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ecru.errors import EcruError
+
+if TYPE_CHECKING:
+    from ecru.serve.predictors import StatePredictor
 
 MODELS = ("smollm2", "tiny")
 
@@ -92,7 +96,7 @@ class ServedModel:
         )
         return list(out["input_ids"])
 
-    def engine(self, config, *, state_predictor=None):
+    def engine(self, config, *, state_predictor: StatePredictor | None = None):
         """A `RequestEngine` for this model (`state_predictor`, e.g. a fitted `ProbePredictor` of this
         model: prefill on arrival, see `request_engine`)."""
         from ecru.serve.request_engine import RequestEngine
