@@ -250,3 +250,19 @@ def test_bench_script_runs_every_policy_on_the_tiny_model(tmp_path):
     assert policies["cb-sjf+arrival"]["admission_prefill_forwards"] == 0
     assert policies["cb-sjf+probe"]["add_request_predict_s"] > 0
     assert result["probe_on_test"]["arrival_vs_standalone_max_abs_diff"] < 1e-3
+
+
+def test_a_stop_string_in_the_first_token_ends_the_request_at_arrival(chat_model_dir):
+    from ecru.serve.models import ServedModel
+
+    served = ServedModel.load(str(chat_model_dir))
+    ids = served.encode_chat([{"role": "user", "content": "Tell me about cats."}])
+    first = served.engine(EngineConfig(max_new_tokens=8)).generate([ids], SamplingParams(max_tokens=1))[0]
+    stop = first.text.strip() or first.text
+    probe = ProbePredictor(served.model, served.tokenizer, cap=8)
+    probe.w, probe.b = torch.zeros(served.model.config.hidden_size), torch.tensor(4.0)
+    engine = served.engine(EngineConfig(max_new_tokens=8), state_predictor=probe)
+    engine.admission_log = []
+    req = engine.add_request(ids, SamplingParams(max_tokens=8, stop=(stop,)))
+    assert engine.step() == [req] and req.finish_reason == "stop" and req.output == first.output
+    assert engine.admission_log == [] and engine.stats.decode_steps == 0 and len(engine.kept) == 0
