@@ -235,7 +235,7 @@ def main(argv=None) -> None:
         "seconds; load = arrival rate / cb's saturated throughput; prediction time charged on the serving "
         "clock (prompt-only: a separate forward per request, measured; re-prediction: the probe's dot "
         "product per row, measured; [free-predict] variants charge no prompt-only prediction; [at-arrival]: "
-        "prefill on arrival (a design evaluated, not in the engine): the probe's prediction read from the "
+        "the engine's prefill on arrival (state_predictor): the probe's prediction read from the "
         "prompt's own prefill, done when it arrives, grouped by refill_min, its KV kept until admission, at "
         "most arrival_kv_requests)",
         "command": "python bench/serve_online.py " + " ".join(sys.argv[1:] if argv is None else argv),

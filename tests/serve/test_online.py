@@ -158,3 +158,10 @@ def test_prefill_at_arrival_charges_no_prediction_time():
         OnlineConfig(prefill_at_arrival=True, predict_s=0.1)
     with pytest.raises(ValueError, match="arrival_kv_requests"):
         OnlineConfig(arrival_kv_requests=0)
+
+
+def test_arrival_forwards_hold_at_most_max_batch_size_prompts():
+    trace = [OnlineRequest(0.0, 4, 1, predicted=1) for _ in range(5)]  # answers end at the first token
+    r = simulate_online(trace, policy="cb-sjf", config=config(max_batch_size=2, prefill_at_arrival=True),
+                        cost=PREFILL)  # fmt: skip
+    assert r.time_s == pytest.approx(3 * 10)  # 5 arrivals: forwards of 2, 2 and 1 rows

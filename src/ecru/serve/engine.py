@@ -101,10 +101,23 @@ def forward(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor
 
     Only the last position goes through the LM head (`logits_to_keep=1`, as `generate` does): a prefill
     would otherwise spend a vocabulary-sized matmul on every prompt token."""
+    return _run(model, ids, mask, cache).logits[:, -1]
+
+
+def forward_pooled(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill (`ids` [B, T] fills the whole `mask`) returning `forward`'s last logits [B, V] and, from
+    the same forward, the last hidden state (after the final norm) mean-pooled over `mask`: [B, H], the
+    features of `predictors.ProbePredictor`."""
+    from ecru.models.minilm import mean_pool
+
+    out = _run(model, ids, mask, cache, output_hidden_states=True)
+    return out.logits[:, -1], mean_pool(out.hidden_states[-1], mask)
+
+
+def _run(model, ids: torch.Tensor, mask: torch.Tensor, cache, *, output_hidden_states: bool = False):
     pos = positions(mask)[:, -ids.shape[1] :]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                logits_to_keep=1)  # fmt: skip
-    return out.logits[:, -1]
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                 logits_to_keep=1, output_hidden_states=output_hidden_states)  # fmt: skip
 
 
 def new_cache(model):

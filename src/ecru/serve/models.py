@@ -6,10 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ecru.errors import EcruError
+
+if TYPE_CHECKING:
+    from ecru.serve.predictors import StatePredictor
 
 MODELS = ("smollm2", "tiny")
 
@@ -92,8 +96,9 @@ class ServedModel:
         )
         return list(out["input_ids"])
 
-    def engine(self, config):
-        """A `RequestEngine` for this model."""
+    def engine(self, config, *, state_predictor: StatePredictor | None = None):
+        """A `RequestEngine` for this model (`state_predictor`, e.g. a fitted `ProbePredictor` of this
+        model: prefill on arrival, see `request_engine`)."""
         from ecru.serve.request_engine import RequestEngine
 
         return RequestEngine(
@@ -103,4 +108,5 @@ class ServedModel:
             config=config,
             tokenizer=self.tokenizer,
             context_len=self.context_len,
+            state_predictor=state_predictor,
         )

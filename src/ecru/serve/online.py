@@ -21,7 +21,7 @@ Costs (`CostModel`): one prefill per admission over the widest (prompt + tokens 
 per token over the padded cache (rows x widest row, the engine's left-padded layout, which is also
 `peak_kv_tokens`). A preempted row keeps its tokens and is prefilled again with them when readmitted (the
 server's behaviour). Prompt-only prediction costs `predict_s` per request and re-prediction `repredict_s`
-per row, both on the serving clock. With `prefill_at_arrival` (a design evaluated, not in the engine) the
+per row, both on the serving clock. With `prefill_at_arrival` (the engine's prefill on arrival) the
 prompt-only prediction rides on the prompt's own prefill, done when it arrives; its KV (counted in
 `peak_kv_tokens`) waits with it and admission costs no forward.
 """
@@ -82,11 +82,12 @@ class OnlineConfig:
     repredict_s: float = 0.0
     """Seconds per row per re-prediction (cb-srpt)."""
     prefill_at_arrival: bool = False
-    """cb-sjf, cb-srpt: prefill on arrival, a design evaluated here (the engine does not implement it:
-    measured not to pay, docs/serve.md): prompts are prefilled as they arrive and the prompt-only prediction
-    is read from that forward's hidden states (the probe's features), so `predict_s` must be 0. Arrived prompts are prefilled together once `refill_min` of them wait
-    unprefilled or the batch could take them now (running + waiting < `max_batch_size`); each gets its
-    first token there and its KV waits with it, so admission needs no forward."""
+    """cb-sjf, cb-srpt: the engine's prefill on arrival (`RequestEngine(state_predictor=...)`): prompts are
+    prefilled as they arrive and the prompt-only prediction is read from that forward's hidden states (the
+    probe's features), so `predict_s` must be 0. Arrived prompts are prefilled once `refill_min` of them
+    wait unprefilled or the batch could take them now (running + waiting < `max_batch_size`), in forwards of
+    at most `max_batch_size` rows; each gets its first token there and its KV waits with it, so admission
+    needs no forward."""
     arrival_kv_requests: int = 256
     """With `prefill_at_arrival`: waiting requests whose KV is kept at most; beyond, the longest-predicted
     one's KV is dropped and it is prefilled again (prompt + its first token) when admitted."""
@@ -271,7 +272,9 @@ class _Continuous:
         ):
             return
         self.arrived = []
-        self.clock += self.cost.prefill_time(len(group), self._width(group))
+        for k in range(0, len(group), cfg.max_batch_size):  # no forward larger than an admission's
+            part = group[k : k + cfg.max_batch_size]
+            self.clock += self.cost.prefill_time(len(part), self._width(part))
         self._grow(group)
         for i in group:
             if self.done[i] < self.target[i]:

@@ -3,7 +3,8 @@
 - `OraclePredictor`: the recorded true lengths (an upper bound on what scheduling can gain).
 - `ConstantPredictor`: one number for every prompt (the baseline a learned predictor must beat).
 - `MiniLMPredictor`: a separate proxy, ridge regression on all-MiniLM-L6-v2 sentence embeddings.
-- `ProbePredictor`: ridge regression on the LLM's own mean-pooled last hidden state over the prompt.
+- `ProbePredictor`: ridge regression on the LLM's own mean-pooled last hidden state over the prompt; it is
+  also a `StatePredictor`, so the serving engine can feed it the states of its own prompt prefill.
 - `SelfLoRAPredictor` (in `self_predict.py`): the LLM itself, LoRA-tuned to print its answer's length.
 """
 
@@ -24,6 +25,15 @@ class LengthPredictor(Protocol):
     name: str
 
     def predict(self, prompts: Sequence[str]) -> list[float]: ...
+
+
+class StatePredictor(Protocol):
+    """Predicts response lengths from hidden states the serving engine already computed."""
+
+    def predict_states(self, pooled: torch.Tensor) -> list[float]:
+        """`pooled` [B, H]: each prompt's last hidden state (after the final norm), mean over its real
+        positions. Returns one length per row, clamped to [1, cap]."""
+        ...
 
 
 def timed_predict(predictor: LengthPredictor, prompts: Sequence[str]) -> tuple[list[float], float]:
@@ -101,9 +111,12 @@ class _RidgeOnFeatures:
         return self
 
     def predict(self, prompts: Sequence[str]) -> list[float]:
+        return self._regress(self.features(prompts))
+
+    def _regress(self, features: torch.Tensor) -> list[float]:
         if self.w is None:
             raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(prompts, labels) first")
-        return (self.features(prompts) @ self.w + self.b).clamp(1, self.cap).tolist()
+        return (features @ self.w + self.b).clamp(1, self.cap).tolist()
 
 
 class MiniLMPredictor(_RidgeOnFeatures):
@@ -124,7 +137,10 @@ class MiniLMPredictor(_RidgeOnFeatures):
 
 
 class ProbePredictor(_RidgeOnFeatures):
-    """A probe on the LLM itself: mean-pooled last hidden state of the chat-templated prompt, then ridge."""
+    """A probe on the LLM itself: mean-pooled last hidden state of the chat-templated prompt, then ridge.
+
+    `predict_states` takes those pooled states directly (`StatePredictor`): an engine that prefills the
+    prompt anyway gets the prediction for a dot product (`RequestEngine(..., state_predictor=probe)`)."""
 
     name = "probe"
 
@@ -145,3 +161,6 @@ class ProbePredictor(_RidgeOnFeatures):
             hidden = decoder(input_ids=x, attention_mask=mask, position_ids=positions(mask)).last_hidden_state
             out.append(mean_pool(hidden, mask))
         return torch.cat(out)
+
+    def predict_states(self, pooled: torch.Tensor) -> list[float]:
+        return self._regress(pooled)

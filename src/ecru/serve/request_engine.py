@@ -14,6 +14,14 @@ reservation may preempt the newest rows, which keep their tokens and are re-pref
 cb-kv's budget is enforced on the cache this engine really holds, rows x widest row with the left padding
 (`EngineStats.peak_kv_tokens` never exceeds it; `ContinuousConfig.kv_accounting="padded"`).
 The predicted length is `predict(prompt, params)`, by default the request's own `max_tokens`.
+
+Prefill on arrival (`state_predictor`, e.g. a fitted `ProbePredictor`; `arrival.py`): a request's prompt is
+prefilled when it arrives instead of when it is admitted. That one forward gives its first token, the
+prompt's mean-pooled last hidden state, from which the state predictor predicts its length (a dot product,
+no forward of its own), and its KV cache, kept until admission, which then needs no forward. Arrivals are
+prefilled together once `refill_min` of them wait unprefilled or the batch could take them now; at most
+`arrival_kv_requests` waiting requests keep their KV (beyond, the longest-predicted one's is dropped and it
+is prefilled again at admission). Not with cb-kv.
 """
 
 from __future__ import annotations
@@ -24,10 +32,11 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ecru.serve.arrival import KeptKV, arrival_groups, arrival_prefill_due
 from ecru.serve.continuous import (
     PREFILL_OVERHEAD_TOKENS,
     Admitter,
@@ -37,11 +46,14 @@ from ecru.serve.continuous import (
     prefill_groups,
 )
 from ecru.serve.detok import Decoder, TextStream
-from ecru.serve.engine import forward, left_pad, new_cache
+from ecru.serve.engine import forward, forward_pooled, left_pad, new_cache
 from ecru.serve.kv_cache import HeadroomLayer
 from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix, row_kv
 from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue
 from ecru.serve.sampling import SamplingParams, next_token_ids
+
+if TYPE_CHECKING:
+    from ecru.serve.predictors import StatePredictor
 
 ENGINE_POLICIES = ("cb", "cb-sjf", "cb-kv")
 
@@ -68,11 +80,15 @@ class EngineConfig:
     prefix_cache: int = 16
     """Recently prefilled sequences whose KV is kept for prompts that start alike (`prefix_cache`
     module); 0 turns prefix caching off."""
+    arrival_kv_requests: int = 256
+    """Prefill on arrival: waiting requests whose prompt KV is kept at most (beyond, the longest-predicted
+    one's is dropped and it is prefilled again at admission)."""
 
     def __post_init__(self):
         if self.policy not in ENGINE_POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(ENGINE_POLICIES)}")
-        ints = ("max_batch_size", "max_new_tokens", "refill_min", "kv_prompt_tokens", "kv_row_factor")
+        ints = ("max_batch_size", "max_new_tokens", "refill_min", "kv_prompt_tokens", "kv_row_factor",
+                "arrival_kv_requests")  # fmt: skip
         for name in ints:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -119,6 +135,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     """stop (EOS or a stop string), length (max_tokens or the context), abort, error."""
+    predicted: float | None = None
+    """Its predicted answer length, at most max_tokens (the key it was queued with; with prefill on
+    arrival also set for a request that ended at its first token and was never queued)."""
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -137,7 +156,10 @@ class EngineStats:
     prefills: int = 0
     """Admissions prefilled (each in one or more forwards)."""
     prefill_forwards: int = 0
-    """Prefill forwards: prompts of very different lengths admitted together go in separate ones."""
+    """Admission prefill forwards: prompts of very different lengths admitted together go in separate
+    ones (with prefill on arrival, only requests whose kept KV was dropped are prefilled at admission)."""
+    arrival_prefill_forwards: int = 0
+    """Prefill-on-arrival forwards (prompts, first tokens and the state predictor's features)."""
     tokens: int = 0
     """Token slots computed: one per admitted request per prefill, one per running row per decode step."""
     preemptions: int = 0
@@ -147,8 +169,9 @@ class EngineStats:
     """KV positions the prefix cache holds now (at most `EngineConfig.prefix_cache` sequences), memory
     beside `peak_kv_tokens`."""
     peak_kv_tokens: int = 0
-    """Most KV-cache positions held at once (rows x cache width, left padding included): the memory the
-    engine really used, which a policy's reservations may understate."""
+    """Most KV-cache positions held at once (rows x cache width, left padding included, plus the KV kept
+    for waiting requests): the memory the engine really used, which a policy's reservations may
+    understate."""
 
     def observe_kv(self, tokens: int) -> None:
         self.peak_kv_tokens = max(self.peak_kv_tokens, tokens)
@@ -170,10 +193,12 @@ class RequestEngine:
         queue: RequestQueue | None = None,
         limits: ContinuousConfig | None = None,
         discard_preempted: bool = False,
+        state_predictor: StatePredictor | None = None,
     ):
         """`queue` and `limits` replace the ones `config` implies (offline measurements bring their own);
         `discard_preempted`: a preempted request restarts from its prompt (its tokens are recomputed, as
-        the simulator models) instead of keeping them; only for requests that stream nothing."""
+        the simulator models) instead of keeping them; only for requests that stream nothing.
+        `state_predictor`: prefill on arrival, lengths predicted from the prefill's states (not `predict`)."""
         self.model, self.config = model, config or EngineConfig()
         self.eos, self.pad = torch.tensor(sorted(set(eos_token_ids))), pad_token_id
         self.decode = Decoder(tokenizer) if tokenizer is not None else None
@@ -195,6 +220,11 @@ class RequestEngine:
         self.prefixes = (
             PrefixStore(self.config.prefix_cache) if self.config.prefix_cache and full_attention else None
         )
+        self.state_predictor = state_predictor
+        self._arrived: dict[int, None] = {}  # arrived, not yet prefilled (prefill on arrival), in order
+        self.kept = KeptKV(self.config.arrival_kv_requests)
+        if state_predictor is not None:
+            self._check_arrival(predict)
         self.requests: dict[int, Request] = {}  # unfinished, by seq
         self._ids: dict[str, int] = {}
         self._seq = itertools.count()
@@ -215,6 +245,8 @@ class RequestEngine:
         predictions are indexed by; default: a counter). `reserve`: cb-kv answer tokens it reserves
         (default: `predict`, at most max_tokens)."""
         self.check(prompt, params)
+        if reserve is not None and self.state_predictor is not None:
+            raise ValueError("reserve is a cb-kv reservation: not with prefill on arrival (state_predictor)")
         seq = next(self._seq) if key is None else key
         if seq in self.requests:
             raise ValueError(f"request key {seq} is already in use")
@@ -226,12 +258,26 @@ class RequestEngine:
         req.generator = None if params.greedy else torch.Generator().manual_seed(seed)
         req.stream = TextStream(self.decode, params.stop) if self.decode is not None else None
         self.requests[seq], self._ids[request_id] = req, seq
-        predicted = self.predict(req.prompt, params) if reserve is None else reserve
-        self._predicted[seq] = min(float(params.max_tokens), predicted)
-        self.admitter.add(seq, len(prompt), self._predicted[seq], cap=params.max_tokens)
+        if self.state_predictor is not None:
+            self._arrived[seq] = None  # prefilled, predicted and queued by a coming step
+        else:
+            self._enqueue(req, self.predict(req.prompt, params) if reserve is None else reserve)
+        return req
+
+    def _enqueue(self, req: Request, predicted: float) -> None:
+        seq = req.seq
+        self._predicted[seq] = req.predicted = min(float(req.params.max_tokens), predicted)
+        self.admitter.add(seq, len(req.prompt), req.predicted, cap=req.params.max_tokens)
         self.admitter.queue.push(seq, now=self.stats.decode_steps)
         del self._predicted[seq]  # the queue keyed it on push
-        return req
+
+    def _check_arrival(self, predict) -> None:
+        if predict is not None:
+            raise ValueError("give either predict or state_predictor: with prefill on arrival the state "
+                             "predictor predicts every length")  # fmt: skip
+        if self.admitter.config.kv_budget is not None:
+            raise ValueError("prefill on arrival (state_predictor) does not support a KV budget (cb-kv): "
+                             "use policy cb or cb-sjf")  # fmt: skip
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """Why a request cannot be served (ValueError), before it is queued."""
@@ -293,7 +339,9 @@ class RequestEngine:
         """One iteration; returns the requests that finished in it."""
         finished: list[Request] = []
         self._drop_finished_rows()
-        admitted = self._schedule()
+        if self._arrival_due():
+            self._prefill_arrivals(finished)
+        admitted = self._admit_kept(self._schedule())
         if admitted:
             self._prefill(admitted, finished)
         if self.run.ids:
@@ -317,13 +365,48 @@ class RequestEngine:
             req.status = RequestStatus.RUNNING
         return admitted
 
+    def _arrival_due(self) -> bool:
+        return arrival_prefill_due(arrived=len(self._arrived), running=len(self.run.ids),
+                                   waiting=len(self.admitter), max_batch_size=self.max_rows,
+                                   refill_min=self.admitter.config.refill_min)  # fmt: skip
+
+    def _prefill_arrivals(self, finished: list[Request]) -> None:
+        """Prefill on arrival: the arrived prompts (`arrival_groups`), each group in one forward
+        that gives their first tokens, their KV (kept) and the state predictor's features; then queue the
+        ones still running by their predicted lengths."""
+        arrived = [self.requests[i] for i in self._arrived]
+        self._arrived.clear()
+        for group in arrival_groups([len(r.prompt) for r in arrived], self.max_rows):
+            rows = [arrived[i] for i in group]
+            ids, mask = left_pad([r.prompt for r in rows], self.pad)
+            cache = new_cache(self.model)
+            logits, pooled = forward_pooled(self.model, ids, mask, cache)
+            self.stats.arrival_prefill_forwards += 1
+            self.stats.observe_kv(self.run.mask.numel() + self.kept.tokens + mask.numel())
+            for req, p in zip(rows, self.state_predictor.predict_states(pooled), strict=True):
+                req.predicted = min(float(req.params.max_tokens), p)
+            alive = self._update(rows, self._sample(logits, rows), finished).tolist()
+            for b, req in enumerate(rows):
+                if alive[b]:  # a request that ended at its first token is never queued
+                    self.kept.keep(req.seq, cache, b, len(req.prompt), pending=req.output[-1],
+                                   predicted=req.predicted)  # fmt: skip
+                    self._enqueue(req, req.predicted)
+            self.kept.drop_over_bound()
+
+    def _admit_kept(self, admitted: list[Request]) -> list[Request]:
+        """Merge the admitted requests whose KV was kept at arrival into the batch (no forward); the others."""
+        kept = [r.seq for r in admitted if r.seq in self.kept]
+        if kept:
+            self.run.merge(kept, *self.kept.take(self.model, kept))
+        return [r for r in admitted if r.seq not in kept]
+
     def _prefill(self, admitted: list[Request], finished: list[Request]) -> None:
         """Prefill the admitted requests (similar lengths together, `prefill_groups`), then merge the
         ones still running into the batch in admission order. A preempted request keeps its tokens: its
         prompt and answer so far are prefilled together."""
         seqs = [r.prompt + r.output for r in admitted]
         hits = self._prefix_hits(seqs)
-        fresh, order, tok, held = RunningBatch(self.model), [], [], self.run.mask.numel()
+        fresh, order, tok, held = RunningBatch(self.model), [], [], self.run.mask.numel() + self.kept.tokens
         for group in prefill_groups([len(s) - h.length for s, h in zip(seqs, hits, strict=True)]):
             rows = [seqs[i] for i in group]
             ids, mask, cache = self._prefill_inputs(rows, [hits[i] for i in group])
@@ -385,7 +468,7 @@ class RequestEngine:
         rows = [self.requests[i] for i in run.ids]
         run.mask = torch.cat([run.mask, torch.ones_like(run.mask[:, :1])], dim=1)
         tok = self._sample(forward(self.model, run.pending[:, None], run.mask, run.cache), rows)
-        self.stats.observe_kv(run.mask.numel())
+        self.stats.observe_kv(run.mask.numel() + self.kept.tokens)
         self.stats.decode_steps += 1
         alive = self._update(rows, tok, finished)
         run.pending = tok
@@ -436,6 +519,8 @@ class RequestEngine:
         piece = req.stream.finish() if req.stream is not None else ""
         req.text += piece
         self.admitter.forget(req.seq)
+        self._arrived.pop(req.seq, None)
+        self.kept.drop(req.seq)
         del self.requests[req.seq], self._ids[req.request_id]
         if req.listener is not None:
             req.listener(req, piece)

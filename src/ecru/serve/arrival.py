@@ -1,0 +1,115 @@
+"""Prefill on arrival: a request's prompt is prefilled when it arrives, and its KV kept until admission.
+
+The engine prefills every prompt anyway; doing it at arrival gives three things from that one forward:
+the first token (time to first token is at arrival), the KV cache of the prompt (admission then needs no
+forward) and the prompt's mean-pooled last hidden state, the features of the self-probe
+(`predictors.ProbePredictor`, a `StatePredictor`): its length prediction costs a dot product instead of
+another prompt forward.
+
+When (`arrival_prefill_due`): the arrived requests are prefilled together once `refill_min` of them have
+arrived, or at once when the batch could take them now (running rows + prefilled waiting requests <
+`max_batch_size`, an idle server included). Under a backlog arrivals are so prefilled in groups of
+`refill_min`, as cheap per prompt as the admission prefills they replace. Each forward takes prompts of
+similar lengths (`prefill_groups`), at most `max_batch_size` of them (`arrival_groups`): no forward is
+larger than an admission's, whatever burst arrives.
+
+`KeptKV` holds each waiting request's cache rows without padding (exactly its prompt's positions), for at
+most `bound` requests: beyond, the rows of the request predicted longest are dropped (it keeps its
+prediction and first token and is prefilled at admission, prompt plus first token, as a preempted request
+is). At admission the kept rows are left-padded and stacked into one cache, with no forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ecru.serve.continuous import prefill_groups
+from ecru.serve.engine import new_cache
+
+
+def arrival_prefill_due(
+    *, arrived: int, running: int, waiting: int, max_batch_size: int, refill_min: int
+) -> bool:
+    """Whether the `arrived` (unprefilled) requests are prefilled now: `refill_min` of them have arrived,
+    or the batch could take them now (`running` rows + `waiting` prefilled requests < `max_batch_size`)."""
+    return arrived > 0 and (arrived >= refill_min or running + waiting < max_batch_size)
+
+
+def arrival_groups(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
+    """The arrival prefill forwards: `prefill_groups` of the prompt lengths, each cut into consecutive
+    pieces (in length order) of at most `max_rows` prompts. Indices into `lengths`."""
+    return [g[i : i + max_rows] for g in prefill_groups(lengths) for i in range(0, len(g), max_rows)]
+
+
+@dataclass
+class KeptRow:
+    """One waiting request's prompt KV (per layer, [1, heads, prompt, head_dim]) and its pending token."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    pending: int
+    """The first token, sampled at arrival, not yet in the cache."""
+    predicted: float
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[-2]
+
+
+class KeptKV:
+    """The KV rows of prefilled waiting requests, by request key, for at most `bound` requests."""
+
+    def __init__(self, bound: int):
+        if bound < 1:
+            raise ValueError(f"bound must be >= 1, got {bound}")
+        self.bound = bound
+        self.rows: dict[int, KeptRow] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.rows
+
+    @property
+    def tokens(self) -> int:
+        """KV positions held (the kept rows have no padding)."""
+        return sum(r.length for r in self.rows.values())
+
+    def keep(self, key: int, cache, row: int, length: int, *, pending: int, predicted: float) -> None:
+        """Copy row `row` of a left-padded prefill `cache` (its last `length` positions are the prompt)."""
+        keys = [layer.keys[row : row + 1, :, -length:].clone() for layer in cache.layers]
+        values = [layer.values[row : row + 1, :, -length:].clone() for layer in cache.layers]
+        self.rows[key] = KeptRow(keys, values, pending, predicted)
+
+    def drop(self, key: int) -> None:
+        self.rows.pop(key, None)
+
+    def drop_over_bound(self) -> list[int]:
+        """Drop the rows of the longest-predicted requests (the newest among equals) until `bound` are
+        kept; their keys."""
+        dropped = []
+        while len(self.rows) > self.bound:
+            key = max(reversed(self.rows), key=lambda k: self.rows[k].predicted)
+            del self.rows[key]
+            dropped.append(key)
+        return dropped
+
+    def take(self, model, keys: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Remove the rows of `keys` and stack them as a running batch's pieces: pending tokens [B], a
+        left-padded attention mask [B, T] and a KV cache for `model`."""
+        rows = [self.rows.pop(k) for k in keys]
+        width = max(r.length for r in rows)
+        mask = torch.stack(
+            [F.pad(torch.ones(r.length, dtype=torch.long), (width - r.length, 0)) for r in rows]
+        )
+        cache = new_cache(model)
+        for i, layer in enumerate(cache.layers):
+            pad = [(0, 0, width - r.length, 0) for r in rows]
+            layer.update(torch.cat([F.pad(r.keys[i], p) for r, p in zip(rows, pad, strict=True)]),
+                         torch.cat([F.pad(r.values[i], p) for r, p in zip(rows, pad, strict=True)]))  # fmt: skip
+        return torch.tensor([r.pending for r in rows]), mask, cache
