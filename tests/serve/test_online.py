@@ -117,18 +117,16 @@ def test_prefill_at_arrival_costs_a_lone_request_nothing_more():
     assert early.latencies == plain.latencies == pytest.approx([10.0 + 6.0])
 
 
-def test_prefill_at_arrival_groups_arrivals_in_one_forward():
-    # two arrivals, one row: admission prefills each alone (2 forwards); on arrival they share one
+def test_prefill_at_arrival_does_the_waiting_requests_prefill_first():
+    # two arrivals, one row: admission prefills the second when its turn comes; on arrival both are
+    # prefilled first (forwards of at most one row here), so the first answer ends later, the total is equal
     trace = [OnlineRequest(0.0, 4, 3, predicted=3), OnlineRequest(0.0, 4, 3, predicted=3)]
-    cfg = config(refill_min=2)
-    plain = simulate_online(trace, policy="cb-sjf", config=cfg, cost=PREFILL)
-    early = simulate_online(trace, policy="cb-sjf", config=dataclasses.replace(cfg, prefill_at_arrival=True),
-                            cost=PREFILL)  # fmt: skip
-    assert plain.time_s == pytest.approx(2 * 10 + 2 * 2)
-    assert early.time_s == pytest.approx(10 + 2 * 2)
-    assert early.latencies == pytest.approx([12.0, 14.0])
-    # the second request's prompt KV waited beside the running row: 4 (its prompt) + 1 x (4 + 2)
-    assert early.peak_kv_tokens == 4 + (4 + 2)
+    plain = simulate_online(trace, policy="cb-sjf", config=config(), cost=PREFILL)
+    early = simulate_online(trace, policy="cb-sjf", config=config(prefill_at_arrival=True), cost=PREFILL)
+    assert plain.latencies == pytest.approx([12.0, 24.0])
+    assert early.latencies == pytest.approx([22.0, 24.0])
+    # while the first row decodes (its widest cache: 4 + 2), the second's prompt KV (4) waits beside it
+    assert early.peak_kv_tokens == (4 + 2) + 4
 
 
 def test_a_lone_arrival_waits_for_company_only_while_the_batch_is_full():
@@ -148,7 +146,7 @@ def test_arrival_kv_bound_drops_the_longest_predicted_and_prefills_it_again():
     keep_all = simulate_online(trace, policy="cb-sjf", config=cfg, cost=PREFILL)
     bounded = simulate_online(trace, policy="cb-sjf", config=dataclasses.replace(cfg, arrival_kv_requests=2),
                               cost=PREFILL)  # fmt: skip
-    assert keep_all.time_s == pytest.approx(10 + 3 * 2)
+    assert keep_all.time_s == pytest.approx(3 * 10 + 3 * 2)  # three one-row arrival forwards
     # request 1 (predicted 9) is prefilled again, with its first token: that forward yields its second
     assert bounded.time_s == pytest.approx(keep_all.time_s + 10 - 1)
 
