@@ -146,7 +146,8 @@ class Admitter:
     """
 
     def __init__(self, queue: RequestQueue, prompt_lens: Sequence[int], config: ContinuousConfig,
-                 reserve: Sequence[float] | None = None):  # fmt: skip
+                 reserve: Sequence[float] | None = None, *,
+                 generated: Callable[[int], int] = lambda i: 0):  # fmt: skip
         if reserve is not None and len(reserve) != len(prompt_lens):
             raise ValueError(f"reserve has {len(reserve)} entries for {len(prompt_lens)} prompts")
         self.queue, self.held, self.config = queue, deque(), config
@@ -157,8 +158,8 @@ class Admitter:
             self.add(i, n, None if reserve is None else reserve[i])
         self.reserved: dict[int, int] = {}
         self.preemptions = 0
-        self.generated: Callable[[int], int] = lambda i: 0
-        """Answer tokens request i holds so far (padded accounting); the engine sets it."""
+        self.generated = generated
+        """Answer tokens request i holds so far (padded accounting); the engine and the simulator give it."""
 
     def add(self, i: int, prompt_len: int, reserve: float | None = None, *, cap: int | None = None) -> None:
         """Register request `i` (before it is pushed to the queue): its prompt length, the answer tokens

@@ -208,8 +208,8 @@ class RequestEngine:
         if queue is None:
             cb_sjf = self.config.policy == "cb-sjf"
             queue = SJFQueue(self._predicted, aging=self.config.aging) if cb_sjf else FCFSQueue()
-        self.admitter = Admitter(queue, [], limits or self.config.continuous())
-        self.admitter.generated = lambda i: len(self.requests[i].output)
+        self.admitter = Admitter(queue, [], limits or self.config.continuous(),
+                                 generated=lambda i: len(self.requests[i].output))  # fmt: skip
         self.discard_preempted = discard_preempted
         self.upcoming = 0
         """Requests the caller will add later: admission waits for `refill_min` of them (offline runs)."""

@@ -180,8 +180,8 @@ def simulate_continuous(
     arrived_at, finished_at = [0.0] * n, [0.0] * n
     running: list[int] = []
     clock, step, slots, prefills, order = predict_s, 0, 0, 0, []
-    admitter = Admitter(queue, [r.prompt_len for r in trace], config, reserve)
-    admitter.generated = lambda i: done[i]  # padded accounting: the tokens each request holds
+    # padded accounting: the tokens each request holds
+    admitter = Admitter(queue, [r.prompt_len for r in trace], config, reserve, generated=lambda i: done[i])
     while incoming or len(admitter) or running:
         while incoming and arrivals[incoming[0]] <= step:
             i = incoming.pop(0)
