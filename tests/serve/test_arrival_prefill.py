@@ -83,7 +83,20 @@ def test_requests_arriving_mid_run_get_the_same_tokens(
     assert [r.output for r in reqs] == reference
     s = engine.stats
     assert s.prefill_forwards == 0 and len(forwards) == s.arrival_prefill_forwards + s.decode_steps
-    assert s.arrival_prefill_forwards > 1  # arrivals into a busy batch were grouped, not one forward
+    assert 1 < s.arrival_prefill_forwards < len(prompts)  # arrivals into a busy batch were grouped
+
+
+def test_cb_with_prefill_on_arrival_admits_first_come_first_served(model, prompts, reference, gen, probe):
+    # prompts that do not end at their first token, longest first: the arrival forward takes them in
+    # length order, the queue must not
+    chosen = sorted((p for p, ref in zip(prompts, reference, strict=True) if len(ref) > 1), key=len)[::-1][:5]
+    assert len({len(p) for p in chosen}) > 1
+    engine = make_engine(model, gen, probe, policy="cb", max_batch_size=1, refill_min=1)
+    engine.admission_log = []
+    for p in chosen:
+        engine.add_request(p, GREEDY)
+    run_to_end(engine)
+    assert engine.admission_log == list(range(len(chosen)))
 
 
 def test_arrival_groups_split_by_length_then_by_rows():

@@ -133,3 +133,23 @@ def test_a_start_shared_within_one_admission_is_computed_once(model, gen, shared
     # that forward computes the longest tail's 11 positions in every row: the rest came from the store
     tails = [len(p) - 20 for p in prompts[:8]]
     assert engine.stats.prefix_hit_tokens == sum(20 + t - max(tails) for t in tails)
+
+
+def test_prefix_caching_survives_preemption_with_generates_tokens(model, gen, shared):
+    prompts, reference = shared
+    engine = engine_for(model, gen, policy="cb-kv", kv_prompt_tokens=1)
+    engine.predict = lambda prompt, params: 2.0  # reservations of 2 tokens: rows outgrow them, are preempted
+    assert [r.output for r in engine.generate(prompts, GREEDY)] == reference
+    assert engine.stats.preemptions > 0 and engine.stats.prefix_hit_tokens > 0
+
+
+def test_offline_measurement_loop_runs_without_prefix_caching(model, gen, shared, monkeypatch):
+    from ecru.serve.continuous import ContinuousConfig, generate_continuous
+    from ecru.serve.queues import FCFSQueue
+
+    # the static baselines and the simulator it is compared with have no prefix caching
+    monkeypatch.setattr(PrefixStore, "lookup", lambda *args: pytest.fail("the prefix cache was used"))
+    prompts, reference = shared
+    config = ContinuousConfig(max_batch_size=4, max_new_tokens=MAX_NEW, refill_min=2)
+    result = generate_continuous(model, prompts, queue=FCFSQueue(), gen=gen, config=config)
+    assert result.tokens == reference

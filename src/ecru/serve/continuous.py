@@ -328,15 +328,17 @@ def generate_continuous(
     """Serve every prompt on the request engine; request i joins `queue` at decode step `arrivals[i]` (all
     at 0 by default). With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the
     cap; see `Admitter`); a preempted request restarts from its prompt, as the simulator models it."""
-    from ecru.serve.request_engine import RequestEngine
+    from ecru.serve.request_engine import EngineConfig, RequestEngine
     from ecru.serve.sampling import SamplingParams
 
     if gen.temperature != 0:
         raise ValueError("continuous batching here is greedy only (temperature=0)")
     if reserve is not None and len(reserve) != len(prompts):
         raise ValueError(f"reserve has {len(reserve)} entries for {len(prompts)} prompts")
+    # no prefix caching: the static baselines and the simulator this front end is compared with have none
     engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
-                           context_len=10**9, queue=queue, limits=config, discard_preempted=True)  # fmt: skip
+                           config=EngineConfig(prefix_cache=0), context_len=10**9, queue=queue, limits=config,
+                           discard_preempted=True)  # fmt: skip
     engine.admission_log = []
     arrivals = list(arrivals) if arrivals is not None else [0] * len(prompts)
     incoming = deque(sorted(range(len(prompts)), key=lambda i: arrivals[i]))

@@ -110,14 +110,19 @@ def forward_pooled(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> tuple
     features of `predictors.ProbePredictor`."""
     from ecru.models.minilm import mean_pool
 
-    out = _run(model, ids, mask, cache, output_hidden_states=True)
-    return out.logits[:, -1], mean_pool(out.hidden_states[-1], mask)
+    seen = []  # the decoder's output, caught by a hook: only the last layer's states are kept
+    hook = model.get_decoder().register_forward_hook(lambda mod, args, out: seen.append(out[0]))
+    try:
+        logits = _run(model, ids, mask, cache).logits[:, -1]
+    finally:
+        hook.remove()
+    return logits, mean_pool(seen[0], mask)
 
 
-def _run(model, ids: torch.Tensor, mask: torch.Tensor, cache, *, output_hidden_states: bool = False):
+def _run(model, ids: torch.Tensor, mask: torch.Tensor, cache):
     pos = positions(mask)[:, -ids.shape[1] :]
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                 logits_to_keep=1, output_hidden_states=output_hidden_states)  # fmt: skip
+                 logits_to_keep=1)  # fmt: skip
 
 
 def new_cache(model):

@@ -376,6 +376,7 @@ class RequestEngine:
         ones still running by their predicted lengths."""
         arrived = [self.requests[i] for i in self._arrived]
         self._arrived.clear()
+        rows_of: dict[int, tuple] = {}  # a request still running: its prefill cache and row there
         for group in arrival_groups([len(r.prompt) for r in arrived], self.max_rows):
             rows = [arrived[i] for i in group]
             ids, mask = left_pad([r.prompt for r in rows], self.pad)
@@ -385,13 +386,16 @@ class RequestEngine:
             self.stats.observe_kv(self.run.mask.numel() + self.kept.tokens + mask.numel())
             for req, p in zip(rows, self.state_predictor.predict_states(pooled), strict=True):
                 req.predicted = min(float(req.params.max_tokens), p)
-            alive = self._update(rows, self._sample(logits, rows), finished).tolist()
-            for b, req in enumerate(rows):
-                if alive[b]:  # a request that ended at its first token is never queued
-                    self.kept.keep(req.seq, cache, b, len(req.prompt), pending=req.output[-1],
-                                   predicted=req.predicted)  # fmt: skip
-                    self._enqueue(req, req.predicted)
-            self.kept.drop_over_bound()
+            running = self._update(rows, self._sample(logits, rows), finished).tolist()
+            rows_of |= {req.seq: (cache, b) for b, req in enumerate(rows) if running[b]}
+        for req in arrived:  # kept and queued in arrival order, whatever order the forwards took them in
+            if req.seq in rows_of:  # a request that ended at its first token is never queued
+                cache, b = rows_of[req.seq]
+                self.kept.keep(
+                    req.seq, cache, b, len(req.prompt), pending=req.output[-1], predicted=req.predicted
+                )
+                self._enqueue(req, req.predicted)
+        self.kept.drop_over_bound()
 
     def _admit_kept(self, admitted: list[Request]) -> list[Request]:
         """Merge the admitted requests whose KV was kept at arrival into the batch (no forward); the others."""
