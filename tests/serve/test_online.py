@@ -163,3 +163,14 @@ def test_arrival_forwards_hold_at_most_max_batch_size_prompts():
     r = simulate_online(trace, policy="cb-sjf", config=config(max_batch_size=2, prefill_at_arrival=True),
                         cost=PREFILL)  # fmt: skip
     assert r.time_s == pytest.approx(3 * 10)  # 5 arrivals: forwards of 2, 2 and 1 rows
+
+
+def test_arrival_forwards_are_the_engines_groups_each_with_its_own_first_tokens():
+    from ecru.serve.arrival import arrival_groups
+
+    per_token = CostModel(1.0, 0.0, 0.0, 0.0, 1.0, source="1 s per prompt position")
+    trace = [OnlineRequest(0.0, n, 1, predicted=1) for n in (4, 100, 4)]  # answers end at the first token
+    assert arrival_groups([4, 100, 4], 2) == [[0, 2], [1]]
+    r = simulate_online(trace, policy="cb", config=config(max_batch_size=2, prefill_at_arrival=True),
+                        cost=per_token)  # fmt: skip
+    assert r.latencies == pytest.approx([8.0, 108.0, 8.0])  # 2 rows x 4, then 1 row x 100

@@ -82,12 +82,12 @@ class OnlineConfig:
     repredict_s: float = 0.0
     """Seconds per row per re-prediction (cb-srpt)."""
     prefill_at_arrival: bool = False
-    """cb-sjf, cb-srpt: the engine's prefill on arrival (`RequestEngine(state_predictor=...)`): prompts are
+    """The engine's prefill on arrival (`RequestEngine(state_predictor=...)`; cb too): prompts are
     prefilled as they arrive and the prompt-only prediction is read from that forward's hidden states (the
     probe's features), so `predict_s` must be 0. Arrived prompts are prefilled once `refill_min` of them
-    wait unprefilled or the batch could take them now (running + waiting < `max_batch_size`), in forwards of
-    at most `max_batch_size` rows; each gets its first token there and its KV waits with it, so admission
-    needs no forward."""
+    wait unprefilled or the batch could take them now (running + waiting < `max_batch_size`), in the
+    engine's `arrival_groups` (similar lengths, at most `max_batch_size` rows); each gets its first token
+    there and its KV waits with it, queued in arrival order, so admission needs no forward."""
     arrival_kv_requests: int = 256
     """With `prefill_at_arrival`: waiting requests whose KV is kept at most; beyond, the longest-predicted
     one's KV is dropped and it is prefilled again (prompt + its first token) when admitted."""
@@ -194,7 +194,7 @@ class _Continuous:
         self.clock, self.peak, self.preemptions = 0.0, 0, 0
         self.running: list[int] = []
         self.arrived: list[int] = []  # prefill on arrival: arrived, not yet prefilled
-        self.kept: set[int] = set()  # prefill on arrival: waiting with their KV
+        self.kept: dict[int, None] = {}  # prefill on arrival: waiting with their KV, in keeping order
         self.kept_tokens = 0
 
     # -- priorities -------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ class _Continuous:
         cfg, trace = self.config, self.trace
         pending = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
         pos, predicts = 0, self.policy in ("cb-sjf", "cb-srpt")
-        on_arrival = cfg.prefill_at_arrival and predicts
+        on_arrival = cfg.prefill_at_arrival  # cb too: the engine prefills on arrival whatever the order
         while pos < len(pending) or self.heap or self.running or self.arrived:
             if not self.heap and not self.running and not self.arrived:
                 self.clock = max(self.clock, trace[pending[pos]].arrival_s)
@@ -237,7 +237,7 @@ class _Continuous:
                 pos += 1
             self._prefill_arrivals()
             swapped = self._maybe_preempt()
-            self._admit(upcoming=len(pending) - pos + len(self.arrived), force=swapped > 0)
+            self._admit(upcoming=len(pending) - pos, force=swapped > 0)
             if self.running:
                 self._step()
         tokens = sum(self.target)
@@ -264,29 +264,36 @@ class _Continuous:
         self.running += [i for i in admit if self.done[i] < self.target[i]]
 
     def _prefill_arrivals(self) -> None:
-        """Prefill on arrival: one forward over the arrived prompts, once `refill_min` of them wait or the
-        batch could take them now; each gets its first token and waits, predicted, with its KV."""
+        """Prefill on arrival, as the engine: once `refill_min` prompts wait unprefilled or the batch could
+        take them now, they are prefilled in `arrival_groups` forwards, each row's first token at the end
+        of its own forward; then they wait, predicted, with their KV, queued in arrival order."""
+        from ecru.serve.arrival import arrival_groups
+
         cfg, group = self.config, self.arrived
         if not group or (
             len(group) < cfg.refill_min and len(self.running) + len(self.heap) >= cfg.max_batch_size
         ):
             return
         self.arrived = []
-        for k in range(0, len(group), cfg.max_batch_size):  # no forward larger than an admission's
-            part = group[k : k + cfg.max_batch_size]
-            self.clock += self.cost.prefill_time(len(part), self._width(part))
-        self._grow(group)
+        for part in arrival_groups([self.trace[i].prompt_len for i in group], cfg.max_batch_size):
+            rows = [group[k] for k in part]
+            self.clock += self.cost.prefill_time(len(rows), self._width(rows))
+            held = len(self.running) * self._width(self.running) if self.running else 0
+            self.peak = max(self.peak, held + self.kept_tokens + len(rows) * self._width(rows))
+            self._grow(rows)
         for i in group:
             if self.done[i] < self.target[i]:
                 self._push(i)
-                self.kept.add(i)
+                self.kept[i] = None
                 self.kept_tokens += self.trace[i].prompt_len
-        while len(self.kept) > cfg.arrival_kv_requests:  # drop the longest-predicted waiting KV
-            self._unkeep(max(self.kept, key=lambda i: (self.estimate[i], i)))
+        while (
+            len(self.kept) > cfg.arrival_kv_requests
+        ):  # the longest-predicted loses its KV, the newest of equals
+            self._unkeep(max(reversed(self.kept), key=lambda i: min(self.estimate[i], cfg.max_new_tokens)))
 
     def _unkeep(self, i: int) -> None:
         if i in self.kept:
-            self.kept.remove(i)
+            del self.kept[i]
             self.kept_tokens -= self.trace[i].prompt_len
 
     def _step(self) -> None:
