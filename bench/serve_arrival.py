@@ -110,6 +110,7 @@ def serve(served, policy, probe, texts, ids, config) -> dict:
         "admission_prefill_forwards": s.prefill_forwards,
         "decode_steps": s.decode_steps,
         "peak_kv_tokens": s.peak_kv_tokens,
+        "prefix_hit_tokens": s.prefix_hit_tokens,  # admissions only: arrival prefills compute every position
         "outputs": [r.output for r in reqs],
         "predicted": [r.predicted for r in reqs],
     }
