@@ -279,3 +279,12 @@ def test_a_stop_string_in_the_first_token_ends_the_request_at_arrival(chat_model
     req = engine.add_request(ids, SamplingParams(max_tokens=8, stop=(stop,)))
     assert engine.step() == [req] and req.finish_reason == "stop" and req.output == first.output
     assert engine.admission_log == [] and engine.stats.decode_steps == 0 and len(engine.kept) == 0
+
+
+def test_refused_for_a_sliding_window_model(gen, probe):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4)  # fmt: skip
+    with pytest.raises(ValueError, match="sliding window"):
+        make_engine(MistralForCausalLM(cfg).eval(), gen, probe)

@@ -278,6 +278,9 @@ class RequestEngine:
         if self.admitter.config.kv_budget is not None:
             raise ValueError("prefill on arrival (state_predictor) does not support a KV budget (cb-kv): "
                              "use policy cb or cb-sjf")  # fmt: skip
+        if not all(type(ly) is HeadroomLayer for ly in self.run.cache.layers):
+            raise ValueError("prefill on arrival (state_predictor) needs a model whose layers all attend to the "
+                             "whole context (its kept KV would be cut to a sliding window)")  # fmt: skip
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """Why a request cannot be served (ValueError), before it is queued."""
