@@ -370,7 +370,7 @@ class RequestEngine:
 
     def _arrival_due(self) -> bool:
         return arrival_prefill_due(arrived=len(self._arrived), running=len(self.run.ids),
-                                   waiting=len(self.admitter), max_batch_size=self.max_rows,
+                                   waiting=self.num_waiting - len(self._arrived), max_batch_size=self.max_rows,
                                    refill_min=self.admitter.config.refill_min)  # fmt: skip
 
     def _prefill_arrivals(self, finished: list[Request]) -> None:
