@@ -22,8 +22,9 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from ecru.lifelong.methods.base import TrainConfig
+from ecru.lifelong.methods.registry import ROUTED
 from ecru.lifelong.methods.routed import OFFSET
-from ecru.lifelong.router import class_statistics, pooled_lda_head
+from ecru.lifelong.router import _threshold, class_statistics, loo_prototype_scores, pooled_lda_head
 
 SCALE = TrainConfig().scale  # the adapters' inverse temperature, as trained
 
@@ -86,8 +87,22 @@ def ncm(c: Cache, k: int) -> torch.Tensor:
     return s
 
 
+def thresholds_at(c: Cache, percentile: float) -> torch.Tensor:
+    """Each task's routing threshold at `percentile` of its training texts' leave-one-out prototype scores,
+    as the router sets it (`router._threshold`), from the cache's frozen training embeddings."""
+    emb, task, col = c.train
+    out = []
+    for t in range(c.T):
+        rows = task == t
+        local = torch.searchsorted(c.cols[t].sort().values, col[rows])  # label index within the task
+        order = c.cols[t].sort().indices
+        own = loo_prototype_scores(emb[rows].float(), order[local], len(c.cols[t]))
+        out.append(_threshold(own, None, percentile=percentile, negative_quantile=None))
+    return torch.tensor(out)
+
+
 def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight: float = 0.0,
-           margin: float = 0.0, penalty: float = 2.0) -> torch.Tensor:  # fmt: skip
+           margin: float = 0.0, penalty: float = 2.0, percentile: float | None = None) -> torch.Tensor:  # fmt: skip
     """`RoutedEncoder.scores` after k tasks: route by prototypes or LDA, the prototype threshold, task then
     class with the blend (1 - w) adapter cosine + w prototype cosine + lda_weight / scale x LDA logit."""
     s = c.F @ c.NE.T
@@ -97,7 +112,8 @@ def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight
         task = owner[c.lda(k).argmax(-1)]
     else:
         task = proto.argmax(-1)
-    rejected = proto.gather(1, task[:, None])[:, 0] < c.TH[task]
+    th = c.TH if percentile is None else thresholds_at(c, percentile)
+    rejected = proto.gather(1, task[:, None])[:, 0] < th[task]
     learned = torch.zeros(len(c.names), dtype=torch.bool)
     learned[c.learned(k)] = True
     out = s.clone()
@@ -136,6 +152,12 @@ RULES = {
     "LDA route, blend 0.5": lambda c, k: routed(c, k, route="lda"),
     "prototype route, adapter + LDA 0.05": lambda c, k: routed(c, k, w=0.0, lda_weight=0.05),
     "routed-lora (LDA route, adapter + LDA 0.05)": lambda c, k: routed(c, k, route="lda", w=0.0, lda_weight=0.05),
+    **{
+        f"routed-lora, rejection threshold at percentile {q}": (
+            lambda c, k, q=q: routed(c, k, route="lda", w=0.0, lda_weight=0.05, percentile=q)
+        )
+        for q in (5, 10, 20, 30, 50)
+    },
     "LDA route, adapter + LDA 0.1": lambda c, k: routed(c, k, route="lda", w=0.0, lda_weight=0.1),
     "LDA route, adapter + LDA 0.05, reject penalty 0.05": lambda c, k: routed(
         c, k, route="lda", w=0.0, lda_weight=0.05, penalty=0.05
@@ -238,7 +260,10 @@ def analyse(path: Path) -> dict:
         "routed-lora (LDA route, adapter + LDA 0.05)",
         "routed-lora-proto (prototype route, blend 0.5)",
     )
+    # the thresholds recomputed from the cache at the preset's percentile are the router's own
+    same = bool(torch.allclose(thresholds_at(c, ROUTED["routed-lora"].percentile), c.TH, atol=1e-5))
     return {"cache": str(path), "config": c.raw["config"], "own_rule_matches": own_rule_matches(c),
+            "thresholds_match_router": same,
             "rules": {name: metrics(c, rule) for name, rule in RULES.items()},
             "error_split": {name: error_split(c, RULES[name]) for name in ("ncm", proto, ours)},
             "heldout_breakdown": {name: heldout_breakdown(c, RULES[name]) for name in (proto, ours)},
