@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ecru.serve.continuous import prefill_groups
 from ecru.serve.engine import new_cache
+from ecru.serve.kv_cache import right_aligned, row_kv
 
 
 def arrival_prefill_due(
@@ -47,17 +48,17 @@ def arrival_groups(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
 
 @dataclass
 class KeptRow:
-    """One waiting request's prompt KV (per layer, [1, heads, prompt, head_dim]) and its pending token."""
+    """One waiting request's prompt KV (per layer, [heads, prompt, head_dim] keys and values) and its pending
+    token."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
     pending: int
     """The first token, sampled at arrival, not yet in the cache."""
     predicted: float
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[-2]
+        return self.kv[0][0].shape[-2]
 
 
 class KeptKV:
@@ -82,9 +83,7 @@ class KeptKV:
 
     def keep(self, key: int, cache, row: int, length: int, *, pending: int, predicted: float) -> None:
         """Copy row `row` of a left-padded prefill `cache` (its last `length` positions are the prompt)."""
-        keys = [layer.keys[row : row + 1, :, -length:].clone() for layer in cache.layers]
-        values = [layer.values[row : row + 1, :, -length:].clone() for layer in cache.layers]
-        self.rows[key] = KeptRow(keys, values, pending, predicted)
+        self.rows[key] = KeptRow(row_kv(cache, row, length), pending, predicted)
 
     def drop(self, key: int) -> None:
         self.rows.pop(key, None)
@@ -108,8 +107,6 @@ class KeptKV:
             [F.pad(torch.ones(r.length, dtype=torch.long), (width - r.length, 0)) for r in rows]
         )
         cache = new_cache(model)
-        for i, layer in enumerate(cache.layers):
-            pad = [(0, 0, width - r.length, 0) for r in rows]
-            layer.update(torch.cat([F.pad(r.keys[i], p) for r, p in zip(rows, pad, strict=True)]),
-                         torch.cat([F.pad(r.values[i], p) for r, p in zip(rows, pad, strict=True)]))  # fmt: skip
+        for i in range(len(cache.layers)):
+            cache.update(*(right_aligned([r.kv[i][part] for r in rows], width) for part in (0, 1)), i)
         return torch.tensor([r.pending for r in rows]), mask, cache

@@ -64,3 +64,20 @@ class HeadroomCache(DynamicCache):
     def __init__(self, config, *, headroom: int = HEADROOM):
         super().__init__(config=config)
         self.layers = [HeadroomLayer(headroom) if type(ly) is DynamicLayer else ly for ly in self.layers]
+
+
+def row_kv(cache, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Row `row`'s last `length` cached positions, copied out of every layer of `cache`: one
+    ([heads, length, dim] keys, values) pair per layer."""
+    return [(ly.keys[row, :, -length:].clone(), ly.values[row, :, -length:].clone()) for ly in cache.layers]
+
+
+def right_aligned(parts: list[torch.Tensor | None], width: int) -> torch.Tensor:
+    """[rows, heads, width, dim]: row r holds `parts[r]` ([heads, n, dim]) in its last n positions after zero
+    (masked) padding; a None part is all padding. At least one part is a tensor."""
+    like = next(p for p in parts if p is not None)
+    out = like.new_zeros(len(parts), like.shape[0], width, like.shape[-1])
+    for r, part in enumerate(parts):
+        if part is not None and part.shape[-2]:
+            out[r, :, width - part.shape[-2] :] = part
+    return out

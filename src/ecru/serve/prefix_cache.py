@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ecru.serve.kv_cache import right_aligned
+
 MIN_PREFIX = 16
 """Shortest prefix worth reusing, in tokens (below, the copy and bookkeeping cost more than they save)."""
 
@@ -82,18 +84,10 @@ class PrefixStore:
     ) -> tuple[torch.Tensor, ...]:
         """Keys and values [rows, heads, max(cached), dim] of one layer: row r's first `cached[r]` stored
         positions right-aligned after zero (masked) padding."""
-        width = max(cached)
-        like = next(h.kv[layer][0] for h, c in zip(hits, cached, strict=True) if c)
-        out = []
-        for part in (0, 1):
-            buf = like.new_zeros(len(hits), like.shape[0], width, like.shape[-1])
-            for r, (hit, c) in enumerate(zip(hits, cached, strict=True)):
-                if c:
-                    buf[r, :, width - c :] = hit.kv[layer][part][:, :c]
-            out.append(buf)
-        return tuple(out)
-
-
-def row_kv(cache, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Row `row`'s last `length` cached positions, copied out of every layer of `cache`."""
-    return [(ly.keys[row, :, -length:].clone(), ly.values[row, :, -length:].clone()) for ly in cache.layers]
+        return tuple(
+            right_aligned(
+                [h.kv[layer][part][:, :c] if c else None for h, c in zip(hits, cached, strict=True)],
+                max(cached),
+            )  # fmt: skip
+            for part in (0, 1)
+        )

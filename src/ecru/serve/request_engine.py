@@ -47,8 +47,8 @@ from ecru.serve.continuous import (
 )
 from ecru.serve.detok import Decoder, TextStream
 from ecru.serve.engine import forward, forward_pooled, left_pad, new_cache
-from ecru.serve.kv_cache import HeadroomLayer
-from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix, row_kv
+from ecru.serve.kv_cache import HeadroomLayer, row_kv
+from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix
 from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue
 from ecru.serve.sampling import SamplingParams, next_token_ids
 
