@@ -24,7 +24,7 @@ from sklearn.metrics import roc_auc_score
 from ecru.lifelong.methods.base import TrainConfig
 from ecru.lifelong.methods.registry import ROUTED
 from ecru.lifelong.methods.routed import OFFSET
-from ecru.lifelong.router import _threshold, class_statistics, loo_prototype_scores, pooled_lda_head
+from ecru.lifelong.router import class_statistics, loo_prototype_scores, pooled_lda_head, routing_threshold
 
 SCALE = TrainConfig().scale  # the adapters' inverse temperature, as trained
 
@@ -89,15 +89,15 @@ def ncm(c: Cache, k: int) -> torch.Tensor:
 
 def thresholds_at(c: Cache, percentile: float) -> torch.Tensor:
     """Each task's routing threshold at `percentile` of its training texts' leave-one-out prototype scores,
-    as the router sets it (`router._threshold`), from the cache's frozen training embeddings."""
+    as the router sets it (`router.routing_threshold`), from the cache's frozen training embeddings."""
     emb, task, col = c.train
     out = []
     for t in range(c.T):
         rows = task == t
-        local = torch.searchsorted(c.cols[t].sort().values, col[rows])  # label index within the task
-        order = c.cols[t].sort().indices
-        own = loo_prototype_scores(emb[rows].float(), order[local], len(c.cols[t]))
-        out.append(_threshold(own, None, percentile=percentile, negative_quantile=None))
+        index = {int(g): k for k, g in enumerate(c.cols[t])}  # a label's row in the task's prototypes
+        local = torch.tensor([index[int(g)] for g in col[rows]])
+        own = loo_prototype_scores(emb[rows].float(), local, len(c.cols[t]))
+        out.append(routing_threshold(own, None, percentile=percentile, negative_quantile=None))
     return torch.tensor(out)
 
 

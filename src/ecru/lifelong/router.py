@@ -93,7 +93,7 @@ class TaskRouter(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _threshold(
+def routing_threshold(
     own: torch.Tensor, neg: torch.Tensor | None, *, percentile: float, negative_quantile: float | None
 ) -> float:
     """The `percentile` of a task's own leave-one-out scores; with negatives' scores `neg`, the lower of
@@ -161,7 +161,7 @@ class PrototypeRouter(_Routing):
         own = loo_prototype_scores(train_emb, labels, classes)
         neg = None if negatives is None else prototype_scores(negatives.to(train_emb.dtype), protos)
         self.thresholds.append(
-            _threshold(own, neg, percentile=self.percentile, negative_quantile=self.negative_quantile)
+            routing_threshold(own, neg, percentile=self.percentile, negative_quantile=self.negative_quantile)
         )
         self.prototypes.append(protos.detach().clone())
 
