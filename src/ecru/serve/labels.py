@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
-from ecru.serve.engine import GenerationConfig, generate_static
+from ecru.serve.engine import GenerationConfig
 
 TEMPERATURES = (0.0, 0.3, 0.5, 0.7)
 
@@ -76,7 +76,9 @@ def label_prompts(
     batch_size: int = 16,
     progress: bool = True,
 ) -> list[LengthLabel]:
-    """Label every prompt not yet in `out` (appended batch by batch); return the labels of `prompts`."""
+    """Label every prompt not yet in `out` (appended chunk by chunk: an interrupted run loses at most the
+    chunk in flight); return the labels of `prompts`. The samples run on the continuous-batching request
+    engine, `batch_size` rows at a time: a finished answer's row takes the next one at once."""
     from tqdm.auto import tqdm
 
     from ecru.serve.prompts import encode_chat
@@ -91,19 +93,14 @@ def label_prompts(
     }
     todo = list(dict.fromkeys(p for p in prompts if p not in done))
     ids = dict(zip(todo, encode_chat(tokenizer, todo), strict=True))
-    todo.sort(key=lambda p: len(ids[p]))  # similar prompt lengths share a batch: less prompt padding
     out.parent.mkdir(parents=True, exist_ok=True)
+    gen = GenerationConfig.for_tokenizer(tokenizer)
     bar = tqdm(total=len(todo), desc="labelling", unit="prompt", disable=not progress)
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        lengths = [[] for _ in chunk]
-        for k in range(samples):
-            config = GenerationConfig.for_tokenizer(tokenizer, temperature=TEMPERATURES[k], seed=k)
-            result = generate_static(
-                model, [ids[p] for p in chunk], max_new_tokens=max_new_tokens, config=config
-            )
-            for row, toks in enumerate(result.tokens):
-                lengths[row].append(len(toks))
+    chunk_size = CHUNK_BATCHES * batch_size
+    for start in range(0, len(todo), chunk_size):
+        chunk = todo[start : start + chunk_size]
+        lengths = sample_lengths(model, [ids[p] for p in chunk], gen=gen, samples=samples,
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size)  # fmt: skip
         with out.open("a") as f:
             for p, ls in zip(chunk, lengths, strict=True):
                 done[p] = LengthLabel(prompt=p, lengths=ls, max_new_tokens=max_new_tokens)
@@ -111,3 +108,27 @@ def label_prompts(
         bar.update(len(chunk))
     bar.close()
     return [done[p] for p in prompts]
+
+
+CHUNK_BATCHES = 4
+"""Prompts labelled between two appends to the cache, in batches: fewer leaves rows idle at each chunk's
+end, more loses more to an interruption."""
+
+
+def sample_lengths(model, prompts: Sequence[Sequence[int]], *, gen: GenerationConfig, samples: int,
+                   max_new_tokens: int, batch_size: int) -> list[list[int]]:  # fmt: skip
+    """Per prompt (token ids), the lengths (EOS included) of `samples` answers: sample k at
+    `TEMPERATURES[k]` with seed k; `gen` gives the EOS and pad ids."""
+    from ecru.serve.request_engine import EngineConfig, RequestEngine
+    from ecru.serve.sampling import SamplingParams
+
+    config = EngineConfig(max_batch_size=batch_size, max_new_tokens=max_new_tokens)
+    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                           config=config, context_len=10**9)  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=max_new_tokens, temperature=TEMPERATURES[k], seed=k) for k in range(samples)
+    ]
+    requests = [[engine.add_request(p, params[k]) for k in range(samples)] for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return [[len(r.output) for r in row] for row in requests]
