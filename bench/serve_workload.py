@@ -7,8 +7,8 @@ ridge (`MiniLMPredictor`); SmolLM2's own hidden-state probe (`ProbePredictor`). 
 MAE, Spearman, overall and on the test-only (held-out) instruction forms. Labels are generated once and
 cached in --labels-dir (resumable); `--labels-only` just generates them.
 
-    OMP_NUM_THREADS=1 python bench/serve_workload.py --train 480 --test 240 --self-lora-epochs 2 \
-        --json bench/results/serve_workload.json
+    OMP_NUM_THREADS=2 python bench/serve_workload.py --train 1000 --test 240 --self-lora-epochs 2 \
+        --json bench/results/serve_workload_1000.json
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from scipy.stats import spearmanr
 
 from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, read_labels, simulate
+from ecru.serve.cost import measure_cost_model
 from ecru.serve.labels import label_prompts
 from ecru.serve.models import load_model
 from ecru.serve.predictors import ConstantPredictor, ProbePredictor, timed_predict
@@ -52,16 +53,17 @@ def score(name, pred, predict_s, test, lengths, held_out) -> dict:
     return out
 
 
-def simulate_policies(prompt_lens, lengths, pred, predict_s, cap) -> dict[str, float]:
+def simulate_policies(prompt_lens, lengths, pred, predict_s, cap, cost) -> dict[str, float]:
     """Throughput of each policy over fcfs, the predictor's cost charged to the policies that use it."""
     trace = [TraceRequest(p, n, q) for p, n, q in zip(prompt_lens, lengths, pred, strict=True)]
     config = PlanConfig(batch_size=16, max_new_tokens=cap)
-    base = simulate(trace, policy="fcfs", config=config).samples_per_s
+    base = simulate(trace, policy="fcfs", config=config, cost=cost).samples_per_s
     out = {
-        policy: simulate(trace, policy=policy, config=config, predict_s=predict_s).samples_per_s / base
-        for policy in ("sorted", "fcr", "fcr+vbs")
+        policy: simulate(trace, policy=policy, config=config, cost=cost, predict_s=predict_s).samples_per_s
+        / base
+        for policy in ("sorted", "fcr", "fcr+vbs", "fcr+vbs+bins")
     }
-    out["oracle"] = simulate(trace, policy="oracle", config=config).samples_per_s / base
+    out["oracle"] = simulate(trace, policy="oracle", config=config, cost=cost).samples_per_s / base
     print("   simulated x fcfs: " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
     return out
 
@@ -112,20 +114,23 @@ def main(argv=None) -> None:
     preds = {n: timed_predict(p, [q.prompt for q in test]) for n, p in predictors.items()}
     results = {n: score(n, *preds[n], test, y_test, HELD_OUT_FORMS) for n in predictors}
     prompt_lens = [len(i) for i in encode_chat(tok, [p.prompt for p in test])]
-    simulated = {n: simulate_policies(prompt_lens, y_test, *preds[n], args.cap) for n in predictors}
+    cost = measure_cost_model(model, reps=3, source="SmolLM2-135M fp32, measured in this run")
+    simulated = {n: simulate_policies(prompt_lens, y_test, *preds[n], args.cap, cost) for n in predictors}
     out = {
         "command": "python bench/serve_workload.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "workload": "mixed (ecru.serve.workload)",
         "cap": args.cap,
+        "labels": "one greedy sample per prompt (the paper's max-of-4 sampled labels not done here)",
         "train_prompts": len(train),
         "test_prompts": len(test),
         "cap_hit_share_test": sum(n >= args.cap for n in y_test) / len(y_test),
         "lengths_by_form_test": per_form(test, y_test),
         "predictors": results,
         "simulated": {
-            "note": "the simulator (exact token accounting, SmolLM2 CPU cost model, batch 16) on the test "
-            "prompts' true lengths; each predictor's predictions and its prediction time included; "
-            "throughput ratios to fcfs",
+            "note": "the simulator (exact token accounting, batch 16, the cost model measured in this run) "
+            "on the test prompts' true lengths; each predictor's predictions and its prediction time "
+            "(measured in this run) charged; throughput ratios to fcfs",
+            "cost_model": cost.__dict__,
             **simulated,
         },
     }
