@@ -5,7 +5,9 @@ prompt-only predictors trained on the train split rank the unseen test prompts.
 Predictors, each fitted on train labels only and scored on test prompts: the constant median; MiniLM
 ridge (`MiniLMPredictor`); SmolLM2's own hidden-state probe (`ProbePredictor`). Reported: Acc-50, Acc-100,
 MAE, Spearman, overall and on the test-only (held-out) instruction forms. Labels are generated once and
-cached in --labels-dir (resumable); `--labels-only` just generates them.
+cached in --labels-dir (resumable); `--labels-only` just generates them. With `--samples N` the predictors
+learn the longest of N sampled answers per train prompt (the paper's label, T = 0, 0.3, 0.5, 0.7) and are
+still scored, and simulated, against the test prompts' greedy answer lengths (what greedy serving makes).
 
     OMP_NUM_THREADS=2 python bench/serve_workload.py --train 1000 --test 240 --self-lora-epochs 2 \
         --json bench/results/serve_workload_1000.json
@@ -14,6 +16,7 @@ cached in --labels-dir (resumable); `--labels-only` just generates them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -24,7 +27,7 @@ from scipy.stats import spearmanr
 
 from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, read_labels, simulate
 from ecru.serve.cost import measure_cost_model
-from ecru.serve.labels import LengthLabel, label_prompts
+from ecru.serve.labels import TEMPERATURES, LengthLabel, label_prompts
 from ecru.serve.models import load_model
 from ecru.serve.predictors import ConstantPredictor, ProbePredictor, timed_predict
 from ecru.serve.prompts import encode_chat
@@ -89,7 +92,7 @@ def main(argv=None) -> None:
         "--samples",
         type=int,
         default=1,
-        choices=range(1, 5),
+        choices=range(1, len(TEMPERATURES) + 1),
         help="answers per prompt (T = 0, 0.3, 0.5, 0.7); predictors learn the longest, the paper's label",
     )
     ap.add_argument(
@@ -102,12 +105,15 @@ def main(argv=None) -> None:
     train, test = w["train"][: args.train], w["test"][: args.test]
     model, tok = load_model("smollm2")
     labels_dir = Path(args.labels_dir)
-    tr = label(model, tok, test, labels_dir / "test.jsonl", args.cap, args.samples)  # test first: smaller
+    # test first (the smaller file); only its greedy lengths are used
+    tr = label(model, tok, test, labels_dir / "test.jsonl", args.cap, 1)
     tr.update(label(model, tok, train, labels_dir / "train.jsonl", args.cap, args.samples))
     if args.labels_only:
         return
-    # predictors learn the label (the longest sample); the true lengths served are the greedy answers'
-    y_train, y_test = [tr[p.prompt].label for p in train], [tr[p.prompt].greedy for p in test]
+    # predictors learn the longest of the first `samples` answers (the paper's label); the true lengths,
+    # scored and simulated, are the greedy answers' (what greedy serving generates)
+    y_train = [max(tr[p.prompt].lengths[: args.samples]) for p in train]
+    y_test = [tr[p.prompt].greedy for p in test]
     predictors = {
         "constant": ConstantPredictor(statistics.median(y_train)),
         "minilm": MiniLMPredictor(cap=args.cap).fit([p.prompt for p in train], y_train),
@@ -141,7 +147,7 @@ def main(argv=None) -> None:
             "note": "the simulator (exact token accounting, batch 16, the cost model measured in this run) "
             "on the test prompts' true lengths; each predictor's predictions and its prediction time "
             "(measured in this run) charged; throughput ratios to fcfs",
-            "cost_model": cost.__dict__,
+            "cost_model": dataclasses.asdict(cost),
             **simulated,
         },
     }

@@ -400,7 +400,9 @@ def _configure_label(sub) -> None:
         "--samples", type=positive_int, default=4, help="samples per prompt (temperatures 0, 0.3, 0.5, 0.7)"
     )
     lab.add_argument("--max-new-tokens", type=positive_int, default=256, help="cap on each sample")
-    lab.add_argument("--batch-size", type=positive_int, default=16, help="prompts per static batch")
+    lab.add_argument(
+        "--batch-size", type=positive_int, default=16, help="rows decoded together on the request engine"
+    )
     lab.add_argument("--out", required=True, metavar="FILE", help="labels JSONL (a cache: appended to)")
     lab.set_defaults(func=_label)
 

@@ -8,6 +8,7 @@ file keyed by prompt: a rerun only generates what is missing.
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,6 +66,11 @@ def _parse_label(line: str, where: str) -> LengthLabel:
     return label
 
 
+CHUNK_BATCHES = 4
+"""Prompts labelled between two appends to the cache, in batches: fewer leaves rows idle at each chunk's
+end, more loses more to an interruption."""
+
+
 def label_prompts(
     model,
     tokenizer,
@@ -78,7 +84,7 @@ def label_prompts(
 ) -> list[LengthLabel]:
     """Label every prompt not yet in `out` (appended chunk by chunk: an interrupted run loses at most the
     chunk in flight); return the labels of `prompts`. The samples run on the continuous-batching request
-    engine, `batch_size` rows at a time: a finished answer's row takes the next one at once."""
+    engine (CPU), up to `batch_size` rows at a time, finished rows refilled from the waiting samples."""
     from tqdm.auto import tqdm
 
     from ecru.serve.prompts import encode_chat
@@ -93,14 +99,21 @@ def label_prompts(
     }
     todo = list(dict.fromkeys(p for p in prompts if p not in done))
     ids = dict(zip(todo, encode_chat(tokenizer, todo), strict=True))
+    _check_context(model, ids, max_new_tokens)
     out.parent.mkdir(parents=True, exist_ok=True)
     gen = GenerationConfig.for_tokenizer(tokenizer)
     bar = tqdm(total=len(todo), desc="labelling", unit="prompt", disable=not progress)
     chunk_size = CHUNK_BATCHES * batch_size
     for start in range(0, len(todo), chunk_size):
         chunk = todo[start : start + chunk_size]
-        lengths = sample_lengths(model, [ids[p] for p in chunk], gen=gen, samples=samples,
-                                 max_new_tokens=max_new_tokens, batch_size=batch_size)  # fmt: skip
+        lengths = sample_lengths(
+            model,
+            [ids[p] for p in chunk],
+            gen=gen,
+            samples=samples,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+        )
         with out.open("a") as f:
             for p, ls in zip(chunk, lengths, strict=True):
                 done[p] = LengthLabel(prompt=p, lengths=ls, max_new_tokens=max_new_tokens)
@@ -110,25 +123,44 @@ def label_prompts(
     return [done[p] for p in prompts]
 
 
-CHUNK_BATCHES = 4
-"""Prompts labelled between two appends to the cache, in batches: fewer leaves rows idle at each chunk's
-end, more loses more to an interruption."""
+def _check_context(model, ids: dict[str, list[int]], max_new_tokens: int) -> None:
+    context = getattr(model.config, "max_position_embeddings", None)
+    long = [p for p, i in ids.items() if context is not None and len(i) + max_new_tokens > context]
+    if long:
+        raise EcruError(
+            f"{len(long)} prompt(s) leave no room for {max_new_tokens} new tokens in the model's {context}-token "
+            f"context (e.g. {long[0][:60]!r}): shorten them or lower --max-new-tokens"
+        )
 
 
-def sample_lengths(model, prompts: Sequence[Sequence[int]], *, gen: GenerationConfig, samples: int,
-                   max_new_tokens: int, batch_size: int) -> list[list[int]]:  # fmt: skip
+def sample_seed(prompt: Sequence[int], k: int) -> int:
+    """Sample k's seed for `prompt`: stable across runs and batch compositions, different per prompt."""
+    return zlib.crc32(json.dumps([k, list(prompt)]).encode())
+
+
+def sample_lengths(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    gen: GenerationConfig,
+    samples: int,
+    max_new_tokens: int,
+    batch_size: int,
+) -> list[list[int]]:
     """Per prompt (token ids), the lengths (EOS included) of `samples` answers: sample k at
-    `TEMPERATURES[k]` with seed k; `gen` gives the EOS and pad ids."""
+    `TEMPERATURES[k]` seeded by `sample_seed`; `gen` gives the EOS and pad ids. A prompt that leaves no
+    room for `max_new_tokens` in the model's context is a ValueError before any generation."""
     from ecru.serve.request_engine import EngineConfig, RequestEngine
     from ecru.serve.sampling import SamplingParams
 
     config = EngineConfig(max_batch_size=batch_size, max_new_tokens=max_new_tokens)
-    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
-                           config=config, context_len=10**9)  # fmt: skip
+    engine = RequestEngine(
+        model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, config=config
+    )
     params = [
-        SamplingParams(max_tokens=max_new_tokens, temperature=TEMPERATURES[k], seed=k) for k in range(samples)
+        SamplingParams(max_new_tokens, temperature=TEMPERATURES[k], seed=sample_seed(p, k))
+        for p in prompts
+        for k in range(samples)
     ]
-    requests = [[engine.add_request(p, params[k]) for k in range(samples)] for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    return [[len(r.output) for r in row] for row in requests]
+    requests = engine.generate([p for p in prompts for _ in range(samples)], params)
+    return [[len(r.output) for r in requests[i : i + samples]] for i in range(0, len(requests), samples)]
