@@ -397,7 +397,11 @@ def _configure_label(sub) -> None:
     lab.add_argument("--split", choices=("train", "test"), default="train", help="bundled dataset split")
     lab.add_argument("--n", type=positive_int, default=256, help="prompts to label")
     lab.add_argument(
-        "--samples", type=positive_int, default=4, help="samples per prompt (temperatures 0, 0.3, 0.5, 0.7)"
+        "--samples",
+        type=int,
+        choices=range(1, 5),
+        default=4,
+        help="samples per prompt (temperatures 0, 0.3, 0.5, 0.7); the label is the longest",
     )
     lab.add_argument("--max-new-tokens", type=positive_int, default=256, help="cap on each sample")
     lab.add_argument(

@@ -90,7 +90,7 @@ def label_prompts(
     from ecru.serve.prompts import encode_chat
 
     if not 1 <= samples <= len(TEMPERATURES):
-        raise ValueError(f"samples must be in 1..{len(TEMPERATURES)}, got {samples}")
+        raise EcruError(f"samples must be in 1..{len(TEMPERATURES)} (one per temperature), got {samples}")
     out = Path(out)
     done = {
         r.prompt: r
