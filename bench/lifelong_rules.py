@@ -158,6 +158,12 @@ RULES = {
         )
         for q in (5, 10, 20, 30, 50)
     },
+    **{
+        f"routed-lora, margin {m}": (
+            lambda c, k, m=m: routed(c, k, route="lda", w=0.0, lda_weight=0.05, margin=m)
+        )
+        for m in (-0.1, -0.05, -0.02, 0.02)
+    },
     "LDA route, adapter + LDA 0.1": lambda c, k: routed(c, k, route="lda", w=0.0, lda_weight=0.1),
     "LDA route, adapter + LDA 0.05, reject penalty 0.05": lambda c, k: routed(
         c, k, route="lda", w=0.0, lda_weight=0.05, penalty=0.05
