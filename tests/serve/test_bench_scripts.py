@@ -142,3 +142,18 @@ def test_serve_kv_replays_a_bench_setup(tmp_path):
 
     written = json.loads((tmp_path / "kv.json").read_text())["rows"]
     assert written == kv.replay(setup, kv.reservation_rules(setup, [8]), SMOLLM2_CPU)
+
+
+def test_label_summary_and_greedy_agreement_by_hand(tmp_path):
+    labels = load_bench_script("serve_labels")
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    rows = [("p1", [10, 30, 8, 12]), ("p2", [64, 64, 20, 5]), ("p3", [20, 10, 40, 64])]
+    a.write_text(
+        "".join(json.dumps({"prompt": p, "lengths": ls, "max_new_tokens": 64}) + "\n" for p, ls in rows)
+    )
+    b.write_text("".join(json.dumps({"prompt": p, "lengths": [g], "max_new_tokens": 64}) + "\n"
+                         for p, g in (("p1", 10), ("p3", 21), ("p4", 7))))  # fmt: skip
+    s = labels.summary(a)
+    assert (s["prompts"], s["samples"], s["median_greedy"], s["median_label"]) == (3, 4, 20, 64)
+    assert s["greedy_at_cap"] == pytest.approx(1 / 3) and s["label_at_cap"] == pytest.approx(2 / 3)
+    assert labels.greedy_agreement(a, b) == {"shared_prompts": 2, "greedy_equal": 1}
