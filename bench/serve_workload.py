@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from scipy.stats import spearmanr
 
-from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, read_labels, simulate
+from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
 from ecru.serve.labels import TEMPERATURES, LengthLabel, label_prompts
 from ecru.serve.models import load_model
@@ -43,8 +43,10 @@ def spearman(a, b) -> float | None:
 
 
 def label(model, tok, prompts, path: Path, cap: int, samples: int) -> dict[str, LengthLabel]:
-    label_prompts(model, tok, [p.prompt for p in prompts], out=path, samples=samples, max_new_tokens=cap)
-    return {r.prompt: r for r in read_labels(path) if r.max_new_tokens == cap and len(r.lengths) >= samples}
+    labels = label_prompts(
+        model, tok, [p.prompt for p in prompts], out=path, samples=samples, max_new_tokens=cap
+    )
+    return {r.prompt: r for r in labels}
 
 
 def score(name, pred, predict_s, test, lengths, held_out) -> dict:
