@@ -101,10 +101,36 @@ def thresholds_at(c: Cache, percentile: float) -> torch.Tensor:
     return torch.tensor(out)
 
 
+def class_thresholds_at(c: Cache, percentile: float) -> torch.Tensor:
+    """Per label column: the `percentile` of its own training texts' leave-one-out cosines to its class mean
+    (a class of one text: -inf, it never rejects)."""
+    emb, _, col = c.train
+    out = torch.full((len(c.names),), float("-inf"))
+    for g in col.unique().tolist():
+        e = emb[col == g].float()
+        if len(e) > 1:
+            own = (e * torch.nn.functional.normalize(e.sum(0, keepdim=True) - e, dim=-1)).sum(-1)
+            out[g] = torch.quantile(own, percentile / 100)
+    return out
+
+
+def rejected_per_class(c: Cache, k: int, percentile: float) -> torch.Tensor:
+    """[N] whether each text's best LDA class rejects it: its cosine to that class's mean is below the class's
+    own threshold (`class_thresholds_at`), instead of the task's best prototype against the task's threshold."""
+    learned = c.learned(k)
+    best = learned[c.lda(k).argmax(-1)]
+    proto = torch.cat([c.P[t] for t in range(k)])  # rows in the order of c.learned(k)
+    row = torch.full((len(c.names),), -1)
+    row[learned] = torch.arange(len(learned))
+    return (c.F * proto[row[best]]).sum(-1) < class_thresholds_at(c, percentile)[best]
+
+
 def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight: float = 0.0,
-           margin: float = 0.0, penalty: float = 2.0, percentile: float | None = None) -> torch.Tensor:  # fmt: skip
+           margin: float = 0.0, penalty: float = 2.0, percentile: float | None = None,
+           class_percentile: float | None = None) -> torch.Tensor:  # fmt: skip
     """`RoutedEncoder.scores` after k tasks: route by prototypes or LDA, the prototype threshold, task then
-    class with the blend (1 - w) adapter cosine + w prototype cosine + lda_weight / scale x LDA logit."""
+    class with the blend (1 - w) adapter cosine + w prototype cosine + lda_weight / scale x LDA logit.
+    `class_percentile` (LDA route): reject by the best class's own threshold instead of the task's."""
     s = c.F @ c.NE.T
     proto = torch.stack([(c.F @ c.P[t].T).max(-1).values for t in range(k)], -1)
     if route == "lda":
@@ -114,6 +140,8 @@ def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight
         task = proto.argmax(-1)
     th = c.TH if percentile is None else thresholds_at(c, percentile)
     rejected = proto.gather(1, task[:, None])[:, 0] < th[task]
+    if class_percentile is not None:
+        rejected = rejected_per_class(c, k, class_percentile)
     learned = torch.zeros(len(c.names), dtype=torch.bool)
     learned[c.learned(k)] = True
     out = s.clone()
@@ -163,6 +191,12 @@ RULES = {
             lambda c, k, m=m: routed(c, k, route="lda", w=0.0, lda_weight=0.05, margin=m)
         )
         for m in (-0.1, -0.05, -0.02, 0.02)
+    },
+    **{
+        f"routed-lora, per-class rejection threshold at percentile {q}": (
+            lambda c, k, q=q: routed(c, k, route="lda", w=0.0, lda_weight=0.05, class_percentile=q)
+        )
+        for q in (2, 5, 10)
     },
     "LDA route, adapter + LDA 0.1": lambda c, k: routed(c, k, route="lda", w=0.0, lda_weight=0.1),
     "LDA route, adapter + LDA 0.05, reject penalty 0.05": lambda c, k: routed(
@@ -216,9 +250,12 @@ def heldout_breakdown(c: Cache, rule) -> dict[str, int]:
     proto = torch.stack([(c.F[lo:] @ c.P[t].T).max(-1).values for t in range(T)], -1)
     best, task = proto.max(-1)
     rejected = best < c.TH[task]
-    return {"texts": c.N - lo, "rejected": int(rejected.sum()), "lost": int((before & ~after).sum()),
+    lost = (before & ~after).nonzero().flatten().tolist()
+    return {"texts": c.N - lo, "rejected": int(rejected.sum()), "lost": len(lost),
             "lost_not_rejected": int((before & ~after & ~rejected).sum()), "gained": int((~before & after).sum()),
-            "answered_with_a_learned_label": int((c.label_task[pred] >= 0).sum())}  # fmt: skip
+            "answered_with_a_learned_label": int((c.label_task[pred] >= 0).sum()),
+            "lost_texts": [{"gold": c.names[c.gold[lo + i]], "answered": c.names[pred[i]],
+                            "answered_task": int(c.label_task[pred[i]])} for i in lost]}  # fmt: skip
 
 
 def open_set_auroc(c: Cache) -> dict[str, dict[str, float]]:
@@ -293,7 +330,10 @@ def main(argv=None) -> int:
                 f"  errors {name:<45} task wrong {e['task_wrong']:.2f}, label wrong {e['task_right_label_wrong']:.2f}"
             )
         for name, h in res["heldout_breakdown"].items():
-            print(f"  Banking77 {name:<42} {h}")
+            lost = "; ".join(f"{x['gold']} -> {x['answered']}" for x in h["lost_texts"])
+            counts = {k: v for k, v in h.items() if k != "lost_texts"}
+            print(f"  Banking77 {name:<42} {counts}")
+            print(f"    lost (gold -> answered): {lost}")
         for probe, a in res["open_set_auroc"].items():
             print(f"  AUROC {probe}: " + ", ".join(f"{k} {v:.3f}" for k, v in a.items()))
     if args.json:

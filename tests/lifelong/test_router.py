@@ -371,3 +371,20 @@ def test_lda_router_survives_a_task_whose_texts_repeat_verbatim():
     router.add_task(emb, labels=torch.tensor([0, 0, 1, 1]))
     assert router.logits(emb, 0).isfinite().all()
     assert router(emb, open_set=False).eq(0).all() and router(-emb).eq(FROZEN).all()
+
+
+def test_the_rules_bench_per_class_threshold_is_the_lowest_leave_one_out_cosine_at_percentile_0():
+    from tests.bench_scripts import load_bench_script
+
+    rules = load_bench_script("lifelong_rules")
+    torch.manual_seed(0)
+    emb = F.normalize(torch.randn(7, 5), dim=-1)
+    col = torch.tensor([2, 2, 2, 0, 0, 0, 3])  # label columns; column 1 has no text, column 3 one text
+    cache = object.__new__(rules.Cache)
+    cache.names, cache.train = ["a", "b", "c", "d"], (emb.double(), torch.zeros(7, dtype=torch.long), col)
+    got = rules.class_thresholds_at(cache, 0.0)
+    for g in (0, 2):
+        rows = (col == g).nonzero().flatten().tolist()
+        loo = [F.cosine_similarity(emb[i], emb[[j for j in rows if j != i]].mean(0), dim=0) for i in rows]
+        torch.testing.assert_close(got[g], min(loo), atol=1e-6, rtol=0)
+    assert got[1] == float("-inf") and got[3] == float("-inf")  # no text, one text: never rejects
