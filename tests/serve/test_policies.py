@@ -52,6 +52,35 @@ def test_fcr_reruns_underpredicted_rows_and_counts_wasted_attempt(model, prompts
     assert run.tokens == reference
 
 
+@pytest.mark.parametrize("policy", ["fcr", "fcr+vbs", "fcr+vbs+bins"])
+def test_resumed_fcr_reruns_serve_the_same_outputs_and_compute_fewer_slots(
+    model, prompts, reference, gen, policy
+):
+    true = [len(r) for r in reference]
+    predicted = [max(1, t // 3) for t in true]  # every row longer than 2 fails
+    plan = PlanConfig(batch_size=4, max_new_tokens=24, bin_width=4)  # bins narrow enough to fail
+    restart = run_policy(model, prompts, policy=policy, predicted=predicted, gen=gen, plan=plan)
+    resume = PlanConfig(batch_size=4, max_new_tokens=24, bin_width=4, resume=True)
+    run = run_policy(model, prompts, policy=policy, predicted=predicted, gen=gen, plan=resume)
+    assert run.tokens == reference and restart.tokens == reference
+    assert run.failures == restart.failures > 0
+    assert run.slots < restart.slots
+
+
+def test_a_resumed_rerun_cuts_each_row_at_its_own_budget(model, prompts, reference, gen):
+    # rows cut at cap 2 and rows cut at cap 20 share a rerun batch: there rows that had 2 tokens may run up
+    # to 22 more while rows that had 20 must stop after 4
+    predicted = [2.0 if i % 2 else 20.0 for i in range(len(prompts))]
+    plan = PlanConfig(batch_size=4, max_new_tokens=24, resume=True)
+    first = plan_batches("fcr", predicted=predicted, prompt_lens=[len(p) for p in prompts], config=plan)
+    failed = [(r, b.cap) for b in first for r in b.rows if len(reference[r]) > b.cap]
+    reruns = [failed[k : k + 4] for k in range(0, len(failed), 4)]
+    assert any(len({cap for _, cap in chunk}) > 1 for chunk in reruns)  # the case under test occurs
+    run = run_policy(model, prompts, policy="fcr", predicted=predicted, gen=gen, plan=plan)
+    assert run.failures == len(failed)
+    assert run.tokens == reference and all(len(t) <= 24 for t in run.tokens)
+
+
 def test_fcr_with_cap_at_global_max_never_fails(model, prompts, reference, gen):
     run = run_policy(model, prompts, policy="fcr", predicted=[10_000.0] * len(prompts), gen=gen, plan=PLAN)
     assert run.failures == 0 and run.tokens == reference

@@ -44,6 +44,27 @@ def test_fcr_reruns_in_failure_order_in_batches():
     assert r.useful_tokens == 1 + 5 + 8 + 3 + 1
 
 
+def test_resumed_reruns_prefill_what_failed_rows_had_and_run_only_the_rest():
+    # as test_fcr_reruns_in_failure_order_in_batches: rows 1, 2, 3 fail at cap 1 with 1 token each; resumed,
+    # [1, 2] prefills prompt 4 + 1 and runs max(5, 8) - 1 = 7 steps, [3] runs 3 - 1 = 2
+    trace = [TraceRequest(4, o, 1) for o in (1, 5, 8, 3, 1)]
+    config = PlanConfig(batch_size=2, max_new_tokens=10, resume=True)
+    r = simulate(trace, policy="fcr", config=config)
+    assert r.padded_slots == 2 + 2 + 1 + 2 * 7 + 1 * 2
+    assert (r.failures, r.batches, r.rerun_batches, r.useful_tokens) == (3, 5, 2, 1 + 5 + 8 + 3 + 1)
+    cost = CostModel(1.0, 0.0, 0.0, 0.0, 1.0)  # a decode step costs 1 s, a prefilled position 1 s
+    timed = simulate(trace, policy="fcr", config=config, cost=cost)
+    # first attempts: prefills of 2 x 4, 2 x 4, 1 x 4 (one step each); reruns: 2 x 5 + 6 steps, 1 x 5 + 1 step
+    assert timed.time_s == pytest.approx(8 + 8 + 4 + (10 + 6) + (5 + 1))
+
+
+def test_a_resumed_row_stops_at_the_global_cap():
+    # row 0 fails at cap 3 and would run 30: resumed it may generate only 10 - 3 = 7 more
+    trace = [TraceRequest(4, 30, 3), TraceRequest(4, 2, 3)]
+    r = simulate(trace, policy="fcr", config=PlanConfig(batch_size=2, max_new_tokens=10, resume=True))
+    assert (r.failures, r.padded_slots, r.useful_tokens) == (1, 2 * 3 + 7, 10 + 2)
+
+
 def test_prediction_at_or_above_global_cap_cannot_fail():
     trace = [TraceRequest(4, 30, 20), TraceRequest(4, 2, 1)]
     r = simulate(trace, policy="fcr", config=PlanConfig(batch_size=2, max_new_tokens=20))
@@ -312,3 +333,13 @@ def test_random_traces_follow_the_spec_accounting(seed):
         if slots:
             assert r.effective_token_ratio == pytest.approx(useful / slots)
         assert r.failure_ratio == failures / len(rows)
+
+
+def test_cli_simulate_resume_failures(tmp_path):
+    write_trace(tmp_path / "t.jsonl", ROWS)
+    args = ["serve", "simulate", "--trace", str(tmp_path / "t.jsonl"), "--policy", "fcr", "--batch-size", "2"]
+    args += ["--max-new-tokens", "10", "--resume-failures", "--json", str(tmp_path / "o.json")]
+    assert main(args) == 0
+    out = json.loads((tmp_path / "o.json").read_text())
+    # as fcr above (35 slots), but B resumes from its 4 tokens: 10 - 4 = 6 rerun steps instead of 10
+    assert out["padded_slots"] == 31 and out["failure_ratio"] == 0.2 and out["useful_tokens"] == USEFUL

@@ -59,6 +59,8 @@ class BenchConfig:
     """Epochs of self-lora tuning (the paper: 3; each SmolLM2 step costs seconds on a CPU)."""
     repeats: int = 1
     """Repetitions of every policy, in a rotated order (medians and paired ratios to fcfs reported)."""
+    resume_failures: bool = False
+    """FCR reruns resume from the tokens a failed row had (`PlanConfig.resume`) instead of starting over."""
 
     def __post_init__(self):
         bad = [p for p in self.policies if p not in POLICIES]
@@ -168,7 +170,9 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     texts = load_prompts(config.prompts, n=config.n, split="test")
     ids = encode_chat(tokenizer, texts)
     gen = GenerationConfig.for_tokenizer(tokenizer)
-    plan = PlanConfig(batch_size=config.batch_size, max_new_tokens=config.max_new_tokens)
+    plan = PlanConfig(
+        batch_size=config.batch_size, max_new_tokens=config.max_new_tokens, resume=config.resume_failures
+    )
 
     def run(policy, predicted, predict_s):
         return run_policy(
@@ -220,6 +224,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
             "threads": torch.get_num_threads(),
             "repeats": config.repeats,
             "aging": config.aging,
+            "resume_failures": config.resume_failures,
             "orders": orders,
             "train_labels": str(labels_path(config)),
             "true_lengths": true,

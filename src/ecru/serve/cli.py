@@ -225,6 +225,7 @@ def _simulate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         token_budget=args.token_budget,
         max_batch_size=args.max_batch_size,
+        resume=args.resume_failures,
     )
     cost = CostModel.load(args.cost_model) if args.cost_model else SMOLLM2_CPU
     trace = read_trace(args.trace)
@@ -319,6 +320,7 @@ def _bench(args: argparse.Namespace) -> int:
         aging=args.aging,
         lora_epochs=args.lora_epochs,
         repeats=args.repeats,
+        resume_failures=args.resume_failures,
     )
     _out_file(args.json)
     if args.labels:
@@ -368,6 +370,7 @@ def _configure_simulate(sub) -> None:
     sim.add_argument(
         "--max-batch-size", type=positive_int, default=None, help="fcr+vbs: hard row limit per batch"
     )
+    _add_resume_flag(sim)
     sim.add_argument(
         "--cost-model",
         default=None,
@@ -411,6 +414,15 @@ def _configure_label(sub) -> None:
     lab.set_defaults(func=_label)
 
 
+def _add_resume_flag(parser) -> None:
+    parser.add_argument(
+        "--resume-failures",
+        action="store_true",
+        help="fcr*: a row cut at its predicted cap keeps its tokens and is resumed (prompt + them prefilled), "
+        "not recomputed from scratch",
+    )
+
+
 def _configure_bench(sub) -> None:
     bench = sub.add_parser("bench", help="run the scheduling policies for real on held-out prompts")
     bench.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="model to serve")
@@ -442,6 +454,7 @@ def _configure_bench(sub) -> None:
         "--aging", type=non_negative_float, default=DEFAULT_AGING, help="cb-sjf priority tokens per step"
     )
     bench.add_argument("--lora-epochs", type=positive_int, default=2, help="self-lora tuning epochs")
+    _add_resume_flag(bench)
     bench.add_argument(
         "--repeats",
         type=positive_int,

@@ -2,7 +2,8 @@
 
 A policy returns a plan (a list of `Batch`); the real runner and the simulator both execute it, so
 their accounting cannot drift apart. FCR batches stop at their predicted cap; the rows that had not
-finished by then are failures, rerun after every planned batch at the global cap (`rerun_batches`).
+finished by then are failures, rerun after every planned batch at the global cap (`rerun_batches`): from
+scratch as in the paper, or resumed from the tokens they already generated (`PlanConfig.resume`).
 
 `fcr+vbs` replaces the paper's hand-tuned batch-size table with a token budget: a batch may grow while
 rows x (longest prompt + cap) <= `token_budget`, the KV-cache positions it reserves. The default budget
@@ -18,7 +19,7 @@ at its size join the next bin up (run at the larger cap) instead of running as a
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 STATIC_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "fcr+vbs+bins", "oracle")
@@ -50,6 +51,10 @@ class PlanConfig:
     """fcr+vbs: an optional hard limit on rows per batch (None: only the token budget limits)."""
     bin_width: int = 50
     """fcr+vbs+bins: width of a length bin in tokens (the paper's 50)."""
+    resume: bool = False
+    """FCR reruns: False recomputes a failed row from scratch (the paper); True keeps the tokens it generated
+    before its cap and recomputes only their KV, prefilling prompt + those tokens, then generates the rest
+    (vLLM's preemption by recomputation)."""
 
     def __post_init__(self):
         if self.batch_size < 1 or self.max_new_tokens < 1:
@@ -150,6 +155,14 @@ def is_failure(output_len: int, cap: int, max_new_tokens: int) -> bool:
     return cap < max_new_tokens and output_len > cap
 
 
-def rerun_batches(failed: Sequence[int], *, batch_size: int, max_new_tokens: int) -> list[Batch]:
-    """FCR recomputation: failures in the order they failed, in batches of `batch_size`, at the global cap."""
-    return [Batch(rows, max_new_tokens, rerun=True) for rows in _chunks(list(failed), batch_size)]
+def rerun_batches(
+    failed: Sequence[int], *, batch_size: int, max_new_tokens: int, generated: Mapping[int, int] | None = None
+) -> list[Batch]:
+    """FCR recomputation: failures in the order they failed, in batches of `batch_size`, at the global cap.
+
+    `generated` (resumed reruns, `PlanConfig.resume`): the tokens each failed row already has; a batch's cap
+    is then the largest budget left to one of its rows, max_new_tokens - generated."""
+    batches = _chunks(list(failed), batch_size)
+    if generated is None:
+        return [Batch(rows, max_new_tokens, rerun=True) for rows in batches]
+    return [Batch(rows, max(max_new_tokens - generated[r] for r in rows), rerun=True) for rows in batches]

@@ -62,35 +62,56 @@ def run_static(
     predict_s: float = 0.0,
     progress: bool = False,
 ) -> PolicyRun:
-    """Execute a static policy's plan, then FCR reruns of the rows cut at a predicted cap."""
+    """Execute a static policy's plan, then FCR reruns of the rows cut at a predicted cap (from scratch, or
+    resumed from the tokens they had with `plan.resume`)."""
     from tqdm.auto import tqdm
 
     batches = plan_batches(policy, predicted=predicted, prompt_lens=[len(p) for p in prompts], config=plan)
     tokens, finish = [None] * len(prompts), [0.0] * len(prompts)
-    slots, failed, start = 0, [], time.perf_counter()
+    slots, failed, partial, start = 0, [], {}, time.perf_counter()
     bar = tqdm(total=len(prompts), desc=policy, unit="req", disable=not progress, leave=False)
     while batches:
         batch = batches.pop(0)
         if batch.cap == 0:  # every prediction was 0: nothing is computed and every row fails
             failed += batch.rows
+            partial.update({r: [] for r in batch.rows})
         else:
+            had = [partial.get(r, []) if batch.rerun else [] for r in batch.rows]
             result = generate_static(
-                model, [prompts[r] for r in batch.rows], max_new_tokens=batch.cap, config=gen
-            )
+                model, [list(prompts[r]) + h for r, h in zip(batch.rows, had, strict=True)],
+                max_new_tokens=batch.cap, config=gen,
+            )  # fmt: skip
             slots += result.slots
-            _collect(batch, result, plan, tokens, finish, failed, now=predict_s + time.perf_counter() - start)
+            rows, now = _resumed(result, had, plan.max_new_tokens), predict_s + time.perf_counter() - start
+            _collect(batch, rows, plan, tokens, finish, failed, partial, now=now)
             bar.update(sum(tokens[r] is not None for r in batch.rows))
         if not batches and not batch.rerun and failed:
-            batches = rerun_batches(failed, batch_size=plan.batch_size, max_new_tokens=plan.max_new_tokens)
+            generated = {r: len(partial[r]) for r in failed} if plan.resume else None
+            partial = partial if plan.resume else {}
+            batches = rerun_batches(failed, batch_size=plan.batch_size, max_new_tokens=plan.max_new_tokens,
+                                    generated=generated)  # fmt: skip
     bar.close()
     return PolicyRun(policy, tokens, finish, predict_s + time.perf_counter() - start, slots, len(failed))
 
 
-def _collect(batch, result, plan: PlanConfig, tokens, finish, failed: list[int], *, now: float) -> None:
-    """Store the rows a batch completed; collect the rows cut at a predicted cap (failures)."""
-    for r, toks, ended in zip(batch.rows, result.tokens, result.ended, strict=True):
-        if batch.cap < plan.max_new_tokens and not ended:
-            failed.append(r)  # cut at the predicted cap: recomputed from scratch later
+def _resumed(result, had: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], bool]]:
+    """Each row's whole answer and whether it ended with an EOS: the tokens it had, then what this batch
+    generated, cut at its own budget (a resumed row may run past it while a longer row of its batch runs)."""
+    out = []
+    for toks, ended, h in zip(result.tokens, result.ended, had, strict=True):
+        new = toks[: max_new_tokens - len(h)]
+        out.append((h + new, ended and len(new) == len(toks)))
+    return out
+
+
+def _collect(
+    batch, rows, plan: PlanConfig, tokens, finish, failed: list[int], partial: dict, *, now: float
+) -> None:
+    """Store the rows a batch completed; collect the rows cut at a predicted cap (failures) and their tokens."""
+    for r, (toks, ended) in zip(batch.rows, rows, strict=True):
+        if not batch.rerun and batch.cap < plan.max_new_tokens and not ended:
+            failed.append(r)  # cut at the predicted cap: rerun later, from scratch or resumed
+            partial[r] = toks
         else:
             tokens[r], finish[r] = toks, now
 

@@ -2,7 +2,8 @@
 
 Trace JSONL, one request per line: {"prompt_len": int, "output_len": int, "predicted_len": number}.
 Static policies (`simulate`): each batch runs min(cap, longest output_len in it) steps and computes
-rows x steps token slots (first attempts and FCR reruns alike). A request's useful tokens,
+rows x steps token slots (first attempts and FCR reruns alike; a resumed rerun's rows prefill the tokens
+they had and run only the steps left, `PlanConfig.resume`). A request's useful tokens,
 min(output_len, max_new_tokens), count once, on the run that completes it.
 Continuous batching (`simulate_continuous`): the admission rule of `generate_continuous`, step by step,
 with the same queue objects, so its admission order, decode steps, prefills and slots are the runner's.
@@ -11,7 +12,7 @@ with the same queue objects, so its admission order, decode steps, prefills and 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -87,15 +88,26 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     return out
 
 
-def run_batch(batch: Batch, trace: Sequence[TraceRequest], max_new_tokens: int) -> tuple[int, list[int]]:
-    """Steps a batch runs and its failed rows."""
-    steps = min(batch.cap, max(trace[r].output_len for r in batch.rows))
+def run_batch(
+    batch: Batch,
+    trace: Sequence[TraceRequest],
+    max_new_tokens: int,
+    generated: Mapping[int, int] | None = None,
+) -> tuple[int, int, list[int]]:
+    """Steps a batch runs, its padded prompt length and its failed rows. `generated`: the tokens each row of a
+    resumed rerun already has (they join its prompt; it generates the rest, up to max_new_tokens in all)."""
+    done = generated or {}
+    steps = max(
+        min(trace[r].output_len - done.get(r, 0), batch.cap, max_new_tokens - done.get(r, 0))
+        for r in batch.rows
+    )
+    prompt = max(trace[r].prompt_len + done.get(r, 0) for r in batch.rows)
     failed = [
         r
         for r in batch.rows
         if not batch.rerun and is_failure(trace[r].output_len, batch.cap, max_new_tokens)
     ]
-    return steps, failed
+    return steps, prompt, failed
 
 
 def simulate(
@@ -115,20 +127,20 @@ def simulate(
             raise EcruError(f"policy {policy!r} needs predicted_len on every trace line")
     plan = plan_batches(policy, predicted=predicted, prompt_lens=[r.prompt_len for r in trace], config=config)
     clock, slots, steps_total, failures, done_at = predict_s, 0, 0, [], {}
-    queue, reruns = list(plan), 0
+    queue, reruns, generated = list(plan), 0, {}
     while queue:
         batch = queue.pop(0)
-        steps, failed = run_batch(batch, trace, config.max_new_tokens)
-        clock += cost.batch_time(len(batch.rows), max(trace[r].prompt_len for r in batch.rows), steps)
+        steps, prompt, failed = run_batch(batch, trace, config.max_new_tokens, generated)
+        clock += cost.batch_time(len(batch.rows), prompt, steps)
         slots += len(batch.rows) * steps
         steps_total += steps
         failures += failed
+        generated.update({r: batch.cap for r in failed if config.resume})
         done_at.update({r: clock for r in batch.rows if r not in failed})
         reruns += batch.rerun
         if not queue and failures and not batch.rerun:
-            queue = rerun_batches(
-                failures, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens
-            )
+            queue = rerun_batches(failures, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
+                                  generated=generated if config.resume else None)  # fmt: skip
     useful = sum(min(r.output_len, config.max_new_tokens) for r in trace)
     n = len(trace)
     return SimResult(
