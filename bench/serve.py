@@ -40,7 +40,11 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
             setup["prompt_lens"], setup["true_lengths"], setup["predicted_lengths"], strict=True
         )
     ]
-    config = PlanConfig(batch_size=setup["batch_size"], max_new_tokens=setup["max_new_tokens"])
+    config = PlanConfig(
+        batch_size=setup["batch_size"],
+        max_new_tokens=setup["max_new_tokens"],
+        resume=setup.get("resume_failures", False),  # older results: reruns from scratch
+    )
     predict_s = result["predictor"]["predict_s"]
     # one scalar calibration: the cost model's shape, scaled so that fcfs takes its measured wall time
     fcfs_s = simulate(trace, policy="fcfs", config=config, cost=cost).time_s

@@ -25,6 +25,17 @@ def test_slot_accounting_counts_every_row_every_step(model, prompts, reference, 
     assert result.ended == [t[-1] in gen.eos_token_ids for t in reference[:8]]
 
 
+def test_per_row_budgets_stop_each_row_at_its_own_count(model, prompts, reference, gen, max_new):
+    budgets = [1 + (3 * i) % max_new for i in range(8)]
+    result = generate_static(model, prompts[:8], max_new_tokens=max_new, config=gen, budgets=budgets)
+    assert result.tokens == [r[:b] for r, b in zip(reference, budgets, strict=False)]
+    assert result.steps == max(min(len(r), b) for r, b in zip(reference, budgets, strict=False))
+    for ended, ref, b in zip(result.ended, reference, budgets, strict=False):
+        assert ended == (len(ref) <= b and ref[-1] in gen.eos_token_ids)
+    with pytest.raises(ValueError, match="budgets"):
+        generate_static(model, prompts[:2], max_new_tokens=4, config=gen, budgets=[5, 1])
+
+
 def test_per_batch_cap_truncates_and_marks_unfinished(model, prompts, reference, gen):
     result = generate_static(model, prompts, max_new_tokens=5, config=gen)
     assert result.tokens == [r[:5] for r in reference]

@@ -7,11 +7,13 @@ from ecru.serve import (
     ContinuousConfig,
     FCFSQueue,
     PlanConfig,
+    TraceRequest,
     generate_continuous,
     kv_budget_config,
     make_queue,
     plan_batches,
     run_policy,
+    simulate,
 )
 from ecru.serve.runner import continuous_config
 
@@ -79,6 +81,18 @@ def test_a_resumed_rerun_cuts_each_row_at_its_own_budget(model, prompts, referen
     run = run_policy(model, prompts, policy="fcr", predicted=predicted, gen=gen, plan=plan)
     assert run.failures == len(failed)
     assert run.tokens == reference and all(len(t) <= 24 for t in run.tokens)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+@pytest.mark.parametrize("policy", ["fcr", "fcr+vbs", "fcr+vbs+bins"])
+def test_the_simulator_counts_the_runners_slots(model, prompts, reference, gen, policy, resume):
+    true = [len(r) for r in reference]  # at the cap (24) a row's true length is unknown: 24 stands for >= 24
+    for predicted in ([max(1, t // 3) for t in true], [2.0 if i % 2 else 20.0 for i in range(len(true))]):
+        plan = PlanConfig(batch_size=4, max_new_tokens=24, bin_width=4, resume=resume)
+        run = run_policy(model, prompts, policy=policy, predicted=predicted, gen=gen, plan=plan)
+        trace = [TraceRequest(len(p), t, q) for p, t, q in zip(prompts, true, predicted, strict=True)]
+        sim = simulate(trace, policy=policy, config=plan)
+        assert (run.slots, run.failures) == (sim.padded_slots, sim.failures) and run.tokens == reference
 
 
 def test_fcr_with_cap_at_global_max_never_fails(model, prompts, reference, gen):

@@ -65,6 +65,14 @@ def test_a_resumed_row_stops_at_the_global_cap():
     assert (r.failures, r.padded_slots, r.useful_tokens) == (1, 2 * 3 + 7, 10 + 2)
 
 
+def test_rows_of_one_resumed_rerun_stop_at_their_own_budgets():
+    # [0, 1] cap 1: row 1 fails with 1 token; [2, 3] cap 8: row 2 fails with 8. Their rerun (cap 10 - 1 = 9)
+    # runs 5 steps: row 1 needs 6 - 1 = 5 more, row 2 may add only 10 - 8 = 2 although its answer runs to 30
+    trace = [TraceRequest(4, 1, 1), TraceRequest(4, 6, 1), TraceRequest(4, 30, 8), TraceRequest(4, 1, 8)]
+    r = simulate(trace, policy="fcr", config=PlanConfig(batch_size=2, max_new_tokens=10, resume=True))
+    assert (r.failures, r.padded_slots, r.useful_tokens) == (2, 2 * 1 + 2 * 8 + 2 * 5, 1 + 6 + 10 + 1)
+
+
 def test_prediction_at_or_above_global_cap_cannot_fail():
     trace = [TraceRequest(4, 30, 20), TraceRequest(4, 2, 1)]
     r = simulate(trace, policy="fcr", config=PlanConfig(batch_size=2, max_new_tokens=20))

@@ -237,6 +237,7 @@ def _simulate(args: argparse.Namespace) -> int:
         **result.to_json(),
         "batch_size": args.batch_size,
         "max_new_tokens": args.max_new_tokens,
+        "resume_failures": args.resume_failures,
         "cost_model": cost.source,
     }
     _write_json(out, args.json)

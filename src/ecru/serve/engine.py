@@ -134,11 +134,20 @@ def new_cache(model):
 
 @torch.no_grad()
 def generate_static(
-    model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, config: GenerationConfig
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    config: GenerationConfig,
+    budgets: Sequence[int] | None = None,
 ) -> BatchResult:
-    """Generate for one static batch until every row has an EOS or `max_new_tokens` tokens."""
+    """Generate for one static batch until every row has an EOS or its budget of tokens: `budgets` per row
+    (each within 1..max_new_tokens), or `max_new_tokens` for every row."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    budgets = [max_new_tokens] * len(prompts) if budgets is None else list(budgets)
+    if len(budgets) != len(prompts) or not all(1 <= b <= max_new_tokens for b in budgets):
+        raise ValueError(f"budgets must be one per prompt, each in 1..{max_new_tokens}, got {budgets}")
     device = next(model.parameters()).device
     ids, mask = (t.to(device) for t in left_pad(prompts, config.pad_token_id))
     eos = torch.tensor(config.eos_token_ids, device=device)
@@ -146,7 +155,7 @@ def generate_static(
     cache = new_cache(model)
     logits = forward(model, ids, mask, cache)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    ended = done.clone()
+    ended, limit = done.clone(), torch.tensor(budgets, device=device)
     columns = []
     for step in range(max_new_tokens):
         tok = next_tokens(logits, temperature=config.temperature, generator=gen)
@@ -154,7 +163,7 @@ def generate_static(
         columns.append(torch.where(done, -1, tok))  # -1 marks slots after a row has finished
         hit = torch.isin(tok, eos) & ~done
         ended |= hit
-        done |= hit
+        done |= hit | (limit <= step + 1)
         if bool(done.all()) or step + 1 == max_new_tokens:
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)

@@ -72,19 +72,13 @@ def run_static(
     bar = tqdm(total=len(prompts), desc=policy, unit="req", disable=not progress, leave=False)
     while batches:
         batch = batches.pop(0)
-        if batch.cap == 0:  # every prediction was 0: nothing is computed and every row fails
-            failed += batch.rows
-            partial.update({r: [] for r in batch.rows})
-        else:
-            had = [partial.get(r, []) if batch.rerun else [] for r in batch.rows]
-            result = generate_static(
-                model, [list(prompts[r]) + h for r, h in zip(batch.rows, had, strict=True)],
-                max_new_tokens=batch.cap, config=gen,
-            )  # fmt: skip
-            slots += result.slots
-            rows, now = _resumed(result, had, plan.max_new_tokens), predict_s + time.perf_counter() - start
-            _collect(batch, rows, plan, tokens, finish, failed, partial, now=now)
-            bar.update(sum(tokens[r] is not None for r in batch.rows))
+        had = [partial.get(r, []) if batch.rerun else [] for r in batch.rows]
+        used, rows = _generate(model, prompts, batch, had, plan=plan, gen=gen)
+        slots += used
+        _collect(
+            batch, rows, plan, tokens, finish, failed, partial, now=predict_s + time.perf_counter() - start
+        )
+        bar.update(sum(tokens[r] is not None for r in batch.rows))
         if not batches and not batch.rerun and failed:
             generated = {r: len(partial[r]) for r in failed} if plan.resume else None
             partial = partial if plan.resume else {}
@@ -94,14 +88,17 @@ def run_static(
     return PolicyRun(policy, tokens, finish, predict_s + time.perf_counter() - start, slots, len(failed))
 
 
-def _resumed(result, had: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], bool]]:
-    """Each row's whole answer and whether it ended with an EOS: the tokens it had, then what this batch
-    generated, cut at its own budget (a resumed row may run past it while a longer row of its batch runs)."""
-    out = []
-    for toks, ended, h in zip(result.tokens, result.ended, had, strict=True):
-        new = toks[: max_new_tokens - len(h)]
-        out.append((h + new, ended and len(new) == len(toks)))
-    return out
+def _generate(model, prompts, batch, had, *, plan: PlanConfig, gen: GenerationConfig):
+    """One batch: the token slots it computed, and each row's answer (the tokens it `had`, then the new ones,
+    each row stopping at an EOS or at its own budget, max_new_tokens in all) with whether it ended with an EOS.
+    A batch capped at 0 (every prediction 0) computes nothing."""
+    if batch.cap == 0:
+        return 0, [(h, False) for h in had]
+    result = generate_static(
+        model, [list(prompts[r]) + h for r, h in zip(batch.rows, had, strict=True)], max_new_tokens=batch.cap,
+        config=gen, budgets=[min(batch.cap, plan.max_new_tokens - len(h)) for h in had],
+    )  # fmt: skip
+    return result.slots, [(h + t, e) for h, t, e in zip(had, result.tokens, result.ended, strict=True)]
 
 
 def _collect(

@@ -2,8 +2,9 @@
 
 Trace JSONL, one request per line: {"prompt_len": int, "output_len": int, "predicted_len": number}.
 Static policies (`simulate`): each batch runs min(cap, longest output_len in it) steps and computes
-rows x steps token slots (first attempts and FCR reruns alike; a resumed rerun's rows prefill the tokens
-they had and run only the steps left, `PlanConfig.resume`). A request's useful tokens,
+rows x steps token slots (first attempts and FCR reruns alike). A resumed rerun (`PlanConfig.resume`)
+prefills each row's prompt plus the tokens it had and runs until its longest row is done, each row
+stopping at its answer's end or its own budget, max_new_tokens in all. A request's useful tokens,
 min(output_len, max_new_tokens), count once, on the run that completes it.
 Continuous batching (`simulate_continuous`): the admission rule of `generate_continuous`, step by step,
 with the same queue objects, so its admission order, decode steps, prefills and slots are the runner's.
