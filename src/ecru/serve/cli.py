@@ -332,7 +332,7 @@ def _bench(args: argparse.Namespace) -> int:
         note_long_run(f"{len(config.policies)} policies x {config.repeats} repeat(s) x {config.n} prompts x cap "
                       f"{config.max_new_tokens} on SmolLM2: up to ~{hours:.1f} h on a CPU, plus the predictor's "
                       "training (less with --n, --max-new-tokens or --policies)")  # fmt: skip
-    result = run_bench(config)
+    result = {"command": "ecru " + " ".join(sys.argv[1:]), **run_bench(config)}
     print(format_bench(result))
     _write_json(result, args.json)
     return 0
