@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -84,7 +85,9 @@ def _run_env(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)  # exits 2 with a usage message on bad arguments
+    args.command_line = "ecru " + shlex.join(argv)  # what a result file records as its command
     try:
         return int(args.func(args) or 0)
     except EcruError as exc:

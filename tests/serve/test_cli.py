@@ -1,6 +1,7 @@
 """`ecru serve label` and `ecru serve bench` end to end on the tiny model (SmolLM2's tokenizer)."""
 
 import json
+import shlex
 
 import pytest
 
@@ -90,6 +91,7 @@ def test_bench_runs_cb_ljf_when_asked(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["policies"]) == {"fcfs", "cb", "cb-ljf"}
     assert all(m["outputs_match_fcfs"] for m in result["policies"].values())
+    assert result["command"] == "ecru " + shlex.join(args)  # the arguments given, not the host process's
 
 
 def test_bad_predicted_len_and_labels_are_one_line_errors_before_any_work(tmp_path, capsys):

@@ -7,7 +7,6 @@ import json
 import sys
 
 from ecru.cliargs import (
-    ArgumentParser,
     existing_file,
     non_negative_float,
     non_negative_int,
@@ -332,7 +331,7 @@ def _bench(args: argparse.Namespace) -> int:
         note_long_run(f"{len(config.policies)} policies x {config.repeats} repeat(s) x {config.n} prompts x cap "
                       f"{config.max_new_tokens} on SmolLM2: up to ~{hours:.1f} h on a CPU, plus the predictor's "
                       "training (less with --n, --max-new-tokens or --policies)")  # fmt: skip
-    result = {"command": "ecru " + " ".join(sys.argv[1:]), **run_bench(config)}
+    result = {"command": args.command_line, **run_bench(config)}
     print(format_bench(result))
     _write_json(result, args.json)
     return 0
@@ -486,10 +485,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> int:  # pragma: no cover - convenience for `python -m ecru.serve.cli`
-    parser = ArgumentParser(prog="ecru serve")
-    configure(parser)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    from ecru.cli import main as ecru_main
+
+    return ecru_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover

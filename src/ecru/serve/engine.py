@@ -49,7 +49,7 @@ class BatchResult:
     tokens: list[list[int]]
     """Generated token ids per row (EOS included when produced)."""
     ended: list[bool]
-    """Whether each row produced an EOS (False: it was cut at the batch's max_new_tokens)."""
+    """Whether each row produced an EOS (False: it was cut at its budget, by default the batch's max_new_tokens)."""
     steps: int
     """Decode steps the batch ran (the longest row's length)."""
     slots: int

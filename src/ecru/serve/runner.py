@@ -28,7 +28,8 @@ class PolicyRun:
     slots: int
     """Token slots computed, first attempts and reruns included."""
     failures: int
-    """Rows recomputed from scratch: FCR rows cut at their batch's cap, cb-kv rows preempted."""
+    """Rows recomputed: FCR rows cut at their batch's cap (rerun from scratch, or resumed with
+    `PlanConfig.resume`), cb-kv rows preempted."""
     peak_kv_tokens: int | None = None
     """Most KV-cache positions held at once, padding included (continuous policies; None: not measured)."""
 
