@@ -52,6 +52,7 @@ class Cache:
         train_col = torch.tensor([col[g] for g in c["train_gold"]])
         self.train = (c["train_frozen"].double(), torch.tensor(c["train_task"]), train_col)
         self._lda: dict[int, torch.Tensor] = {}
+        self._class_thresholds: dict[float, torch.Tensor] = {}
 
     def learned(self, k: int) -> torch.Tensor:
         return torch.cat(self.cols[:k]) if k else torch.zeros(0, dtype=torch.long)
@@ -122,7 +123,9 @@ def rejected_per_class(c: Cache, k: int, percentile: float) -> torch.Tensor:
     proto = torch.cat([c.P[t] for t in range(k)])  # rows in the order of c.learned(k)
     row = torch.full((len(c.names),), -1)
     row[learned] = torch.arange(len(learned))
-    return (c.F * proto[row[best]]).sum(-1) < class_thresholds_at(c, percentile)[best]
+    if percentile not in c._class_thresholds:  # the same for every k and every metric: computed once
+        c._class_thresholds[percentile] = class_thresholds_at(c, percentile)
+    return (c.F * proto[row[best]]).sum(-1) < c._class_thresholds[percentile][best]
 
 
 def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight: float = 0.0,

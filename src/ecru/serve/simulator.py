@@ -97,12 +97,12 @@ def run_batch(
 ) -> tuple[int, int, list[int]]:
     """Steps a batch runs, its padded prompt length and its failed rows. `generated`: the tokens each row of a
     resumed rerun already has (they join its prompt; it generates the rest, up to max_new_tokens in all)."""
-    done = generated or {}
+    had = generated or {}
     steps = max(
-        min(trace[r].output_len - done.get(r, 0), batch.cap, max_new_tokens - done.get(r, 0))
+        min(trace[r].output_len - had.get(r, 0), batch.cap, max_new_tokens - had.get(r, 0))
         for r in batch.rows
     )
-    prompt = max(trace[r].prompt_len + done.get(r, 0) for r in batch.rows)
+    prompt = max(trace[r].prompt_len + had.get(r, 0) for r in batch.rows)
     failed = [
         r
         for r in batch.rows
