@@ -15,6 +15,10 @@ fitted on train prompts only and its measured prediction time is charged on the 
 - Online: the labelled test prompts resampled to --requests requests, Poisson arrivals at each --loads
   (load = arrival rate / cb's saturated throughput on the same trace), policies fcfs (static), cb, cb-sjf,
   cb-srpt (re-prediction, preemption), oracle-srpt (true remaining lengths); aging and preemption sweeps.
+- FCFS deadline (`fcfs_slack`, aging 0): a request that has waited (1 + slack) x the wait FCFS would now
+  impose is admitted first. The slack is chosen on a validation trace of train prompts (out-of-fold MiniLM
+  predictions, load 1.2): the lowest mean latency whose p99 stays within 1.2x cb's; then applied to the
+  test traces as `[fcfs-slack]` policies, with a sweep over slacks on the test trace for the picture.
 - Static (the paper's offline recipe): groups of 256 requests, fcfs vs sorted, FCR+VBS and FCR+VBS with
   50-token bins, on each predictor.
 
@@ -39,7 +43,7 @@ from ecru.cliargs import ArgumentParser, atomic_write_json, positive_int, prepar
 from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
 from ecru.serve.online import OnlineConfig, OnlineRequest, simulate_online
-from ecru.serve.predictors import ConstantPredictor, ProbePredictor, timed_predict
+from ecru.serve.predictors import ConstantPredictor, ProbePredictor, ridge_fit, timed_predict
 from ecru.serve.prompts import encode_chat
 from ecru.serve.remaining import RemainingProbe, answer_states
 from ecru.serve.responses import generate_responses
@@ -47,6 +51,10 @@ from ecru.serve.self_predict import PiAPredictor
 
 RESULTS = Path(__file__).parent / "results"
 NOTE = "replayed through simulator with measured lengths/predictions"
+SLACKS = (0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
+"""fcfs_slack values tried on the validation trace (and swept on the test trace)."""
+SLACK_P99_BOUND = 1.2
+"""The chosen slack keeps the validation trace's p99 latency within this many times cb's."""
 
 
 def spearman(a, b) -> float | None:
@@ -164,6 +172,53 @@ def static_table(idx, prompt_lens, lengths, preds, cost, cap, group=256) -> dict
     return out
 
 
+def oof_predictions(predictor, prompts, labels, *, folds: int = 5) -> list[float]:
+    """Out-of-fold predictions on the train prompts: each fold's ridge is fitted on the other folds."""
+    x, y = predictor.features(prompts), torch.as_tensor(labels, dtype=torch.float32)
+    out = torch.zeros(len(prompts))
+    for k in range(folds):
+        held = torch.arange(k, len(prompts), folds)
+        kept = torch.tensor([i for i in range(len(prompts)) if i % folds != k])
+        w, b = ridge_fit(x[kept], y[kept], lam=predictor.lam)
+        out[held] = (x[held] @ w + b).clamp(1, predictor.cap)
+    return out.tolist()
+
+
+def saturated_capacity(idx, prompt_lens, lengths, base, cost) -> float:
+    """cb's throughput in requests/s with every request waiting at t=0 (what a load is relative to)."""
+    trace = build_trace(idx, [0.0] * len(idx), prompt_lens, lengths, lengths, None)
+    return len(idx) / simulate_online(trace, policy="cb", config=base, cost=cost).time_s
+
+
+def slack_curve(trace, base, cost, predict_s: float, policy: str = "cb-sjf") -> dict:
+    """`policy` without aging at each of SLACKS: mean and p99 latency over cb's on `trace`."""
+    cb = simulate_online(trace, policy="cb", config=base, cost=cost)
+    out = {}
+    for slack in SLACKS:
+        cfg = dataclasses.replace(base, aging=0.0, fcfs_slack=slack, predict_s=predict_s)
+        r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
+        out[str(slack)] = {"mean_latency_x_cb": r.mean_latency_s / cb.mean_latency_s,
+                           "p99_latency_x_cb": r.p99_latency_s / cb.p99_latency_s}  # fmt: skip
+    return out
+
+
+def choose_slack(train, y_train, train_lens, predict_s, base, cost, args) -> dict:
+    """The fcfs_slack of the test traces, chosen on a validation trace of the train prompts (out-of-fold
+    MiniLM predictions, load 1.2): the lowest mean latency whose p99 stays within SLACK_P99_BOUND x cb's."""
+    pred = oof_predictions(MiniLMPredictor(cap=args.cap), train, y_train)
+    idx = resample(len(train), args.requests, args.seed + 100)
+    rate = 1.2 * saturated_capacity(idx, train_lens, y_train, base, cost)
+    arrivals = poisson_arrivals(len(idx), rate, args.seed + 101)
+    curve = slack_curve(build_trace(idx, arrivals, train_lens, y_train, pred, None), base, cost, predict_s)
+    ok = [k for k, r in curve.items() if r["p99_latency_x_cb"] <= SLACK_P99_BOUND]
+    chosen = float(min(ok, key=lambda k: curve[k]["mean_latency_x_cb"])) if ok else min(SLACKS)
+    print(f"fcfs_slack {chosen}, chosen on the validation trace: {curve}", file=sys.stderr)
+    return {"chosen": chosen, "rule": f"lowest mean latency with p99 <= {SLACK_P99_BOUND}x cb's, cb-sjf aging 0, "
+            "MiniLM out-of-fold predictions (5 folds) on the train prompts, their own greedy lengths, "
+            f"{len(idx)} requests at load 1.2, prediction time charged", "oof_spearman": spearman(pred, y_train),
+            "validation_load_1.2": curve}  # fmt: skip
+
+
 def run_policies(trace_for, policies, config, cost) -> dict:
     out = {}
     for name, (policy, predictor, overrides) in policies.items():
@@ -183,11 +238,17 @@ def main(argv=None) -> None:
         "--answers-dir", default=str(RESULTS), help="cache of greedy answers (generated if missing)"
     )
     ap.add_argument("--seed", type=int, default=0, help="resampling and arrival seed")
+    ap.add_argument(
+        "--train-labels",
+        type=positive_int,
+        default=1000,
+        help="labelled train prompts for prompt-only predictors",
+    )
     args = ap.parse_args(argv)
     out_path = prepare_out_file(args.json, flag="--json")
     torch.manual_seed(0)
     started = time.perf_counter()
-    train, y_train = read_split(RESULTS / "serve_workload_labels_train.jsonl", 480, args.cap)
+    train, y_train = read_split(RESULTS / "serve_workload_labels_train.jsonl", args.train_labels, args.cap)
     test, y_test = read_split(RESULTS / "serve_workload_labels_test.jsonl", 240, args.cap)
     from ecru.serve.models import load_model
 
@@ -223,11 +284,18 @@ def main(argv=None) -> None:
     idx = resample(len(test), args.requests, args.seed)
     static = static_table(idx, prompt_lens, y_test, preds, cost, args.cap)
     base = OnlineConfig(max_new_tokens=args.cap, repredict_every=k, token_s=cost.step_time(16, 200))
-    online = online_tables(idx, prompt_lens, y_test, preds, traj, repredict_s, base, cost, args.seed)
+    train_lens = [len(i) for i in encode_chat(tok, train)]
+    slack = choose_slack(train, y_train, train_lens, preds["minilm"][1], base, cost, args)
+    online = online_tables(
+        idx, prompt_lens, y_test, preds, traj, repredict_s, base, cost, args.seed, slack=slack["chosen"]
+    )
     sweeps = sweep(
         idx, prompt_lens, y_test, preds, traj, online["capacity"], base, cost, repredict_s, args.seed
     )
-    clinc = clinc_banking(base, cost, args)
+    slack["test_load_1.2"] = slack_sweep(
+        idx, prompt_lens, y_test, preds, online["capacity"], base, cost, args.seed
+    )
+    clinc = clinc_banking(base, cost, args, slack=slack["chosen"])
     out = {
         "workload": "mixed (ecru.serve.workload), unseen test prompts, SmolLM2-135M-Instruct greedy, cap "
         f"{args.cap}",
@@ -237,7 +305,9 @@ def main(argv=None) -> None:
         "product per row, measured; [free-predict] variants charge no prompt-only prediction; [at-arrival]: "
         "the engine's prefill on arrival (state_predictor): the probe's prediction read from the "
         "prompt's own prefill, done when it arrives, grouped by refill_min, its KV kept until admission, at "
-        "most arrival_kv_requests)",
+        "most arrival_kv_requests); [fcfs-slack]: aging 0, the longest-waiting request admitted first once it has "
+        "waited (1 + fcfs_slack) x the FCFS wait estimate (predicted backlog / max_batch_size decode steps), "
+        "fcfs_slack chosen on a validation trace of train prompts (fcfs_slack.rule)",
         "command": "python bench/serve_online.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "quick": args.quick,
         "requests": len(idx),
@@ -252,6 +322,7 @@ def main(argv=None) -> None:
         "predictors": predictors,
         "static_throughput_x_fcfs": static,
         "sweeps_load_1.2": sweeps,
+        "fcfs_slack": slack,
         "clinc_banking": clinc,
         "per_prompt": {
             "true_lengths": y_test,
@@ -265,14 +336,50 @@ def main(argv=None) -> None:
         "wall_s": time.perf_counter() - started,
     }
     atomic_write_json(out_path, out)
+    plot_slack(out, out_path.with_name(out_path.stem + "_slack.png"))
     print(f"wrote {out_path} ({out['wall_s']:.0f} s)")
 
 
-def online_tables(idx, prompt_lens, lengths, preds, traj, repredict_s, base, cost, seed) -> dict:
-    """Every policy at each load; load = arrival rate / cb's throughput with every request waiting at t=0."""
-    sat = simulate_online(build_trace(idx, [0.0] * len(idx), prompt_lens, lengths, lengths, None), policy="cb",
-                          config=base, cost=cost)  # fmt: skip
-    capacity = len(idx) / sat.time_s
+def plot_slack(result: dict, path: Path) -> None:
+    """Mean against p99 latency (x cb, load 1.2) along SLACKS: the validation trace, each predictor and
+    the true lengths on the test trace, the aging sweep's cb-sjf points (free probe predictions, no
+    deadline), and the issue's target box."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slack = result["fcfs_slack"]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    curves = {"validation (train prompts, MiniLM out of fold)": slack["validation_load_1.2"]}
+    curves |= {f"test: {name}": c for name, c in slack["test_load_1.2"].items()}
+    for label, curve in curves.items():
+        pts = [(c["p99_latency_x_cb"], c["mean_latency_x_cb"]) for c in curve.values()]
+        ax.plot(
+            *zip(*pts, strict=True), marker="o", ms=3, label=label, ls="--" if "validation" in label else "-"
+        )
+    aging = [(k, v) for k, v in result["sweeps_load_1.2"].items() if k.startswith("cb-sjf aging=")]
+    if aging:
+        pts = [(v["p99_latency_x_cb"], v["mean_latency_x_cb"]) for k, v in aging if "free" in k]
+        label = "probe[free-predict], aging 0..1, no deadline"
+        ax.scatter(*zip(*pts, strict=True), marker="x", c="green", label=label)
+    ax.add_patch(
+        plt.Rectangle((0, 0), 1.25, 0.75, fc="g", alpha=0.08, label="target: mean <= 0.75, p99 <= 1.25")
+    )
+    ax.set(xlabel="p99 latency x cb", ylabel="mean latency x cb", xlim=(0.9, 2.4), ylim=(0.3, 1.2),
+           title=f"load 1.2, fcfs_slack {min(SLACKS)}..{max(SLACKS)} (chosen {slack['chosen']})")  # fmt: skip
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def online_tables(
+    idx, prompt_lens, lengths, preds, traj, repredict_s, base, cost, seed, *, slack=None
+) -> dict:
+    """Every policy at each load; load = arrival rate / cb's throughput with every request waiting at t=0;
+    with `slack`, the `[fcfs-slack]` policies too (aging 0, that fcfs_slack)."""
+    capacity = saturated_capacity(idx, prompt_lens, lengths, base, cost)
     policies = {"fcfs": ("fcfs", None, {}), "cb": ("cb", None, {})}
     learned = [n for n in preds if n != "constant"]
     primary = "probe" if "probe" in learned else learned[0]
@@ -301,6 +408,8 @@ def online_tables(idx, prompt_lens, lengths, preds, traj, repredict_s, base, cos
             )
     policies["oracle-srpt"] = ("oracle-srpt", None, {"preempt": True})
     policies["oracle-srpt[no-preempt]"] = ("oracle-srpt", None, {})
+    if slack is not None:
+        policies |= slack_policies(learned, primary, preds, traj, repredict_s, slack)
     loads = {}
     for load in (0.8, 1.2, 2.0):
         arrivals = poisson_arrivals(len(idx), load * capacity, seed + 1)
@@ -319,7 +428,45 @@ def online_tables(idx, prompt_lens, lengths, preds, traj, repredict_s, base, cos
     return {"capacity": capacity, "loads": loads}
 
 
-def clinc_banking(base, cost, args) -> dict:
+def slack_policies(learned, primary, preds, traj, repredict_s, slack) -> dict:
+    """The `[fcfs-slack]` variants: no aging, the longest-waiting request first once past its FCFS deadline."""
+    deadline = {"aging": 0.0, "fcfs_slack": slack}
+    out = {}
+    for name in learned:
+        tag = "" if name == primary else f"[{name}]"
+        out[f"cb-sjf{tag}[fcfs-slack]"] = ("cb-sjf", name, {"predict_s": preds[name][1], **deadline})
+        if traj:
+            srpt = {"predict_s": preds[name][1], "repredict_s": repredict_s, "preempt": True}
+            out[f"cb-srpt{tag}[fcfs-slack]"] = ("cb-srpt", name, {**srpt, **deadline})
+    if "probe" in learned:
+        tag = "" if primary == "probe" else "[probe]"
+        out[f"cb-sjf{tag}[at-arrival][fcfs-slack]"] = (
+            "cb-sjf",
+            "probe",
+            {"prefill_at_arrival": True, **deadline},
+        )
+    out["oracle-srpt[no-preempt][fcfs-slack]"] = ("oracle-srpt", None, deadline)
+    return out
+
+
+def slack_sweep(idx, prompt_lens, lengths, preds, capacity, base, cost, seed) -> dict:
+    """cb-sjf without aging at each of SLACKS on the test trace at load 1.2, per prompt-only predictor
+    (prediction charged; the probe also free) and on the true lengths."""
+    arrivals = poisson_arrivals(len(idx), 1.2 * capacity, seed + 1)
+    out = {}
+    for name, (pred, per_req) in preds.items():
+        if name in ("constant", "pia"):
+            continue
+        trace = build_trace(idx, arrivals, prompt_lens, lengths, pred, None)
+        out[name] = slack_curve(trace, base, cost, per_req)
+        if per_req:
+            out[f"{name}[free-predict]"] = slack_curve(trace, base, cost, 0.0)
+    trace = build_trace(idx, arrivals, prompt_lens, lengths, lengths, None)
+    out["oracle[no-preempt]"] = slack_curve(trace, base, cost, 0.0, policy="oracle-srpt")
+    return out
+
+
+def clinc_banking(base, cost, args, *, slack=None) -> dict:
     """The hard second workload (CLINC150/Banking77 queries): the true lengths, prompt lengths and MiniLM
     predictions (fitted on 192 train labels) of bench/results/serve_bench_target.json's 256 held-out
     prompts; no answers were generated for them, so no re-prediction (cb-srpt) here."""
@@ -329,7 +476,9 @@ def clinc_banking(base, cost, args) -> dict:
     preds = {"minilm": ([float(x) for x in s["predicted_lengths"]], p["predict_s"] / len(lengths))}
     idx = resample(len(lengths), args.requests, args.seed)
     static = static_table(idx, s["prompt_lens"], lengths, preds, cost, args.cap)
-    online = online_tables(idx, s["prompt_lens"], lengths, preds, None, 0.0, base, cost, args.seed)
+    online = online_tables(
+        idx, s["prompt_lens"], lengths, preds, None, 0.0, base, cost, args.seed, slack=slack
+    )
     metrics = {
         **length_metrics(preds["minilm"][0], lengths),
         "spearman": spearman(preds["minilm"][0], lengths),

@@ -174,3 +174,22 @@ def test_arrival_forwards_are_the_engines_groups_each_with_its_own_first_tokens(
     r = simulate_online(trace, policy="cb", config=config(max_batch_size=2, prefill_at_arrival=True),
                         cost=per_token)  # fmt: skip
     assert r.latencies == pytest.approx([8.0, 108.0, 8.0])  # 2 rows x 4, then 1 row x 100
+
+
+def test_fcfs_slack_bounds_the_wait_by_the_backlog():
+    # no aging: the long request would starve; with fcfs_slack 0.5 it waits 1.5 x the backlog of predicted
+    # tokens (its own 200, capped at 100; a waiting short's 3; the running row's <= 3) on one row, in steps
+    trace = _stream()
+    r = simulate_online(trace, policy="cb-sjf", config=config(aging=0.0, fcfs_slack=0.5), cost=UNIT)
+    assert 1.5 * 100 <= r.latencies[1] <= 1.5 * 106 + 3
+    assert r.latencies[0] <= 3 and max(r.latencies[2:]) <= 3 + 3  # the short ones barely wait
+
+
+def test_a_row_admitted_past_its_deadline_is_never_preempted():
+    # the long request's deadline (0.5 x its own 80 predicted tokens) passes while the short rows run;
+    # once admitted, later short arrivals do not push it out again
+    trace = [OnlineRequest(0.0, 4, 3, predicted=3), OnlineRequest(0.5, 4, 80, predicted=80)]
+    trace += [OnlineRequest(1.0 + 2 * i, 4, 3, predicted=3) for i in range(100)]
+    cfg = config(aging=0.0, fcfs_slack=0.0, repredict_every=4, preempt_margin=10, preempt=True)
+    r = simulate_online(trace, policy="oracle-srpt", config=cfg, cost=UNIT)
+    assert r.preemptions == 0 and r.latencies[1] <= 80 + 83 + 6

@@ -14,7 +14,7 @@ def serve_stream(queue, predicted, *, steps: int) -> dict[int, int]:
         predicted.append(5.0)
         queue_ids.append(new)
         queue.push(new, now=step)
-        admitted[queue.pop()] = step
+        admitted[queue.pop(now=step)] = step
     return admitted
 
 
@@ -48,3 +48,26 @@ def test_fcfs_queue_is_arrival_order():
 def test_negative_aging_rejected():
     with pytest.raises(ValueError, match="aging"):
         SJFQueue([1.0], aging=-1)
+
+
+def test_fcfs_slack_admits_the_longest_waiting_once_past_its_deadline():
+    # waiting at each pop: request 0 (200) and the short one just arrived (5); one row. The deadline is
+    # (1 + 0.5) x 205 / 1 = 307.5 steps, after which request 0 goes before the newer short request
+    queue = SJFQueue(predicted := [200.0], aging=0.0, fcfs_slack=0.5, rows=1)
+    admitted = serve_stream(queue, predicted, steps=500)
+    assert admitted[0] == 308
+    assert sorted(admitted.values()) == list(range(500))  # one admission per step, none lost
+
+
+def test_fcfs_deadline_counts_the_running_rows_and_the_rows_that_share_the_work():
+    # the running rows' predicted remainders join the backlog; two rows halve the FCFS wait
+    running = SJFQueue(predicted := [200.0], aging=0.0, fcfs_slack=0.5, rows=1, running_tokens=lambda: 100.0)
+    assert serve_stream(running, predicted, steps=500)[0] == 458  # 1.5 x 305
+    two_rows = SJFQueue(predicted := [200.0], aging=0.0, fcfs_slack=0.5, rows=2)
+    assert serve_stream(two_rows, predicted, steps=500)[0] == 154  # 1.5 x 205 / 2
+
+
+@pytest.mark.parametrize("kw", [{"fcfs_slack": -0.1}, {"rows": 0}])
+def test_fcfs_slack_and_rows_validated(kw):
+    with pytest.raises(ValueError):
+        SJFQueue([1.0], **kw)

@@ -215,3 +215,29 @@ def test_offline_cb_kv_with_padded_accounting_stays_within_its_budget(model, pro
     run = generate_continuous(model, prompts, queue=FCFSQueue(), gen=gen, config=config, reserve=[3.0] * 24)
     assert run.tokens == reference and run.preemptions > 0
     assert 0 < run.peak_kv_tokens <= config.kv_budget == 70
+
+
+def _long_among_shorts(model, prompts, gen, **kw) -> list[int]:
+    """Admission order (request seqs) on one row: seq 1 is predicted to run to the cap, the others 1
+    token; a short request arrives every 3 steps for 60 steps, then the queue drains."""
+    engine = make_engine(model, gen, policy="cb-sjf", max_batch_size=1, refill_min=1, aging=0.0, **kw)
+    long_prompt = prompts[1]
+    engine.predict = lambda prompt, params: 24.0 if prompt == long_prompt else 1.0
+    engine.admission_log = []
+    engine.add_request(prompts[0], GREEDY)
+    engine.step()
+    engine.add_request(long_prompt, GREEDY)
+    for step in range(60):
+        if step % 3 == 0:
+            engine.add_request(prompts[2 + step // 3], GREEDY)
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    return engine.admission_log
+
+
+def test_fcfs_slack_admits_a_long_request_before_later_short_ones(model, prompts, gen):
+    plain = _long_among_shorts(model, prompts, gen)
+    assert plain[-1] == 1  # shortest first, no aging: the long request waits for every short one
+    bounded = _long_among_shorts(model, prompts, gen, fcfs_slack=0.0)
+    assert sorted(bounded) == sorted(plain) and bounded.index(1) < len(bounded) - 3

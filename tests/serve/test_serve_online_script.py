@@ -1,6 +1,7 @@
 """bench/serve_online.py's helpers: arrivals, resampling, re-prediction metrics, static and online tables."""
 
 import pytest
+import torch
 
 from ecru.serve.cost import CostModel
 from ecru.serve.online import OnlineConfig
@@ -57,3 +58,70 @@ def test_online_tables_report_every_policy_at_every_load(bench):
         assert pols["cb-sjf"]["mean_latency_s"] == pytest.approx(
             pols["oracle-srpt[no-preempt]"]["mean_latency_s"]
         )
+
+
+def test_online_tables_with_a_slack_add_the_fcfs_deadline_policies(bench):
+    lengths = [3, 60, 8, 120] * 10
+    idx = bench.resample(len(lengths), 200, seed=0)
+    preds = {"constant": ([50.0] * 40, 0.0), "probe": (list(map(float, lengths)), 0.0)}
+    traj = [[n - t for t in range(0, n, 16)] for n in lengths]
+    base = OnlineConfig(max_batch_size=4, max_new_tokens=128, token_s=1.0)
+    out = bench.online_tables(idx, [5] * 40, lengths, preds, traj, 0.0, base, UNIT, seed=0, slack=0.2)
+    pols = out["loads"]["1.2"]["policies"]
+    assert {"cb-sjf[fcfs-slack]", "cb-srpt[fcfs-slack]", "cb-sjf[at-arrival][fcfs-slack]",
+            "oracle-srpt[no-preempt][fcfs-slack]"} <= set(pols)  # fmt: skip
+    # perfect free predictions: the deadline policy without preemption is the oracle's with the same deadline
+    assert pols["cb-sjf[fcfs-slack]"]["mean_latency_s"] == pytest.approx(
+        pols["oracle-srpt[no-preempt][fcfs-slack]"]["mean_latency_s"]
+    )
+
+
+def test_slack_curve_trades_mean_for_tail(bench):
+    lengths = [3, 200, 5, 150, 4, 8] * 40
+    idx = bench.resample(len(lengths), 1500, seed=1)
+    base = OnlineConfig(max_batch_size=2, max_new_tokens=256, token_s=1.0, refill_min=1)
+    capacity = bench.saturated_capacity(idx, [5] * len(lengths), lengths, base, UNIT)
+    arrivals = bench.poisson_arrivals(len(idx), 1.2 * capacity, seed=2)
+    trace = bench.build_trace(idx, arrivals, [5] * len(lengths), lengths, list(map(float, lengths)), None)
+    curve = bench.slack_curve(trace, base, UNIT, 0.0)
+    tight, loose = curve[str(min(bench.SLACKS))], curve[str(max(bench.SLACKS))]
+    assert loose["mean_latency_x_cb"] < tight["mean_latency_x_cb"] < 1
+    assert loose["p99_latency_x_cb"] > tight["p99_latency_x_cb"]
+
+
+def test_oof_predictions_never_see_their_own_label(bench):
+    class OneHot:  # in-sample, ridge on one-hot features memorizes every label; out of fold it cannot
+        lam, cap = 1e-6, 1000
+
+        def features(self, prompts):
+            return torch.eye(len(prompts))[list(prompts)]
+
+    labels = [float(10 * i) for i in range(20)]
+    pred = bench.oof_predictions(OneHot(), list(range(20)), labels)
+    for i, p in enumerate(pred):  # a held-out one-hot has no weight: the other folds' mean label
+        others = [y for j, y in enumerate(labels) if j % 5 != i % 5]
+        assert p == pytest.approx(sum(others) / len(others), rel=1e-4)
+
+
+def test_real_engine_serves_a_poisson_trace_alike_under_every_policy():
+    real = load_bench_script("serve_online_real")
+    from ecru.serve.models import ServedModel
+    from ecru.serve.prompts import encode_chat
+    from ecru.serve.request_engine import EngineConfig
+
+    served = ServedModel.load("tiny")
+    texts = ["hi", "tell me a story", "what time is it", "list five fruits", "why", "a b c"]
+    ids = encode_chat(served.tokenizer, texts)
+
+    class ByLength:  # a stand-in predictor: longer text, longer answer
+        def predict(self, prompts):
+            return [float(len(p)) for p in prompts]
+
+    arrivals = real.poisson_arrivals(len(texts), 50.0, seed=0)
+    outputs = []
+    for name, (policy, overrides) in real.policies(0.25).items():
+        config = EngineConfig(policy=policy, max_new_tokens=8, max_batch_size=2, **overrides)
+        r = real.serve_real(served, ids, texts, arrivals, ByLength(), config, 8)
+        assert 0 < r["mean_latency_s"] <= r["p99_latency_s"] <= r["max_latency_s"] < r["wall_s"] + 1e-9, name
+        outputs.append(r["outputs"])
+    assert outputs[0] == outputs[1] == outputs[2]  # greedy: the order of admission changes no answer

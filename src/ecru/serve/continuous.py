@@ -183,12 +183,13 @@ class Admitter:
             return float("inf")
         return self.config.kv_budget - sum(self.prompt_lens[i] + r for i, r in self.reserved.items())
 
-    def admit(self, n: int) -> list[int]:
-        """Up to `n` requests that fit the budget, in order (reserved as they are returned)."""
+    def admit(self, n: int, *, now: int = 0) -> list[int]:
+        """Up to `n` requests that fit the budget, in order (reserved as they are returned); `now`: the
+        decode step (the queue's clock)."""
         picked, left = [], self._left()
         running = list(self.reserved)
         while len(picked) < n and len(self):
-            i = self.held.popleft() if self.held else self.queue.pop()
+            i = self.held.popleft() if self.held else self.queue.pop(now=now)
             if i not in self.prompt_lens:
                 continue  # forgotten while it waited (a cancelled request)
             need = self.prompt_lens[i] + self.initial[i]

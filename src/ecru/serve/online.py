@@ -17,6 +17,12 @@ running row works off its remaining length; the default 0.1 is `queues.DEFAULT_A
 is fixed at enqueue time (a heap); a request's wait is bounded by its prediction / aging in decode steps
 behind any later arrival.
 
+With `fcfs_slack` (the engine's `EngineConfig.fcfs_slack`), the longest-waiting request goes first once it
+has waited (1 + fcfs_slack) x the wait first-come-first-served would now impose: the backlog of predicted
+tokens (waiting requests' predictions, running rows' predicted remainders) over `max_batch_size` rows, in
+decode steps. Shortest-first keeps the short requests' gain while no request waits much longer than FCFS
+would have made it (`queues.SJFQueue`).
+
 Costs (`CostModel`): one prefill per admission over the widest (prompt + tokens kept) row, one decode step
 per token over the padded cache (rows x widest row, the engine's left-padded layout, which is also
 `peak_kv_tokens`). A preempted row keeps its tokens and is prefilled again with them when readmitted (the
@@ -88,6 +94,10 @@ class OnlineConfig:
     wait unprefilled or the batch could take them now (running + waiting < `max_batch_size`), in the
     engine's `arrival_groups` (similar lengths, at most `max_batch_size` rows); each gets its first token
     there and its KV waits with it, queued in arrival order, so admission needs no forward."""
+    fcfs_slack: float | None = None
+    """cb-sjf, cb-srpt, oracle-srpt: a request that has waited (1 + fcfs_slack) x the FCFS wait estimate
+    (predicted backlog / max_batch_size, in decode steps) is admitted first, longest-waiting first; None:
+    aging alone bounds the wait."""
     arrival_kv_requests: int = 256
     """With `prefill_at_arrival`: waiting requests whose KV is kept at most; beyond, the longest-predicted
     one's KV is dropped and it is prefilled again (prompt + its first token) when admitted."""
@@ -97,6 +107,8 @@ class OnlineConfig:
             raise ValueError("max_batch_size, max_new_tokens, refill_min, repredict_every must be >= 1")
         if min(self.aging, self.preempt_margin, self.predict_s, self.repredict_s) < 0 or self.token_s <= 0:
             raise ValueError("aging, preempt_margin, predict_s, repredict_s must be >= 0 and token_s > 0")
+        if self.fcfs_slack is not None and self.fcfs_slack < 0:
+            raise ValueError(f"fcfs_slack must be >= 0 (or None: off), got {self.fcfs_slack}")
         if self.arrival_kv_requests < 1:
             raise ValueError(f"arrival_kv_requests must be >= 1, got {self.arrival_kv_requests}")
         if self.prefill_at_arrival and self.predict_s:
@@ -186,12 +198,20 @@ class _Continuous:
         self.estimate = [float(r.predicted) for r in trace]  # predicted remaining, in tokens
         if policy == "oracle-srpt":
             self.estimate = [float(t) for t in self.target]
+        self.since = [0] * len(trace)  # tokens generated when `estimate` was set (it counts down from there)
         self.waited = [0.0] * len(trace)  # seconds waited before the current enqueue
         self.enqueued = [0.0] * len(trace)
         self.finish = [0.0] * len(trace)
         self.heap: list[tuple[float, int, int]] = []
         self.seq = 0
         self.clock, self.peak, self.preemptions = 0.0, 0, 0
+        self.steps = 0  # decode steps so far: the FCFS deadline's clock, as the engine's
+        self.wait_steps = [0] * len(trace)  # decode steps waited before the current enqueue
+        self.wait_began = [0] * len(trace)  # the step its wait would have begun, waited in one stay
+        self.by_wait: list[tuple[int, int, tuple]] = []  # (step its wait began, seq, heap entry): a heap
+        self.queued: dict[int, float] = {}  # seq of each heap entry -> its request's remaining tokens
+        self.queued_tokens = 0.0
+        self.overdue: set[int] = set()  # admitted past their deadline: never preempted
         self.running: list[int] = []
         self.arrived: list[int] = []  # prefill on arrival: arrived, not yet prefilled
         self.kept: dict[int, None] = {}  # prefill on arrival: waiting with their KV, in keeping order
@@ -211,13 +231,49 @@ class _Continuous:
 
     def _push(self, i: int) -> None:
         self.enqueued[i] = self.clock
-        heapq.heappush(self.heap, (self._static_key(i), self.seq, i))
+        entry = (self._static_key(i), self.seq, i)
+        heapq.heappush(self.heap, entry)
+        # a preempted request's wait goes on from where it stopped
+        self.wait_began[i] = self.steps - self.wait_steps[i]
+        heapq.heappush(self.by_wait, (self.wait_began[i], self.seq, entry))
+        self.queued[self.seq] = self._remaining(i)
+        self.queued_tokens += self.queued[self.seq]
         self.seq += 1
 
     def _pop(self) -> int:
-        i = heapq.heappop(self.heap)[2]
+        entry = self._overdue()
+        if entry is None:
+            entry = heapq.heappop(self.heap)
+        else:  # the longest-waiting request, past its FCFS deadline: it runs to the end, never preempted
+            self.overdue.add(entry[2])
+            k = self.heap.index(entry)
+            self.heap[k] = self.heap[-1]
+            self.heap.pop()
+            heapq.heapify(self.heap)
+        self.queued_tokens -= self.queued.pop(entry[1])
+        i = entry[2]
         self.waited[i] += self.clock - self.enqueued[i]
+        self.wait_steps[i] = self.steps - self.wait_began[i]
         return i
+
+    def _remaining(self, i: int) -> float:
+        """Predicted tokens left: the estimate less what the row generated since it was made."""
+        est = min(self.estimate[i], self.config.max_new_tokens)
+        return max(0.0, est - (self.done[i] - self.since[i]))
+
+    def _overdue(self) -> tuple[float, int, int] | None:
+        """With `fcfs_slack`, the heap entry of the longest-waiting request if it has waited (1 + slack) x
+        the FCFS wait estimate (the predicted backlog over max_batch_size rows, in decode steps)."""
+        slack = self.config.fcfs_slack
+        if slack is None or self.policy == "cb":
+            return None
+        while self.by_wait[0][1] not in self.queued:
+            heapq.heappop(self.by_wait)
+        began, _, entry = self.by_wait[0]
+        backlog = self.queued_tokens + sum(map(self._remaining, self.running))
+        if self.steps - began < (1 + slack) * backlog / self.config.max_batch_size:
+            return None
+        return heapq.heappop(self.by_wait)[2]
 
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self) -> OnlineResult:
@@ -300,6 +356,7 @@ class _Continuous:
         width = self._width(self.running)
         self.peak = max(self.peak, len(self.running) * width + self.kept_tokens)
         self.clock += self.cost.step_time(len(self.running), width)
+        self.steps += 1
         self._grow(self.running)
         self.running = [i for i in self.running if self.done[i] < self.target[i]]
 
@@ -311,12 +368,13 @@ class _Continuous:
             if self.done[i] >= self.target[i]:
                 self.finish[i] = self.clock
             elif self.policy == "oracle-srpt":
-                self.estimate[i] = self.target[i] - self.done[i]
+                self.estimate[i], self.since[i] = self.target[i] - self.done[i], self.done[i]
             elif self.policy == "cb-srpt" and self.done[i] % k == 0:
                 step = self.done[i] // k
                 rem = self.trace[i].remaining
                 if step < len(rem):
-                    self.estimate[i], repredicted = float(rem[step]), repredicted + 1
+                    self.estimate[i], self.since[i] = float(rem[step]), self.done[i]
+                    repredicted += 1
         self.clock += repredicted * self.config.repredict_s
 
     def _maybe_preempt(self) -> int:
@@ -329,7 +387,7 @@ class _Continuous:
             return 0
         now = cfg.aging / cfg.token_s * self.clock
         waiting = [key - now for key, _, _ in heapq.nsmallest(cfg.refill_min, self.heap)]
-        ready = [i for i in self.running if self.done[i] % cfg.repredict_every == 0]
+        ready = [i for i in self.running if self.done[i] % cfg.repredict_every == 0 and i not in self.overdue]
         victims = sorted(ready, key=self._running_key, reverse=True)
         swapped = [
             v for v, w in zip(victims, waiting, strict=False) if self._running_key(v) - w > cfg.preempt_margin

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 
 class RequestQueue(Protocol):
-    """Where waiting requests are held; `pop` returns the index of the next request to admit."""
+    """Where waiting requests are held; `pop` returns the index of the next request to admit (`now`: the
+    decode step it is admitted at)."""
 
     def push(self, index: int, *, now: int) -> None: ...
 
-    def pop(self) -> int: ...
+    def pop(self, *, now: int = 0) -> int: ...
 
     def __len__(self) -> int: ...
 
@@ -38,7 +39,7 @@ class FCFSQueue:
     def push(self, index: int, *, now: int) -> None:
         self._items.append(index)
 
-    def pop(self) -> int:
+    def pop(self, *, now: int = 0) -> int:
         return self._items.popleft()
 
     def __len__(self) -> int:
@@ -53,25 +54,67 @@ prediction / 0.1 steps (`bench/serve_online.py`'s aging sweep, mixed workload, l
 
 
 class SJFQueue:
-    """Shortest predicted job first, aged by `aging` tokens of priority per decode step waited."""
+    """Shortest predicted job first, aged by `aging` tokens of priority per decode step waited.
 
-    def __init__(self, predicted: Sequence[float], *, aging: float = DEFAULT_AGING):
+    With `fcfs_slack`, the longest-waiting request is admitted first once it has waited (1 + fcfs_slack) x
+    the wait first-come-first-served would now impose: the backlog of predicted tokens (the waiting
+    requests' predictions plus `running_tokens()`, the running rows' predicted remainders) over `rows`
+    decode rows, in decode steps. Short requests still go first, but no request waits much longer than
+    FCFS would have made it: a bound on the tail that, unlike aging, does not turn the order into FCFS
+    under a backlog (use it with aging 0).
+    """
+
+    def __init__(self, predicted: Sequence[float] | Mapping[int, float], *, aging: float = DEFAULT_AGING,
+                 fcfs_slack: float | None = None, rows: int = 16,
+                 running_tokens: Callable[[], float] = lambda: 0.0):  # fmt: skip
         if aging < 0:
             raise ValueError(f"aging must be >= 0 (0 = pure SJF, may starve long requests), got {aging}")
-        self.predicted, self.aging = predicted, aging
+        if fcfs_slack is not None and fcfs_slack < 0:
+            raise ValueError(f"fcfs_slack must be >= 0 (None: off), got {fcfs_slack}")
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1, got {rows}")
+        self.predicted, self.aging, self.fcfs_slack = predicted, aging, fcfs_slack
+        self.rows, self.running_tokens = rows, running_tokens
         self._heap: list[tuple[float, int, int]] = []
+        self._arrivals: deque[tuple[int, int, int]] = deque()  # (step pushed, count, index), push order
+        self._live: dict[int, float] = {}  # count of each waiting entry -> its prediction
+        self._waiting_tokens = 0.0
         self._count = 0
 
     def push(self, index: int, *, now: int) -> None:
         # the counter breaks ties in arrival order
-        heapq.heappush(self._heap, (self.predicted[index] + self.aging * now, self._count, index))
+        p = float(self.predicted[index])
+        heapq.heappush(self._heap, (p + self.aging * now, self._count, index))
+        self._arrivals.append((now, self._count, index))
+        self._live[self._count] = p
+        self._waiting_tokens += max(p, 0.0)
         self._count += 1
 
-    def pop(self) -> int:
-        return heapq.heappop(self._heap)[2]
+    def pop(self, *, now: int = 0) -> int:
+        count, index = self._overdue(now) or self._shortest()
+        self._waiting_tokens -= max(self._live.pop(count), 0.0)
+        return index
+
+    def _shortest(self) -> tuple[int, int]:
+        while self._heap[0][1] not in self._live:  # taken by its deadline earlier
+            heapq.heappop(self._heap)
+        _, count, index = heapq.heappop(self._heap)
+        return count, index
+
+    def _overdue(self, now: int) -> tuple[int, int] | None:
+        if self.fcfs_slack is None:
+            return None
+        while self._arrivals[0][1] not in self._live:  # admitted by its prediction earlier
+            self._arrivals.popleft()
+        pushed, count, index = self._arrivals[0]
+        backlog = self._waiting_tokens + self.running_tokens()
+        if now - pushed < (1 + self.fcfs_slack) * backlog / self.rows:
+            return None
+        self._arrivals.popleft()
+        return count, index
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._live)
 
 
 CONTINUOUS_POLICIES = ("cb", "cb-sjf", "cb-ljf", "cb-kv")

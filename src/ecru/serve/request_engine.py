@@ -73,6 +73,10 @@ class EngineConfig:
     """Admit only when this many rows are free (or the batch is empty, or fewer wait)."""
     aging: float = DEFAULT_AGING
     """cb-sjf: priority tokens gained per decode step waited (no starvation)."""
+    fcfs_slack: float | None = None
+    """cb-sjf: admit the longest-waiting request first once it has waited (1 + fcfs_slack) x the wait
+    first-come-first-served would now impose (predicted backlog / max_batch_size decode steps;
+    `queues.SJFQueue`); None: aging alone bounds the wait. With it, set aging to 0."""
     kv_prompt_tokens: int = 128
     """cb-kv: prompt tokens per row in the budget, max_batch_size x (max_new_tokens + this)."""
     kv_row_factor: int = 4
@@ -96,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {self.prefix_cache}")
         if self.aging < 0:
             raise ValueError(f"aging must be >= 0, got {self.aging}")
+        if self.fcfs_slack is not None and self.fcfs_slack < 0:
+            raise ValueError(f"fcfs_slack must be >= 0 (None: off), got {self.fcfs_slack}")
 
     def continuous(self) -> ContinuousConfig:
         """The admitter's limits."""
@@ -206,8 +212,7 @@ class RequestEngine:
         self.predict = predict or (lambda prompt, params: float(params.max_tokens))
         self._predicted: dict[int, float] = {}
         if queue is None:
-            cb_sjf = self.config.policy == "cb-sjf"
-            queue = SJFQueue(self._predicted, aging=self.config.aging) if cb_sjf else FCFSQueue()
+            queue = self._sjf_queue() if self.config.policy == "cb-sjf" else FCFSQueue()
         self.admitter = Admitter(queue, [], limits or self.config.continuous(),
                                  generated=lambda i: len(self.requests[i].output))  # fmt: skip
         self.discard_preempted = discard_preempted
@@ -316,6 +321,16 @@ class RequestEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def _sjf_queue(self) -> SJFQueue:
+        cfg = self.config
+        return SJFQueue(self._predicted, aging=cfg.aging, fcfs_slack=cfg.fcfs_slack, rows=cfg.max_batch_size,
+                        running_tokens=self._running_tokens)  # fmt: skip
+
+    def _running_tokens(self) -> float:
+        """The running rows' predicted remaining tokens (the FCFS deadline's share of the backlog)."""
+        rows = (self.requests.get(i) for i in self.run.ids)  # a cancelled row leaves at the next step
+        return sum(max(0.0, r.predicted - len(r.output)) for r in rows if r and r.predicted is not None)
+
     @property
     def num_waiting(self) -> int:
         return sum(r.status is RequestStatus.WAITING for r in self.requests.values())
@@ -360,7 +375,7 @@ class RequestEngine:
             running=len(self.run.ids),
             refill_min=self.admitter.config.refill_min,
         )
-        keys = self.admitter.admit(n)
+        keys = self.admitter.admit(n, now=self.stats.decode_steps)
         if self.admission_log is not None:
             self.admission_log += keys
         admitted = [self.requests[i] for i in keys]
