@@ -114,3 +114,35 @@ def test_killed_mid_run_then_rerun_answers_each_id_once(chat_model_dir, tmp_path
     fresh = tmp_path / "fresh.jsonl"
     assert run(chat_model_dir, src, fresh, *flags) == 0
     assert rows == answers(fresh)  # greedy: the resumed run answers exactly as an uninterrupted one
+
+
+def test_fcfs_slack_needs_cb_sjf_and_answers_alike(chat_model_dir, tmp_path, capsys):
+    src = write_lines(
+        tmp_path / "in.jsonl", [{"prompt": p} for p in ("Once upon a time", "hi", "The weather")]
+    )
+    assert run(chat_model_dir, src, tmp_path / "bad.jsonl", "--fcfs-slack", "0.2") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--fcfs-slack applies to --policy cb-sjf" in err[0]
+    assert not (tmp_path / "bad.jsonl").exists()  # refused before any work
+    extra = ("--max-new-tokens", "8", "--max-batch-size", "2")
+    assert run(chat_model_dir, src, tmp_path / "cb.jsonl", *extra) == 0
+    assert (
+        run(chat_model_dir, src, tmp_path / "sjf.jsonl", *extra, "--policy", "cb-sjf", "--fcfs-slack", "0.2")
+        == 0
+    )
+    assert answers(tmp_path / "cb.jsonl") == answers(
+        tmp_path / "sjf.jsonl"
+    )  # greedy: order changes no answer
+
+
+def test_engine_config_takes_fcfs_slack_only_with_cb_sjf():
+    from ecru.serve.cli import _engine_config
+    from ecru.serve.request_engine import EngineConfig
+
+    args = type("Args", (), {"policy": "cb-sjf", "max_batch_size": 4, "prefix_cache": 0, "fcfs_slack": 0.3})
+    config = _engine_config(args, max_new_tokens=16)
+    assert config.fcfs_slack == 0.3 and config.aging == 0.0  # the deadline bounds the wait instead of aging
+    with pytest.raises(ValueError, match="fcfs_slack"):
+        EngineConfig(policy="cb", fcfs_slack=0.3)
+    with pytest.raises(ValueError, match="fcfs_slack"):
+        EngineConfig(policy="cb-sjf", fcfs_slack=-1.0)

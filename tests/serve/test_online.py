@@ -193,3 +193,11 @@ def test_a_row_admitted_past_its_deadline_is_never_preempted():
     cfg = config(aging=0.0, fcfs_slack=0.0, repredict_every=4, preempt_margin=10, preempt=True)
     r = simulate_online(trace, policy="oracle-srpt", config=cfg, cost=UNIT)
     assert r.preemptions == 0 and r.latencies[1] <= 80 + 83 + 6
+
+
+def test_fcfs_slack_rejected_where_nothing_is_predicted_shortest_first():
+    for policy in ("fcfs", "cb"):
+        with pytest.raises(ValueError, match="fcfs_slack"):
+            simulate_online(_stream(), policy=policy, config=config(fcfs_slack=0.1), cost=UNIT)
+    with pytest.raises(ValueError, match="fcfs_slack"):
+        config(fcfs_slack=-0.1)

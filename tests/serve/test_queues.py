@@ -35,14 +35,14 @@ def test_sjf_orders_by_prediction_with_stable_ties():
     q = SJFQueue([30, 10, 20, 10], aging=0.1)
     for i in range(4):
         q.push(i, now=0)
-    assert [q.pop() for _ in range(4)] == [1, 3, 2, 0]
+    assert [q.pop(now=0) for _ in range(4)] == [1, 3, 2, 0]
 
 
 def test_fcfs_queue_is_arrival_order():
     q = FCFSQueue()
     for i in (3, 1, 2):
         q.push(i, now=0)
-    assert [q.pop() for _ in range(3)] == [3, 1, 2] and len(q) == 0
+    assert [q.pop(now=0) for _ in range(3)] == [3, 1, 2] and len(q) == 0
 
 
 def test_negative_aging_rejected():
@@ -71,3 +71,25 @@ def test_fcfs_deadline_counts_the_running_rows_and_the_rows_that_share_the_work(
 def test_fcfs_slack_and_rows_validated(kw):
     with pytest.raises(ValueError):
         SJFQueue([1.0], **kw)
+
+
+def test_a_deadline_admission_leaves_no_duplicate_and_a_cancelled_request_leaves_the_backlog():
+    q = SJFQueue([50.0, 10.0, 100.0, 9.0], aging=0.0, fcfs_slack=0.0, rows=1)
+    q.push(0, now=0)
+    q.push(1, now=0)
+    assert q.pop(now=60) == 0  # waited 60 >= the backlog 50 + 10: the oldest first, by its deadline
+    q.push(2, now=60)
+    # request 0's heap entry (key 50) now tops request 2's (100): it is skipped, never admitted twice
+    assert [q.pop(now=61), q.pop(now=61)] == [1, 2] and len(q) == 0
+    for i in (2, 0, 3):
+        q.push(i, now=300)
+    q.discard(3)  # cancelled: it leaves the queue and the backlog (100 + 50) at once
+    assert len(q) == 2 and q.pop(now=450) == 2  # request 2 waited 150 >= 150: by its deadline
+    assert q.pop(now=450) == 0 and len(q) == 0
+
+
+def test_fcfs_queue_discard_leaves_the_skip_to_the_admitter():
+    q = FCFSQueue()
+    q.push(1, now=0)
+    q.discard(1)
+    assert q.pop(now=0) == 1

@@ -172,6 +172,7 @@ class Admitter:
     def forget(self, i: int) -> None:
         """Request `i` is done for good (finished or cancelled): drop what is kept about it."""
         self.reserved.pop(i, None)
+        self.queue.discard(i)
         for table in (self.prompt_lens, self.initial, self.caps):
             table.pop(i, None)
 
@@ -183,7 +184,7 @@ class Admitter:
             return float("inf")
         return self.config.kv_budget - sum(self.prompt_lens[i] + r for i, r in self.reserved.items())
 
-    def admit(self, n: int, *, now: int = 0) -> list[int]:
+    def admit(self, n: int, *, now: int) -> list[int]:
         """Up to `n` requests that fit the budget, in order (reserved as they are returned); `now`: the
         decode step (the queue's clock)."""
         picked, left = [], self._left()

@@ -162,6 +162,8 @@ def simulate_online(
         raise ValueError(f"unknown online policy {policy!r}; choose from {', '.join(ONLINE_POLICIES)}")
     if not trace:
         raise ValueError("the trace is empty")
+    if config.fcfs_slack is not None and policy in ("fcfs", "cb"):
+        raise ValueError(f"fcfs_slack orders predicted-shortest-first admission: not for policy {policy!r}")
     if policy == "fcfs":
         return _simulate_static(trace, config, cost)
     return _Continuous(trace, policy, config, cost).run()
@@ -265,7 +267,7 @@ class _Continuous:
         """With `fcfs_slack`, the heap entry of the longest-waiting request if it has waited (1 + slack) x
         the FCFS wait estimate (the predicted backlog over max_batch_size rows, in decode steps)."""
         slack = self.config.fcfs_slack
-        if slack is None or self.policy == "cb":
+        if slack is None:
             return None
         while self.by_wait[0][1] not in self.queued:
             heapq.heappop(self.by_wait)

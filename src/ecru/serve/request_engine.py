@@ -100,8 +100,9 @@ class EngineConfig:
             raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {self.prefix_cache}")
         if self.aging < 0:
             raise ValueError(f"aging must be >= 0, got {self.aging}")
-        if self.fcfs_slack is not None and self.fcfs_slack < 0:
-            raise ValueError(f"fcfs_slack must be >= 0 (None: off), got {self.fcfs_slack}")
+        if self.fcfs_slack is not None and (self.fcfs_slack < 0 or self.policy != "cb-sjf"):
+            raise ValueError(f"fcfs_slack must be >= 0 and needs policy cb-sjf (None: off), got {self.fcfs_slack} "
+                             f"with {self.policy}")  # fmt: skip
 
     def continuous(self) -> ContinuousConfig:
         """The admitter's limits."""

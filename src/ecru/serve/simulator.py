@@ -207,7 +207,7 @@ def simulate_continuous(
             running=len(running),
             refill_min=config.refill_min,
         )
-        admit = admitter.admit(n_admit)
+        admit = admitter.admit(n_admit, now=step)
         if admit:
             order += admit
             clock += cost.prefill_time(len(admit), max(trace[i].prompt_len for i in admit))

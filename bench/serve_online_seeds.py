@@ -1,0 +1,84 @@
+"""How much bench/serve_online.py's load-1.2 result for cb-sjf with MiniLM depends on the arrival draw.
+
+Replays the measurements a serve_online JSON holds (true lengths, prompt lengths, MiniLM's predictions and
+its measured time, the cost model) through the online simulator for --seeds draws of the 3,000 resampled
+requests and their Poisson arrivals at load 1.2: cb, cb-sjf with aging 0.1 and cb-sjf with the FCFS
+deadline at each --slacks value; latency ratios to cb per seed, their mean and standard deviation.
+--cost-from replays with another JSON's cost model (for instance a run on a faster machine), all else
+unchanged. No model runs: seconds.
+
+    python bench/serve_online_seeds.py --json bench/results/serve_online_seeds.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from ecru.cliargs import ArgumentParser, atomic_write_json, existing_file, positive_int, prepare_out_file
+from ecru.serve.cost import CostModel
+from ecru.serve.online import OnlineConfig, simulate_online
+from serve_online import build_trace, poisson_arrivals, resample, saturated_capacity
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def ratios_over_seeds(pp: dict, cost: CostModel, predict_s: float, configs: dict, seeds: int) -> dict:
+    """name -> per-seed (mean, p99) latency over cb's, and their mean, std, min and max."""
+    lens, plens, pred = pp["true_lengths"], pp["prompt_lens"], pp["predicted"]["minilm"]
+    base = OnlineConfig(max_new_tokens=256, token_s=cost.step_time(16, 200))
+    per = {name: [] for name in configs}
+    for seed in range(seeds):
+        idx = resample(len(lens), 3000, seed)
+        rate = 1.2 * saturated_capacity(idx, plens, lens, base, cost)
+        trace = build_trace(idx, poisson_arrivals(len(idx), rate, seed + 1), plens, lens, pred, None)
+        cb = simulate_online(trace, policy="cb", config=base, cost=cost)
+        for name, overrides in configs.items():
+            cfg = dataclasses.replace(base, predict_s=predict_s, **overrides)
+            r = simulate_online(trace, policy="cb-sjf", config=cfg, cost=cost)
+            per[name].append((r.mean_latency_s / cb.mean_latency_s, r.p99_latency_s / cb.p99_latency_s))
+    return {name: summary(rows) for name, rows in per.items()}
+
+
+def summary(rows: list[tuple[float, float]]) -> dict:
+    means, p99s = [m for m, _ in rows], [p for _, p in rows]
+    return {"per_seed_mean_x_cb": means, "per_seed_p99_x_cb": p99s, "mean_x_cb": statistics.fmean(means),
+            "mean_x_cb_std": statistics.stdev(means), "mean_x_cb_max": max(means),
+            "p99_x_cb_mean": statistics.fmean(p99s), "p99_x_cb_max": max(p99s)}  # fmt: skip
+
+
+def main(argv=None) -> None:
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True, help="write the results here")
+    ap.add_argument("--from", dest="source", type=existing_file, default=RESULTS / "serve_online.json",
+                    help="a bench/serve_online.py JSON")  # fmt: skip
+    ap.add_argument(
+        "--cost-from", type=existing_file, default=None, help="take the cost model from this JSON"
+    )
+    ap.add_argument("--seeds", type=positive_int, default=6, help="arrival draws (seeds 0 .. N-1)")
+    ap.add_argument("--slacks", default="0.1,0.15,0.2", help="comma-separated fcfs_slack values")
+    args = ap.parse_args(argv)
+    out_path = prepare_out_file(args.json, flag="--json")
+    data = json.loads(Path(args.source).read_text())
+    cost_source = json.loads(Path(args.cost_from).read_text()) if args.cost_from else data
+    cost = CostModel(**cost_source["cost_model"])
+    slacks = [float(s) for s in args.slacks.split(",")]
+    configs = {"aging 0.1": {}} | {f"fcfs_slack {s:g}": {"aging": 0.0, "fcfs_slack": s} for s in slacks}
+    predict_s = data["predictors"]["minilm"]["predict_s_per_request"]
+    result = ratios_over_seeds(data["per_prompt"], cost, predict_s, configs, args.seeds)
+    for name, r in result.items():
+        print(f"{name:>16}: mean x cb {r['mean_x_cb']:.3f} ± {r['mean_x_cb_std']:.3f} (max {r['mean_x_cb_max']:.3f}),"
+              f" p99 x cb {r['p99_x_cb_mean']:.3f} (max {r['p99_x_cb_max']:.3f})")  # fmt: skip
+    atomic_write_json(out_path, {
+        "command": "python bench/serve_online_seeds.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "source": str(args.source), "cost_model_from": str(args.cost_from or args.source),
+        "cost_model": cost.__dict__, "load": 1.2, "requests": 3000, "predictor": "minilm",
+        "predict_s_per_request": predict_s, "seeds": args.seeds, "policies": result,
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
