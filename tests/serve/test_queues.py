@@ -88,8 +88,25 @@ def test_a_deadline_admission_leaves_no_duplicate_and_a_cancelled_request_leaves
     assert q.pop(now=450) == 0 and len(q) == 0
 
 
-def test_fcfs_queue_discard_leaves_the_skip_to_the_admitter():
-    q = FCFSQueue()
-    q.push(1, now=0)
-    q.discard(1)
-    assert q.pop(now=0) == 1
+def test_a_request_waits_once_and_fcfs_discard_removes_it():
+    q = SJFQueue([5.0, 6.0], fcfs_slack=0.1)
+    q.push(0, now=0)
+    with pytest.raises(ValueError, match="already waiting"):
+        q.push(0, now=1)
+    fcfs = FCFSQueue()
+    for i in (1, 2, 3):
+        fcfs.push(i, now=0)
+    fcfs.discard(2)
+    fcfs.discard(9)  # never queued: nothing to do
+    assert len(fcfs) == 2 and [fcfs.pop(now=0), fcfs.pop(now=0)] == [1, 3]
+
+
+def test_stale_entries_are_dropped_while_requests_keep_waiting():
+    # deadline admissions leave stale heap entries behind; a queue that never empties must not keep them all
+    predicted = [100.0] + [1.0] * 2000
+    q = SJFQueue(predicted, aging=0.0, fcfs_slack=0.0, rows=1000)
+    q.push(0, now=0)
+    for i in range(1, 2001):
+        q.push(i, now=i)
+        q.pop(now=i)
+    assert len(q) == 1 and len(q._heap) + len(q._arrivals) <= 4 * len(q) + 66

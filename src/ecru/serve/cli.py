@@ -151,7 +151,7 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
         type=non_negative_float,
         default=None,
         help="cb-sjf without aging: a request that has waited (1 + S) x the wait first come first served "
-        "would now impose is admitted first (0.15 chosen on a mixed workload's validation trace, docs/serve.md)",
+        "would now impose is admitted first (here lengths are predicted by max_tokens; docs/serve.md)",
     )
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help=max_new_tokens_help)
     p.add_argument(

@@ -20,8 +20,8 @@ behind any later arrival.
 With `fcfs_slack` (the engine's `EngineConfig.fcfs_slack`), the longest-waiting request goes first once it
 has waited (1 + fcfs_slack) x the wait first-come-first-served would now impose: the backlog of predicted
 tokens (waiting requests' predictions, running rows' predicted remainders) over `max_batch_size` rows, in
-decode steps. Shortest-first keeps the short requests' gain while no request waits much longer than FCFS
-would have made it (`queues.SJFQueue`).
+decode steps. Shortest-first keeps the short requests' gain while each wait stays bounded relative to the
+current predicted backlog (`queues.SJFQueue`).
 
 Costs (`CostModel`): one prefill per admission over the widest (prompt + tokens kept) row, one decode step
 per token over the padded cache (rows x widest row, the engine's left-padded layout, which is also

@@ -45,7 +45,8 @@ class FCFSQueue:
         return self._items.popleft()
 
     def discard(self, index: int) -> None:
-        pass  # popped in its turn; the admitter skips a request it has forgotten
+        if index in self._items:
+            self._items.remove(index)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -64,9 +65,9 @@ class SJFQueue:
     With `fcfs_slack`, the longest-waiting request is admitted first once it has waited (1 + fcfs_slack) x
     the wait first-come-first-served would now impose: the backlog of predicted tokens (the waiting
     requests' predictions plus `running_tokens()`, the running rows' predicted remainders) over `rows`
-    decode rows, in decode steps. Short requests still go first, but no request waits much longer than
-    FCFS would have made it: a bound on the tail that, unlike aging, does not turn the order into FCFS
-    under a backlog (use it with aging 0). The estimate counts requests that arrived after the waiting
+    decode rows, in decode steps. Short requests still go first, while a request's wait stays bounded
+    relative to the current predicted backlog: a bound on the tail that, unlike aging, does not turn the
+    order into FCFS under a backlog (use it with aging 0). The estimate counts requests that arrived after the waiting
     one, so under a sustained load above 1 + 1 / (1 + fcfs_slack) times the capacity (1.87 at 0.15) it
     grows as fast as the wait and the bound recedes until arrivals slow; aging bounds the wait there.
     """
@@ -90,6 +91,8 @@ class SJFQueue:
         self._count = 0
 
     def push(self, index: int, *, now: int) -> None:
+        if index in self._count_of:
+            raise ValueError(f"request {index} is already waiting")
         # the counter breaks ties in arrival order
         p = float(self.predicted[index])
         heapq.heappush(self._heap, (p + self.aging * now, self._count, index))
@@ -116,6 +119,10 @@ class SJFQueue:
             self._heap.clear()
             self._arrivals.clear()
             self._waiting_tokens = 0.0
+        elif len(self._heap) + len(self._arrivals) > 4 * len(self._live) + 64:  # stale entries pile up
+            self._heap = [e for e in self._heap if e[1] in self._live]
+            heapq.heapify(self._heap)
+            self._arrivals = deque(e for e in self._arrivals if e[1] in self._live)
 
     def _shortest(self) -> tuple[int, int]:
         while self._heap[0][1] not in self._live:  # taken by its deadline earlier
