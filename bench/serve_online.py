@@ -42,7 +42,7 @@ from scipy.stats import spearmanr
 from ecru.cliargs import ArgumentParser, atomic_write_json, positive_int, prepare_out_file
 from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
-from ecru.serve.online import OnlineConfig, OnlineRequest, simulate_online
+from ecru.serve.online import OnlineConfig, OnlineRequest, poisson_arrivals, simulate_online
 from ecru.serve.predictors import ConstantPredictor, ProbePredictor, ridge_fit, timed_predict
 from ecru.serve.prompts import encode_chat
 from ecru.serve.remaining import RemainingProbe, answer_states
@@ -135,14 +135,6 @@ def remaining_metrics(traj, lengths, *, every, cap) -> dict:
 def resample(n_prompts: int, n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(n_prompts) for _ in range(n)]
-
-
-def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
 
 
 def build_trace(idx, arrivals, prompt_lens, lengths, predicted, traj) -> list[OnlineRequest]:

@@ -45,7 +45,7 @@ from ecru.cliargs import (
 from ecru.serve import MiniLMPredictor
 from ecru.serve.cost import measure_cost_model
 from ecru.serve.models import ServedModel
-from ecru.serve.online import OnlineConfig, OnlineRequest, simulate_online
+from ecru.serve.online import OnlineConfig, OnlineRequest, poisson_arrivals, simulate_online
 from ecru.serve.prompts import encode_chat
 from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
@@ -56,14 +56,6 @@ RESULTS = Path(__file__).parent / "results"
 def read_labels(path: Path, cap: int) -> tuple[list[str], list[int]]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [r["prompt"] for r in rows], [min(cap, r["lengths"][0]) for r in rows]
-
-
-def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
 
 
 def policies(slack: float) -> dict[str, tuple[str, dict]]:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from ecru.cliargs import ArgumentParser, atomic_write_json, existing_file, positive_int, prepare_out_file
 from ecru.serve.cost import CostModel
-from ecru.serve.online import OnlineConfig, simulate_online
-from serve_online import build_trace, poisson_arrivals, resample, saturated_capacity
+from ecru.serve.online import OnlineConfig, poisson_arrivals, simulate_online
+from serve_online import build_trace, resample, saturated_capacity
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -41,13 +41,18 @@ def test_static_table_oracle_beats_fcfs_and_charges_prediction(bench):
     assert out["slow"]["sorted"] < out["perfect"]["sorted"]  # 100 s per request charged
 
 
-def test_online_tables_report_every_policy_at_every_load(bench):
+def small_online_tables(bench, **kw) -> dict:
+    """online_tables on 40 prompts of four lengths, perfect free probe predictions and re-predictions."""
     lengths = [3, 60, 8, 120] * 10
     idx = bench.resample(len(lengths), 200, seed=0)
     preds = {"constant": ([50.0] * 40, 0.0), "probe": (list(map(float, lengths)), 0.0)}
     traj = [[n - t for t in range(0, n, 16)] for n in lengths]
     base = OnlineConfig(max_batch_size=4, max_new_tokens=128, token_s=1.0)
-    out = bench.online_tables(idx, [5] * 40, lengths, preds, traj, 0.0, base, UNIT, seed=0)
+    return bench.online_tables(idx, [5] * 40, lengths, preds, traj, 0.0, base, UNIT, seed=0, **kw)
+
+
+def test_online_tables_report_every_policy_at_every_load(bench):
+    out = small_online_tables(bench)
     assert set(out["loads"]) == {"0.8", "1.2", "2.0"}
     for load in out["loads"].values():
         pols = load["policies"]
@@ -61,12 +66,7 @@ def test_online_tables_report_every_policy_at_every_load(bench):
 
 
 def test_online_tables_with_a_slack_add_the_fcfs_deadline_policies(bench):
-    lengths = [3, 60, 8, 120] * 10
-    idx = bench.resample(len(lengths), 200, seed=0)
-    preds = {"constant": ([50.0] * 40, 0.0), "probe": (list(map(float, lengths)), 0.0)}
-    traj = [[n - t for t in range(0, n, 16)] for n in lengths]
-    base = OnlineConfig(max_batch_size=4, max_new_tokens=128, token_s=1.0)
-    out = bench.online_tables(idx, [5] * 40, lengths, preds, traj, 0.0, base, UNIT, seed=0, slack=0.2)
+    out = small_online_tables(bench, slack=0.2)
     pols = out["loads"]["1.2"]["policies"]
     assert {"cb-sjf[fcfs-slack]", "cb-srpt[fcfs-slack]", "cb-sjf[at-arrival][fcfs-slack]",
             "oracle-srpt[no-preempt][fcfs-slack]"} <= set(pols)  # fmt: skip

@@ -35,6 +35,7 @@ prompt-only prediction rides on the prompt's own prefill, done when it arrives; 
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -152,6 +153,15 @@ def _result(policy, trace, finish, tokens, clock, peak_kv, preemptions) -> Onlin
         preemptions=preemptions,
         latencies=lat,
     )
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """`n` arrival times (seconds) of a Poisson stream of `rate` requests per second."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
 
 
 def simulate_online(
