@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ecru.serve.cost import CostModel
-from ecru.serve.queues import DEFAULT_AGING
+from ecru.serve.queues import DEFAULT_AGING, past_fcfs_deadline
 
 ONLINE_POLICIES = ("fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt")
 
@@ -283,7 +283,7 @@ class _Continuous:
             heapq.heappop(self.by_wait)
         began, _, entry = self.by_wait[0]
         backlog = self.queued_tokens + sum(map(self._remaining, self.running))
-        if self.steps - began < (1 + slack) * backlog / self.config.max_batch_size:
+        if not past_fcfs_deadline(self.steps - began, backlog, rows=self.config.max_batch_size, slack=slack):
             return None
         return heapq.heappop(self.by_wait)[2]
 

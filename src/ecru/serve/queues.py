@@ -59,6 +59,12 @@ shortest-first's mean-latency gain while bounding a long request's wait behind l
 prediction / 0.1 steps (`bench/serve_online.py`'s aging sweep, mixed workload, load 1.2)."""
 
 
+def past_fcfs_deadline(waited: float, backlog: float, *, rows: int, slack: float) -> bool:
+    """Whether a request that has waited `waited` decode steps is past its FCFS deadline: (1 + slack) x the
+    wait first come first served would now impose, `backlog` predicted tokens over `rows` decode rows."""
+    return waited >= (1 + slack) * backlog / rows
+
+
 class SJFQueue:
     """Shortest predicted job first, aged by `aging` tokens of priority per decode step waited.
 
@@ -137,7 +143,7 @@ class SJFQueue:
             self._arrivals.popleft()
         pushed, count, index = self._arrivals[0]
         backlog = self._waiting_tokens + self.running_tokens()
-        if now - pushed < (1 + self.fcfs_slack) * backlog / self.rows:
+        if not past_fcfs_deadline(now - pushed, backlog, rows=self.rows, slack=self.fcfs_slack):
             return None
         self._arrivals.popleft()
         return count, index
