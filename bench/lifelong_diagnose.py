@@ -88,6 +88,9 @@ def build_cache(args) -> dict:
     out["scores"] = enc.scores(ev.texts, ev.names)  # the method's own scores after the last task
     print(f"encoded eval: {len(ev.texts)} texts", file=sys.stderr, flush=True)
     out["train_frozen"] = enc.frozen(train_texts)
+    out["train_adapted"] = torch.cat(  # each training text through its own task's adapter
+        [enc._embed([e.text for e in t.train], i, batch_size=64) for i, t in enumerate(stream.tasks)]
+    )
     print(f"encoded train: {len(train_texts)} texts", file=sys.stderr, flush=True)
     return out
 

@@ -24,7 +24,13 @@ from sklearn.metrics import roc_auc_score
 from ecru.lifelong.methods.base import TrainConfig
 from ecru.lifelong.methods.registry import ROUTED
 from ecru.lifelong.methods.routed import OFFSET
-from ecru.lifelong.router import class_statistics, loo_prototype_scores, pooled_lda_head, routing_threshold
+from ecru.lifelong.router import (
+    class_prototypes,
+    class_statistics,
+    loo_prototype_scores,
+    pooled_lda_head,
+    routing_threshold,
+)
 
 SCALE = TrainConfig().scale  # the adapters' inverse temperature, as trained
 
@@ -52,6 +58,7 @@ class Cache:
         train_col = torch.tensor([col[g] for g in c["train_gold"]])
         self.train = (c["train_frozen"].double(), torch.tensor(c["train_task"]), train_col)
         self._lda: dict[int, torch.Tensor] = {}
+        self.AP = adapter_prototypes(c, self) if "train_adapted" in c else None
         self._class_thresholds: dict[float, torch.Tensor] = {}
 
     def learned(self, k: int) -> torch.Tensor:
@@ -63,6 +70,20 @@ class Cache:
             w, b = lda_head_after(self.train, self.cols, k)
             self._lda[k] = self.F @ w.T.to(self.F.dtype) + b.to(self.F.dtype)
         return self._lda[k]
+
+
+def adapter_prototypes(raw: dict, c: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each task's adapter prototypes and their counts (`RoutedAdapters._adapter_prototypes`) from the cache's
+    training texts through their own task's adapter (`train_adapted`, caches built since them)."""
+    _, task, col = c.train
+    out = []
+    for t in range(c.T):
+        rows = task == t
+        index = {int(g): k for k, g in enumerate(c.cols[t])}
+        local = torch.tensor([index[int(g)] for g in col[rows]])
+        out.append((class_prototypes(raw["train_adapted"][rows], local, len(c.cols[t])),
+                    torch.bincount(local, minlength=len(c.cols[t])).float()))  # fmt: skip
+    return out
 
 
 def lda_head_after(
@@ -130,9 +151,12 @@ def rejected_per_class(c: Cache, k: int, percentile: float) -> torch.Tensor:
 
 def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight: float = 0.0,
            margin: float = 0.0, penalty: float = 2.0, percentile: float | None = None,
-           class_percentile: float | None = None) -> torch.Tensor:  # fmt: skip
+           class_percentile: float | None = None, adapter_prototype_weight: float = 0.0,
+           adapter_prototype_support: float = 8.0) -> torch.Tensor:  # fmt: skip
     """`RoutedEncoder.scores` after k tasks: route by prototypes or LDA, the prototype threshold, task then
-    class with the blend (1 - w) adapter cosine + w prototype cosine + lda_weight / scale x LDA logit.
+    class with the blend (1 - w) adapter cosine + w prototype cosine + lda_weight / scale x LDA logit
+    + w_c x the adapter cosine to label c's adapter prototype, w_c = adapter_prototype_weight x n_c / (n_c +
+    adapter_prototype_support) for n_c training texts (needs `train_adapted`).
     `class_percentile` (LDA route): reject by the best class's own threshold instead of the task's."""
     s = c.F @ c.NE.T
     proto = torch.stack([(c.F @ c.P[t].T).max(-1).values for t in range(k)], -1)
@@ -154,6 +178,11 @@ def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight
         blend = (1 - w) * c.A[t, rows] @ c.NE[own].T + w * c.F[rows] @ c.P[t].T
         if lda_weight:
             blend = blend + lda_weight / SCALE * c.lda(k)[rows][:, c.label_task[c.learned(k)] == t]
+        if adapter_prototype_weight:
+            protos, n = c.AP[t]
+            blend = blend + c.A[t, rows] @ protos.T * adapter_prototype_weight * n / (
+                n + adapter_prototype_support
+            )
         block = s[rows].clone()
         other = learned.clone()
         other[own] = False
@@ -182,7 +211,7 @@ RULES = {
     "prototype route, blend 0.7": lambda c, k: routed(c, k, w=0.7),
     "LDA route, blend 0.5": lambda c, k: routed(c, k, route="lda"),
     "prototype route, adapter + LDA 0.05": lambda c, k: routed(c, k, w=0.0, lda_weight=0.05),
-    "routed-lora (LDA route, adapter + LDA 0.05)": lambda c, k: routed(c, k, route="lda", w=0.0, lda_weight=0.05),
+    "LDA route, adapter + LDA 0.05 (routed-lora before adapter prototypes)": lambda c, k: routed(c, k, route="lda", w=0.0, lda_weight=0.05),
     **{
         f"routed-lora, rejection threshold at percentile {q}": (
             lambda c, k, q=q: routed(c, k, route="lda", w=0.0, lda_weight=0.05, percentile=q)
@@ -206,6 +235,20 @@ RULES = {
         c, k, route="lda", w=0.0, lda_weight=0.05, penalty=0.05
     ),
 }  # fmt: skip
+
+
+PRESET = "routed-lora (LDA route, adapter + LDA 0.05 + adapter prototypes 1.5, half at 8)"
+ADAPTER_PROTOTYPE_RULES = {
+    f"LDA route, adapter + LDA 0.05 + adapter prototypes {w}, half at {n:g}": (
+        lambda c, k, w=w, n=n: routed(c, k, route="lda", w=0.0, lda_weight=0.05, adapter_prototype_weight=w,
+                                      adapter_prototype_support=n)
+    )
+    for w in (1.0, 1.5, 2.0) for n in (4.0, 8.0, 16.0)
+}  # fmt: skip
+"""Rules that need the training texts through their adapters (caches with `train_adapted`)."""
+ADAPTER_PROTOTYPE_RULES[PRESET] = ADAPTER_PROTOTYPE_RULES.pop(
+    "LDA route, adapter + LDA 0.05 + adapter prototypes 1.5, half at 8"
+)
 
 
 def _acc(c: Cache, s: torch.Tensor, lo: int, hi: int, cand: torch.Tensor) -> float:
@@ -294,7 +337,9 @@ def own_rule_matches(c: Cache) -> bool | None:
         return None
     cfg = c.raw.get("method_config", {})
     if cfg.get("router", "prototypes") == "lda":
-        want = routed(c, c.T, route="lda", w=cfg.get("prototype_weight", 0.0), lda_weight=cfg["lda_weight"])
+        want = routed(c, c.T, route="lda", w=cfg.get("prototype_weight", 0.0), lda_weight=cfg["lda_weight"],
+                      adapter_prototype_weight=cfg.get("adapter_prototype_weight", 0.0),
+                      adapter_prototype_support=cfg.get("adapter_prototype_support", 8.0))  # fmt: skip
     else:
         want = routed(c, c.T, w=cfg.get("prototype_weight", 0.5))
     return bool(torch.allclose(want, c.raw["scores"], atol=1e-4))
@@ -302,17 +347,19 @@ def own_rule_matches(c: Cache) -> bool | None:
 
 def analyse(path: Path) -> dict:
     c = Cache(path)
-    ours, proto = (
-        "routed-lora (LDA route, adapter + LDA 0.05)",
+    rules = RULES | (ADAPTER_PROTOTYPE_RULES if c.AP is not None else {})
+    proto, lda = (
         "routed-lora-proto (prototype route, blend 0.5)",
+        "LDA route, adapter + LDA 0.05 (routed-lora before adapter prototypes)",
     )
+    ours = PRESET if c.AP is not None else lda
     # the thresholds recomputed from the cache at the preset's percentile are the router's own
     same = bool(torch.allclose(thresholds_at(c, ROUTED["routed-lora"].percentile), c.TH, atol=1e-5))
     return {"cache": str(path), "config": c.raw["config"], "own_rule_matches": own_rule_matches(c),
             "thresholds_match_router": same,
-            "rules": {name: metrics(c, rule) for name, rule in RULES.items()},
-            "error_split": {name: error_split(c, RULES[name]) for name in ("ncm", proto, ours)},
-            "heldout_breakdown": {name: heldout_breakdown(c, RULES[name]) for name in (proto, ours)},
+            "rules": {name: metrics(c, rule) for name, rule in rules.items()},
+            "error_split": {name: error_split(c, rules[name]) for name in dict.fromkeys(("ncm", proto, lda, ours))},
+            "heldout_breakdown": {name: heldout_breakdown(c, rules[name]) for name in dict.fromkeys((proto, ours))},
             "open_set_auroc": open_set_auroc(c)}  # fmt: skip
 
 

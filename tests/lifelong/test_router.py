@@ -388,3 +388,46 @@ def test_the_rules_bench_per_class_threshold_is_the_lowest_leave_one_out_cosine_
         loo = [F.cosine_similarity(emb[i], emb[[j for j in rows if j != i]].mean(0), dim=0) for i in rows]
         torch.testing.assert_close(got[g], min(loo), atol=1e-6, rtol=0)
     assert got[1] == float("-inf") and got[3] == float("-inf")  # no text, one text: never rejects
+
+
+def test_adapter_prototypes_are_class_means_through_the_task_s_own_adapter(routed):
+    from ecru.lifelong.router import class_prototypes
+
+    method, stream = routed
+    enc = method.encoder()
+    for t, task in enumerate(stream.tasks):
+        texts = [e.text for e in task.train]
+        labels = torch.tensor([task.intents.index(e.label) for e in task.train])
+        want = class_prototypes(enc.for_task(t).encode(texts), labels, len(task.intents))
+        protos, counts = method._adapter_prototypes(texts, labels, t, len(task.intents))
+        torch.testing.assert_close(protos, want)
+        assert counts.tolist() == torch.bincount(labels).float().tolist()
+        if method.cfg.adapter_prototype_weight > 0:  # the preset keeps them from training
+            torch.testing.assert_close(method.adapter_prototypes[t][0], want, atol=1e-5, rtol=0)
+
+
+def test_adapter_prototype_weight_adds_the_adapter_cosine_to_them_within_the_task(routed):
+    method, stream = routed
+    task = stream.tasks[1]
+    cards = [humanize_intent(i) for i in task.intents]
+    texts = [e.text for e in task.test] + [e.text for e in stream.tasks[0].train][:10]
+    frozen, names = load_minilm().encode(texts), load_minilm().encode(cards)
+    labels = torch.tensor([task.intents.index(e.label) for e in task.train])
+    protos, counts = method._adapter_prototypes([e.text for e in task.train], labels, 1, len(task.intents))
+    counts[0] = 1.0  # a label with fewer texts: its prototype weighs less
+    for weight, support in ((1.0, 8.0), (50.0, 8.0), (50.0, 0.0)):
+        enc = _variant(
+            method, adapter_prototype_weight=weight, adapter_prototype_support=support, lda_weight=0.05
+        )
+        enc.m.adapter_prototypes[1] = (protos, counts)
+        emb = enc.for_task(1).encode(texts)
+        w = weight * counts / (counts + support)
+        blend = emb @ names.T + 0.05 / TRAIN.scale * method.router.logits(frozen, 1) + emb @ protos.T * w
+        torch.testing.assert_close(enc.for_task(1).scores(texts, cards).argmax(-1), blend.argmax(-1))
+    # a task kept without them (a store written before) is scored without the term
+    enc = _variant(method, adapter_prototype_weight=1.0, lda_weight=0.05)
+    enc.m.adapter_prototypes = [None] * len(stream.tasks)
+    plain = _variant(method, lda_weight=0.05)
+    torch.testing.assert_close(enc.for_task(1).scores(texts, cards), plain.for_task(1).scores(texts, cards))
+    with pytest.raises(EcruError, match="adapter_prototype_weight"):
+        RoutedConfig(adapter_prototype_weight=-1.0)

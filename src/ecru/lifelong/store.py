@@ -9,7 +9,8 @@ Layout (all written atomically; `store.json` is the commit point):
 - `store.json`: format version, the encoder (path and fingerprint), the method's config, the task list.
 - `tasks/<folder>/`: one standard peft LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`),
   the task's router state (`router.safetensors`: its class prototypes and threshold; with the LDA router also
-  its class means, within-class scatter, count and fourth moment sum) and `labels.json`
+  its class means, within-class scatter, count and fourth moment sum; with `routed-lora` also its adapter
+  prototypes, the class means through the task's own adapter) and `labels.json`
   (the labels as written and the names the zero-shot head embeds, `ecru.lifelong.userdata.label_name`).
 
 Relearning a task writes a new folder, then swaps `store.json` to it, then deletes the old folder: a reader
@@ -159,11 +160,10 @@ class KnowledgeStore:
             method = _new_method(self.model_record, self._config())
             for t in (self.manifest or {}).get("tasks", []):
                 folder = self.path / "tasks" / t["folder"]
-                method.add_trained(
-                    load_file(folder / "adapter_model.safetensors"),
-                    _router_state(load_file(folder / "router.safetensors")),
-                    t["names"],
-                )
+                router = load_file(folder / "router.safetensors")
+                kept = tuple(router.pop(k) for k in ADAPTER_PROTOTYPES if k in router)
+                method.add_trained(load_file(folder / "adapter_model.safetensors"), _router_state(router),
+                                   t["names"], kept if len(kept) == 2 else None)  # fmt: skip
             self._method = method
         return self._method
 
@@ -234,8 +234,9 @@ class KnowledgeStore:
             cost = method.learn(Task(task, tuple(names), examples, ()), index=0)
         except ValueError as exc:  # e.g. no label with two examples to calibrate the router's threshold
             raise EcruError(f"task {task!r}: {exc}") from None
-        weights, lora, router = method.export_task(0)
-        return {"weights": weights, "lora": lora, "router": router, "names": names,
+        weights, lora, router, adapter_prototypes = method.export_task(0)
+        return {"weights": weights, "lora": lora, "router": router, "adapter_prototypes": adapter_prototypes,
+                "names": names,
                 "labels": [by_name[n] for n in names], "examples": len(records),
                 "trainable_params": cost.trainable_params, "config": cfg}  # fmt: skip
 
@@ -300,6 +301,12 @@ ROUTER_FILE_KEYS = {"thresholds": "threshold", "scatters": "scatter", "counts": 
 LDA router, means keep their names)."""
 
 
+ADAPTER_PROTOTYPES = ("adapter_prototypes", "adapter_counts")
+"""In `router.safetensors` with the preset that scores with them (`RoutedConfig.adapter_prototype_weight`):
+[labels x dim], each label's normalised mean of its training texts through the task's adapter, and [labels]
+the number of those texts."""
+
+
 def _router_state(tensors: dict[str, Any]) -> dict[str, list]:
     """One task's router state, as the method's `state_dict` holds it, from its `router.safetensors`."""
     back = {v: k for k, v in ROUTER_FILE_KEYS.items()}
@@ -318,6 +325,8 @@ def _write_task(folder: Path, trained: dict[str, Any], model_record: dict[str, s
     save_file({k: v.contiguous() for k, v in trained["weights"].items()}, folder / "adapter_model.safetensors",
               metadata={"format": "pt"})  # fmt: skip
     router = {ROUTER_FILE_KEYS.get(k, k): torch.as_tensor(v[0]) for k, v in trained["router"].items()}
+    if trained["adapter_prototypes"] is not None:
+        router |= dict(zip(ADAPTER_PROTOTYPES, trained["adapter_prototypes"], strict=True))
     save_file({k: (v.double() if v.ndim == 0 else v.float()).contiguous() for k, v in router.items()},
               folder / "router.safetensors")  # fmt: skip
     (folder / "labels.json").write_text(

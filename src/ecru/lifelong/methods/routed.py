@@ -45,7 +45,7 @@ from ecru.lifelong.methods.base import (
 )
 from ecru.lifelong.prefix import FrozenPrefix, PrefixCachedEncoder
 from ecru.lifelong.reference import TeacherCache
-from ecru.lifelong.router import FROZEN, LDARouter, PrototypeRouter, Router, TaskRouter
+from ecru.lifelong.router import FROZEN, LDARouter, PrototypeRouter, Router, TaskRouter, class_prototypes
 from ecru.lifelong.stream import Task
 from ecru.models import MiniLM
 
@@ -87,6 +87,14 @@ class RoutedConfig:
     lda_weight: float = 0.0
     """With router="lda": among a routed task's labels, add lda_weight / scale x the text's LDA logit to the
     score; the order is that of the product of softmax(scale x score) and softmax(lda_weight x LDA logit)."""
+    adapter_prototype_weight: float = 0.0
+    """Among a routed task's labels, add w_c x the cosine of the text through the task's adapter to label c's
+    adapter prototype: the normalised mean of c's training texts through the same adapter, computed once after
+    training (C x D floats and C counts per task). The adapter was trained towards the label names; its own
+    class means add what the names miss. w_c = this x n_c / (n_c + `adapter_prototype_support`) for a label
+    with n_c training texts: a mean of few texts weighs less."""
+    adapter_prototype_support: float = 8.0
+    """Training texts at which a label's adapter prototype gets half of `adapter_prototype_weight`."""
     margin: float | None = None
     """None: a text routed to task t takes one of t's labels whenever one is a candidate. A number m: only if
     the frozen model's best score for any of t's labels plus m reaches its best score for the candidates no
@@ -135,6 +143,9 @@ class RoutedConfig:
             raise EcruError(f"lda_weight must be >= 0; got {self.lda_weight}")
         if self.lda_weight > 0 and self.router != "lda":
             raise EcruError("lda_weight needs router='lda' (the discriminant it adds)")
+        if not (self.adapter_prototype_weight >= 0 and self.adapter_prototype_support >= 0):
+            raise EcruError("adapter_prototype_weight and adapter_prototype_support must be >= 0; got "
+                            f"{self.adapter_prototype_weight}, {self.adapter_prototype_support}")  # fmt: skip
         if not self.reject_penalty >= 0:
             raise EcruError(f"reject_penalty must be >= 0; got {self.reject_penalty}")
         if self.reject_penalty > 0 and self.margin is None:
@@ -262,6 +273,11 @@ class RoutedEncoder:
             blend = (1 - w) * blend + w * frozen @ self.m.router.prototypes[task].to(frozen.dtype).T
         if self.m.cfg.lda_weight > 0:
             blend = blend + self.m.cfg.lda_weight / self.m.train.scale * self.m.router.logits(frozen, task)
+        if self.m.cfg.adapter_prototype_weight > 0 and self.m.adapter_prototypes[task] is not None:
+            protos, counts = self.m.adapter_prototypes[task]
+            blend = blend + emb @ protos.to(emb.dtype).T * self.m.adapter_prototype_weights(counts).to(
+                emb.dtype
+            )
         if self.m.cfg.margin is None or not gate:
             block = block - OFFSET
             block[:, own] = blend[:, cols]
@@ -318,6 +334,9 @@ class RoutedAdapters:
         self.name, self.model, self.train, self.cfg, self.teacher = name, model, train, cfg, teacher
         self.adapters: list[str] = []
         self.names: list[list[str]] = []  # each learned task's intent names, as classified among
+        # each learned task's class means through its own adapter and their counts (None: not kept, as in stores
+        # made before)
+        self.adapter_prototypes: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.router: TaskRouter = _make_router(cfg)
         layers = len(self.prefix_model_layers(model))
         if max(cfg.layers) >= layers:
@@ -416,8 +435,22 @@ class RoutedAdapters:
         cost = fit(trainable(self.peft), steps, loss_fn, lr=self.cfg.lr, total=num_steps(len(items), self.train),
                    desc=f"{self.name} task {index + 1} ({task.name})", progress=self.train.progress)  # fmt: skip
         self.model.eval()
+        self.adapter_prototypes.append(self._adapter_prototypes(texts, labels, index, len(task.intents)))
         self.prefix.drop(texts)  # this task's utterances will not come back
         return cost
+
+    @torch.no_grad()
+    def _adapter_prototypes(self, texts: list[str], labels: torch.Tensor, index: int, classes: int):
+        """The normalised class means [classes, D] of `texts` through task `index`'s (trained) adapter and the
+        texts per class [classes], or None when the preset does not score with them."""
+        if self.cfg.adapter_prototype_weight == 0:
+            return None
+        emb = self.encoder()._embed(texts, index, batch_size=64)
+        return class_prototypes(emb, labels, classes), torch.bincount(labels, minlength=classes).float()
+
+    def adapter_prototype_weights(self, counts: torch.Tensor) -> torch.Tensor:
+        """w_c of each label with `counts` training texts (`RoutedConfig.adapter_prototype_weight`)."""
+        return self.cfg.adapter_prototype_weight * counts / (counts + self.cfg.adapter_prototype_support)
 
     def state_dict(self) -> dict[str, Any]:
         learned = self.adapters[: len(self.router)]
@@ -427,6 +460,7 @@ class RoutedAdapters:
             "weights": weights,
             "router": self.router.state_dict(),
             "names": [list(n) for n in self.names],
+            "adapter_prototypes": list(self.adapter_prototypes),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -444,10 +478,12 @@ class RoutedAdapters:
         self.peft.load_state_dict(state["weights"], strict=False)
         self.router.load_state_dict(state["router"])
         self.names = names
+        self.adapter_prototypes = list(state.get("adapter_prototypes", [None] * len(names)))
 
-    def add_trained(self, weights: dict[str, torch.Tensor], router: dict[str, Any], names: list[str]) -> None:
+    def add_trained(self, weights: dict[str, torch.Tensor], router: dict[str, Any], names: list[str],
+                    adapter_prototypes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
         """Append a task trained elsewhere: its adapter `weights` as peft saves them (`export_task`), its router
-        state (one task's) and its label names."""
+        state (one task's), its label names and its adapter prototypes with their counts (None: not kept)."""
         index = len(self.router)
         if index >= len(self.adapters):
             self._add_adapter(index)
@@ -459,17 +495,22 @@ class RoutedAdapters:
         merged = {k: [*v, *one.state_dict()[k]] for k, v in self.router.state_dict().items()}
         self.router.load_state_dict(merged)
         self.names.append(list(names))
+        self.adapter_prototypes.append(adapter_prototypes)
         self.peft.base_model.set_adapter(self.adapters[index])
         self.model.eval()
 
-    def export_task(self, index: int) -> tuple[dict[str, torch.Tensor], Any, dict[str, Any]]:
-        """Task `index`'s adapter weights (peft's saved form), its peft config and its router state."""
+    def export_task(
+        self, index: int
+    ) -> tuple[dict[str, torch.Tensor], Any, dict[str, Any], tuple[torch.Tensor, torch.Tensor] | None]:
+        """Task `index`'s adapter weights (peft's saved form), its peft config, its router state and its
+        adapter prototypes with their counts (None: not kept)."""
         weights = get_peft_model_state_dict(self.peft, adapter_name=self.adapters[index])
         state = self.router.state_dict()
         return (
             weights,
             self.peft.peft_config[self.adapters[index]],
             {k: v[index : index + 1] for k, v in state.items()},
+            self.adapter_prototypes[index],
         )
 
 
