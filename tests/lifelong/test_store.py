@@ -254,6 +254,9 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
     assert {"prototypes", "threshold", "means", "scatter", "count", "fourth"} <= set(
         saved
     )  # the LDA router's
+    labels = json.loads((folder / "labels.json").read_text())["labels"]
+    assert saved["adapter_prototypes"].shape == (len(labels), saved["prototypes"].shape[1])
+    assert saved["adapter_counts"].sum() == store.manifest["tasks"][0]["examples"]
     texts = [r.text for r in read_records(data["banking_test"], labels=True)]
     want = [p.label for p in store.predict(texts)]
     # a store written before the LDA router: prototype router config, router files with prototypes only
@@ -279,3 +282,20 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
         len(got) == len(texts)
         and sum(p.label == w for p, w in zip(got, want, strict=True)) >= len(texts) // 2
     )
+    # a store written with the LDA router before the adapter prototypes: no adapter_* tensors, no such config
+    lda = tmp_path / "lda"
+    shutil.copytree(store.path, lda)
+    manifest = json.loads((lda / "store.json").read_text())
+    manifest["config"] = {
+        k: v for k, v in manifest["config"].items() if not k.startswith("adapter_prototype")
+    }
+    (lda / "store.json").write_text(json.dumps(manifest))
+    for t in manifest["tasks"]:
+        f = lda / "tasks" / t["folder"] / "router.safetensors"
+        keep = load_file(f)
+        save_file({k: v for k, v in keep.items() if not k.startswith("adapter_")}, f)
+    lda_store = KnowledgeStore(lda)
+    before = lda_store.predict(texts)
+    assert lda_store.method().adapter_prototypes == [None] * len(manifest["tasks"])
+    assert lda_store.method().cfg.adapter_prototype_weight == 0.0
+    assert sum(p.label == w for p, w in zip(before, want, strict=True)) >= len(texts) // 2
