@@ -9,7 +9,8 @@ Then `python bench/lifelong_rules.py CACHE...` scores decision rules on the cach
 evaluation texts (every task's val texts, then the Banking77 probe), the frozen embeddings, each learned
 adapter's embeddings (an adapter never changes after its task, so the final adapters give every row of the
 accuracy matrix) and the method's own scores after the last task; for the training texts, their frozen
-embeddings (the LDA rules' statistics); and the frozen embeddings of every label name and the router's state.
+embeddings (the LDA rules' statistics) and their embeddings through their own task's adapter (`train_adapted`:
+the adapter prototypes); and the frozen embeddings of every label name and the router's state.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--skip-train-adapted",
         action="store_true",
-        help="no effect (training texts are no longer encoded through the adapters: no rule read them); kept so "
-        "recorded commands run and the cache's recorded config keeps its fields",
+        help="no effect (once: skip the training texts through every adapter; now each goes through its own "
+        "task's adapter only, `train_adapted`); kept so recorded commands run and the cache's config keeps its fields",
     )
     p.add_argument("--epochs", type=int, default=2, help="epochs per task")
     p.add_argument("--config", default="", metavar="K=V[;K=V]", help="routed-lora preset fields to replace")
@@ -72,15 +73,20 @@ def build_cache(args) -> dict:
     for i, task in enumerate(stream.tasks):
         m.learn(task, index=i)
         print(f"learned {task.name}", file=sys.stderr, flush=True)
-    torch.set_grad_enabled(False)
+    return cache_of(m, stream, ev, vars(args) | {"cache": str(args.cache)})
+
+
+@torch.no_grad()
+def cache_of(m, stream, ev: Evaluator, config: dict) -> dict:
+    """The cache of a `routed-lora` method `m` trained on every task of `stream` (`ev` its evaluator)."""
     enc = m.encoder()
     train_texts = [e.text for t in stream.tasks for e in t.train]
     out: dict = {"names": ev.names, "task_names": ev.task_names, "heldout_names": ev.heldout_names,
                  "gold": ev.gold, "spans": ev.spans, "name_emb": enc.frozen(ev.names),
                  "train_task": [i for i, t in enumerate(stream.tasks) for _ in t.train],
                  "train_gold": [humanize_intent(e.label) for t in stream.tasks for e in t.train],
-                 "router": m.router.state_dict(), "config": vars(args) | {"cache": str(args.cache)},
-                 "method_config": dataclasses.asdict(config)}  # fmt: skip
+                 "router": m.router.state_dict(), "config": config,
+                 "method_config": dataclasses.asdict(m.cfg)}  # fmt: skip
     out["eval_frozen"] = enc.frozen(ev.texts)
     out["eval_adapted"] = torch.stack(
         [enc._embed(ev.texts, t, batch_size=64) for t in range(len(stream.tasks))]

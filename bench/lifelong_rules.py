@@ -237,7 +237,9 @@ RULES = {
 }  # fmt: skip
 
 
-PRESET = "routed-lora (LDA route, adapter + LDA 0.05 + adapter prototypes 1.5, half at 8)"
+_P = ROUTED["routed-lora"]
+PRESET = (f"routed-lora (LDA route, adapter + LDA {_P.lda_weight:g} + adapter prototypes "
+          f"{_P.adapter_prototype_weight:g}, half at {_P.adapter_prototype_support:g})")  # fmt: skip
 ADAPTER_PROTOTYPE_RULES = {
     f"LDA route, adapter + LDA 0.05 + adapter prototypes {w}, half at {n:g}": (
         lambda c, k, w=w, n=n: routed(c, k, route="lda", w=0.0, lda_weight=0.05, adapter_prototype_weight=w,
@@ -246,8 +248,17 @@ ADAPTER_PROTOTYPE_RULES = {
     for w in (1.0, 1.5, 2.0) for n in (4.0, 8.0, 16.0)
 }  # fmt: skip
 """Rules that need the training texts through their adapters (caches with `train_adapted`)."""
-ADAPTER_PROTOTYPE_RULES[PRESET] = ADAPTER_PROTOTYPE_RULES.pop(
-    "LDA route, adapter + LDA 0.05 + adapter prototypes 1.5, half at 8"
+ADAPTER_PROTOTYPE_RULES.pop(
+    PRESET.removeprefix("routed-lora (").removesuffix(")"), None
+)  # listed once, as the preset
+ADAPTER_PROTOTYPE_RULES[PRESET] = lambda c, k: routed(
+    c,
+    k,
+    route="lda",
+    w=0.0,
+    lda_weight=_P.lda_weight,
+    adapter_prototype_weight=_P.adapter_prototype_weight,
+    adapter_prototype_support=_P.adapter_prototype_support,
 )
 
 
@@ -336,12 +347,12 @@ def own_rule_matches(c: Cache) -> bool | None:
     if "scores" not in c.raw:
         return None
     cfg = c.raw.get("method_config", {})
-    if cfg.get("router", "prototypes") == "lda":
-        want = routed(c, c.T, route="lda", w=cfg.get("prototype_weight", 0.0), lda_weight=cfg["lda_weight"],
-                      adapter_prototype_weight=cfg.get("adapter_prototype_weight", 0.0),
-                      adapter_prototype_support=cfg.get("adapter_prototype_support", 8.0))  # fmt: skip
-    else:
-        want = routed(c, c.T, w=cfg.get("prototype_weight", 0.5))
+    lda = cfg.get("router", "prototypes") == "lda"
+    want = routed(c, c.T, route="lda" if lda else "proto", w=cfg.get("prototype_weight", 0.0 if lda else 0.5),
+                  lda_weight=cfg.get("lda_weight", 0.0), margin=cfg.get("margin") or 0.0,
+                  penalty=cfg.get("reject_penalty", 2.0),
+                  adapter_prototype_weight=cfg.get("adapter_prototype_weight", 0.0),
+                  adapter_prototype_support=cfg.get("adapter_prototype_support", 8.0))  # fmt: skip
     return bool(torch.allclose(want, c.raw["scores"], atol=1e-4))
 
 

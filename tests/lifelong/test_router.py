@@ -394,16 +394,15 @@ def test_adapter_prototypes_are_class_means_through_the_task_s_own_adapter(route
     from ecru.lifelong.router import class_prototypes
 
     method, stream = routed
-    enc = method.encoder()
+    assert method.cfg.adapter_prototype_weight > 0  # the preset keeps them from training
+    enc = method.encoder()  # after both tasks: task 0's adapter must not have moved since its prototypes
     for t, task in enumerate(stream.tasks):
         texts = [e.text for e in task.train]
         labels = torch.tensor([task.intents.index(e.label) for e in task.train])
         want = class_prototypes(enc.for_task(t).encode(texts), labels, len(task.intents))
-        protos, counts = method._adapter_prototypes(texts, labels, t, len(task.intents))
-        torch.testing.assert_close(protos, want)
-        assert counts.tolist() == torch.bincount(labels).float().tolist()
-        if method.cfg.adapter_prototype_weight > 0:  # the preset keeps them from training
-            torch.testing.assert_close(method.adapter_prototypes[t][0], want, atol=1e-5, rtol=0)
+        protos, counts = method.adapter_prototypes[t]
+        torch.testing.assert_close(protos, want, atol=1e-5, rtol=0)
+        assert counts.tolist() == torch.bincount(labels, minlength=len(task.intents)).float().tolist()
 
 
 def test_adapter_prototype_weight_adds_the_adapter_cosine_to_them_within_the_task(routed):
@@ -415,7 +414,7 @@ def test_adapter_prototype_weight_adds_the_adapter_cosine_to_them_within_the_tas
     labels = torch.tensor([task.intents.index(e.label) for e in task.train])
     protos, counts = method._adapter_prototypes([e.text for e in task.train], labels, 1, len(task.intents))
     counts[0] = 1.0  # a label with fewer texts: its prototype weighs less
-    for weight, support in ((1.0, 8.0), (50.0, 8.0), (50.0, 0.0)):
+    for weight, support in ((1.0, 8.0), (50.0, 8.0), (50.0, 0.5)):
         enc = _variant(
             method, adapter_prototype_weight=weight, adapter_prototype_support=support, lda_weight=0.05
         )
@@ -423,7 +422,9 @@ def test_adapter_prototype_weight_adds_the_adapter_cosine_to_them_within_the_tas
         emb = enc.for_task(1).encode(texts)
         w = weight * counts / (counts + support)
         blend = emb @ names.T + 0.05 / TRAIN.scale * method.router.logits(frozen, 1) + emb @ protos.T * w
-        torch.testing.assert_close(enc.for_task(1).scores(texts, cards).argmax(-1), blend.argmax(-1))
+        torch.testing.assert_close(
+            enc.for_task(1).scores(texts, cards), blend
+        )  # the task given: the blend itself
     # a task kept without them (a store written before) is scored without the term
     enc = _variant(method, adapter_prototype_weight=1.0, lda_weight=0.05)
     enc.m.adapter_prototypes = [None] * len(stream.tasks)
@@ -431,3 +432,22 @@ def test_adapter_prototype_weight_adds_the_adapter_cosine_to_them_within_the_tas
     torch.testing.assert_close(enc.for_task(1).scores(texts, cards), plain.for_task(1).scores(texts, cards))
     with pytest.raises(EcruError, match="adapter_prototype_weight"):
         RoutedConfig(adapter_prototype_weight=-1.0)
+    with pytest.raises(EcruError, match="adapter_prototype_support"):
+        RoutedConfig(adapter_prototype_support=0.0)
+
+
+def test_the_rules_bench_reproduces_the_method_s_own_scores(routed, tmp_path):
+    from ecru.lifelong.evaluate import Evaluator
+    from tests.bench_scripts import load_bench_script
+
+    diagnose, rules = load_bench_script("lifelong_diagnose"), load_bench_script("lifelong_rules")
+    method, stream = routed
+    torch.save(
+        diagnose.cache_of(method, stream, Evaluator(stream), {"train_per_intent": 6}), tmp_path / "c.pt"
+    )
+    c = rules.Cache(tmp_path / "c.pt")
+    assert c.AP is not None and rules.own_rule_matches(c) is True
+    # the adapter prototypes' term is live: the rule without it gives other scores
+    cfg = method.cfg
+    without = rules.routed(c, c.T, route="lda", w=0.0, lda_weight=cfg.lda_weight)
+    assert not torch.allclose(without, c.raw["scores"], atol=1e-4)

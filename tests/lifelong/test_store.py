@@ -257,6 +257,8 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
     labels = json.loads((folder / "labels.json").read_text())["labels"]
     assert saved["adapter_prototypes"].shape == (len(labels), saved["prototypes"].shape[1])
     assert saved["adapter_counts"].sum() == store.manifest["tasks"][0]["examples"]
+    protos, counts = store.method().adapter_prototypes[0]  # read back as written
+    assert torch.equal(protos, saved["adapter_prototypes"]) and torch.equal(counts, saved["adapter_counts"])
     texts = [r.text for r in read_records(data["banking_test"], labels=True)]
     want = [p.label for p in store.predict(texts)]
     # a store written before the LDA router: prototype router config, router files with prototypes only

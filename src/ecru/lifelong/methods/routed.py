@@ -143,8 +143,8 @@ class RoutedConfig:
             raise EcruError(f"lda_weight must be >= 0; got {self.lda_weight}")
         if self.lda_weight > 0 and self.router != "lda":
             raise EcruError("lda_weight needs router='lda' (the discriminant it adds)")
-        if not (self.adapter_prototype_weight >= 0 and self.adapter_prototype_support >= 0):
-            raise EcruError("adapter_prototype_weight and adapter_prototype_support must be >= 0; got "
+        if not (self.adapter_prototype_weight >= 0 and self.adapter_prototype_support > 0):
+            raise EcruError("adapter_prototype_weight must be >= 0 and adapter_prototype_support > 0; got "
                             f"{self.adapter_prototype_weight}, {self.adapter_prototype_support}")  # fmt: skip
         if not self.reject_penalty >= 0:
             raise EcruError(f"reject_penalty must be >= 0; got {self.reject_penalty}")
@@ -264,20 +264,8 @@ class RoutedEncoder:
         own = torch.tensor([label in set(task_names) for label in labels], dtype=torch.bool)
         index = {n: k for k, n in enumerate(task_names)}
         cols = [index[n] for n, o in zip(labels, own.tolist(), strict=True) if o]
-        # every label of the task, candidate or not (column independence): the adapter's cosine, blended with
-        # the frozen cosine to the label's prototype
         name_emb = self.encode_labels(task_names)
-        blend = emb @ name_emb.T
-        w = self.m.cfg.prototype_weight
-        if w > 0:
-            blend = (1 - w) * blend + w * frozen @ self.m.router.prototypes[task].to(frozen.dtype).T
-        if self.m.cfg.lda_weight > 0:
-            blend = blend + self.m.cfg.lda_weight / self.m.train.scale * self.m.router.logits(frozen, task)
-        if self.m.cfg.adapter_prototype_weight > 0 and self.m.adapter_prototypes[task] is not None:
-            protos, counts = self.m.adapter_prototypes[task]
-            blend = blend + emb @ protos.to(emb.dtype).T * self.m.adapter_prototype_weights(counts).to(
-                emb.dtype
-            )
+        blend = self._blend(frozen, emb, name_emb, task)
         if self.m.cfg.margin is None or not gate:
             block = block - OFFSET
             block[:, own] = blend[:, cols]
@@ -291,6 +279,24 @@ class RoutedEncoder:
         best = (frozen @ name_emb.T).max(-1, keepdim=True).values
         block[:, own] = best + self.m.cfg.margin + blend[:, cols] - blend.max(-1, keepdim=True).values
         return block
+
+    def _blend(
+        self, frozen: torch.Tensor, emb: torch.Tensor, name_emb: torch.Tensor, task: int
+    ) -> torch.Tensor:
+        """[R, C_task] within-task scores of every label of `task` (candidate or not: column independence): the
+        adapter's cosine to the names, blended with the frozen cosine to the labels' prototypes, plus the LDA
+        logits and the adapter's cosine to its own class means, each as the config weighs them."""
+        cfg, dtype = self.m.cfg, emb.dtype
+        blend = emb @ name_emb.T
+        if cfg.prototype_weight > 0:
+            protos = self.m.router.prototypes[task].to(dtype)
+            blend = (1 - cfg.prototype_weight) * blend + cfg.prototype_weight * frozen @ protos.T
+        if cfg.lda_weight > 0:
+            blend = blend + cfg.lda_weight / self.m.train.scale * self.m.router.logits(frozen, task)
+        if cfg.adapter_prototype_weight > 0 and self.m.adapter_prototypes[task] is not None:
+            protos, counts = self.m.adapter_prototypes[task]
+            blend = blend + emb @ protos.to(dtype).T * self.m.adapter_prototype_weights(counts).to(dtype)
+        return blend
 
     def for_task(self, task: int) -> TaskEncoder:
         """The encoder told the task (the label-gated protocol): every text through `task`'s adapter."""
@@ -478,7 +484,11 @@ class RoutedAdapters:
         self.peft.load_state_dict(state["weights"], strict=False)
         self.router.load_state_dict(state["router"])
         self.names = names
-        self.adapter_prototypes = list(state.get("adapter_prototypes", [None] * len(names)))
+        kept = list(state.get("adapter_prototypes", [None] * len(names)))
+        if len(kept) != len(names):
+            raise EcruError(f"{self.name}: the checkpoint holds adapter prototypes for {len(kept)} tasks, not "
+                            f"{len(names)}; fix: start this method's run again (delete its checkpoint folder)")  # fmt: skip
+        self.adapter_prototypes = kept
 
     def add_trained(self, weights: dict[str, torch.Tensor], router: dict[str, Any], names: list[str],
                     adapter_prototypes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
