@@ -92,6 +92,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--plot-only", action="store_true", help="redraw the PNGs and table from an existing --json"
     )
+    p.add_argument(
+        "--reuse",
+        default=None,
+        metavar="FILE:M1,M2",
+        help="copy these methods' results from an earlier JSON of the same stream and runs instead of running "
+        "them (marked reused_from; a target against a reused method never counts as met)",
+    )
     p.add_argument("--json", type=Path, required=True, help="output JSON; the PNGs are written beside it")
     return p.parse_args(argv)
 
@@ -119,6 +126,25 @@ def _literal(text: str):
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+def reused(spec: str | None, stream: dict, pairs: list[tuple[int, int]]) -> dict[str, dict]:
+    """`--reuse FILE:M1,M2`: those methods' blocks from FILE, each marked `reused_from`; exits with one line
+    when FILE is missing, another stream or other runs, or lacks a method."""
+    if not spec:
+        return {}
+    path, _, names = spec.rpartition(":")
+    try:
+        old = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        sys.exit(f"--reuse: cannot read {path!r} ({exc}); give FILE:METHODS, e.g. results.json:zscl,zeroshot")
+    config = old.get("config", {})
+    if config.get("stream") != stream or [tuple(r) for r in config.get("runs", [])] != pairs:
+        sys.exit(f"--reuse: {path} holds another stream or other (seed, order) runs than this command")
+    missing = [n for n in names.split(",") if n not in old.get("methods", {})]
+    if missing or not names:
+        sys.exit(f"--reuse: {path} has no results for {missing or 'no method named'}")
+    return {n: {**old["methods"][n], "reused_from": path} for n in names.split(",")}
 
 
 def run_pairs(args) -> list[tuple[int, int]]:
@@ -203,6 +229,7 @@ def check_targets(methods: dict, method: str = METHOD, *, full: bool = False) ->
         if other in methods:
             diff = _paired(methods, method, other, lambda a, b: a["agnostic"]["last"] - b["agnostic"]["last"])
             add(f"agnostic_last_minus_{other}", diff, margin, lambda m, t=margin: m >= t, difference=True)
+            _not_same_run(out, f"agnostic_last_minus_{other}", methods[other])
     add(
         "agnostic_transfer_retention",
         [r["agnostic"]["transfer_retention"] for r in runs],
@@ -215,9 +242,20 @@ def check_targets(methods: dict, method: str = METHOD, *, full: bool = False) ->
             methods, method, "zscl", lambda a, b: _ratio(a["cost"].get("cpu_s"), b["cost"].get("cpu_s"))
         )
         add("cpu_over_zscl_cpu", cpu, 1 / 3, lambda m: m <= 1 / 3)
+        _not_same_run(out, "cpu_over_zscl_cpu", methods["zscl"])
     adapter = [_ratio(r["cost"]["stored_bytes_per_task"], 4 * r["cost"]["trainable_params"]) for r in runs]
     add("stored_bytes_per_task_over_adapter_bytes", adapter, 2.0, lambda m: m <= 2)
     return out
+
+
+def _not_same_run(targets: dict, name: str, baseline: dict) -> None:
+    """A target against a baseline copied from an earlier file (`--reuse`) is reported, never met."""
+    if name in targets and "reused_from" in baseline:
+        why = f"baseline reused from {baseline['reused_from']}, not measured in this run"
+        targets[name] |= {
+            "met": False,
+            "why_not": "; ".join(filter(None, [targets[name].get("why_not"), why])),
+        }
 
 
 def print_targets(targets: dict) -> None:
@@ -310,6 +348,8 @@ def main(argv=None) -> int:
     if unknown:
         sys.exit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
     kw, start = {**stream_kwargs(args), "split": args.split}, time.perf_counter()
+    args.reused = reused(args.reuse, kw, run_pairs(args))
+    names = [n for n in names if n not in args.reused]
     batch = args.batch_size or (16 if args.quick else 32)
     runs = {n: (n, None) for n in names} | {
         label: (METHOD, cfg) for label, cfg in variants(args.variant).items()
@@ -350,7 +390,7 @@ def plot_all(methods: dict, json_path: Path) -> list[str]:
 def write_json(args, kw: dict, batch: int, start: float, per_method: dict, *, partial: bool) -> dict:
     """Write the results so far (after every method: a long run killed mid-way keeps what it measured); returns
     what was written."""
-    methods = {n: aggregate(r) for n, r in per_method.items()}
+    methods = {n: aggregate(r) for n, r in per_method.items()} | args.reused
     config = {"stream": kw, "runs": run_pairs(args), "epochs": args.epochs, "batch_size": batch,
               "lr": args.lr, "label_smoothing": args.label_smoothing, "scale": args.scale,
               "threads": torch.get_num_threads(), "command": " ".join(["python", *sys.argv]),

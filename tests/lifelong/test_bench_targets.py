@@ -62,6 +62,28 @@ def test_targets_need_the_full_configuration_three_runs_and_two_std(bench):
     assert bench.check_targets({"ncm": ok["ncm"]}) == {}
 
 
+def test_a_reused_baseline_is_reported_but_never_meets_a_target(bench, tmp_path):
+    import json
+
+    methods = {"routed-lora": {"runs": [run(s, last=95, cpu=10) for s in range(3)]},
+               "zscl": {"runs": [run(s, last=90, cpu=40) for s in range(3)], "reused_from": "old.json"}}  # fmt: skip
+    t = bench.check_targets(methods, full=True)
+    for name in ("agnostic_last_minus_zscl", "cpu_over_zscl_cpu"):
+        assert t[name]["mean_meets"] and not t[name]["met"] and "old.json" in t[name]["why_not"]
+    stream, pairs = {"tasks": 10, "split": "test"}, [(0, 0), (1, 1)]
+    old = tmp_path / "old.json"
+    old.write_text(
+        json.dumps({"config": {"stream": stream, "runs": pairs}, "methods": {"zscl": {"runs": []}}})
+    )
+    assert bench.reused(f"{old}:zscl", stream, pairs) == {"zscl": {"runs": [], "reused_from": str(old)}}
+    assert bench.reused(None, stream, pairs) == {}
+    for spec, why in ((f"{old}:lwf", "no results"), (f"{tmp_path}/nope.json:zscl", "cannot read")):
+        with pytest.raises(SystemExit, match=why):
+            bench.reused(spec, stream, pairs)
+    with pytest.raises(SystemExit, match="another stream"):
+        bench.reused(f"{old}:zscl", {**stream, "tasks": 3}, pairs)
+
+
 def test_aggregate_keeps_both_protocols_and_leaves_unrecorded_costs_empty(bench):
     runs = [run(0, last=90.0), run(1, last=80.0)]
     for r, rss in zip(runs, (500.0, None), strict=True):
