@@ -1,9 +1,12 @@
-"""How much bench/serve_online.py's load-1.2 result for cb-sjf with MiniLM depends on the arrival draw.
+"""How much bench/serve_online.py's load-1.2 results with MiniLM depend on the arrival draw.
 
 Replays the measurements a serve_online JSON holds (true lengths, prompt lengths, MiniLM's predictions and
-its measured time, the cost model) through the online simulator for --seeds draws of the 3,000 resampled
-requests and their Poisson arrivals at load 1.2: cb, cb-sjf with aging 0.1 and cb-sjf with the FCFS
-deadline at each --slacks value; latency ratios to cb per seed, their mean and standard deviation.
+its measured time, the remaining-length probe's re-predictions and their time, the cost model) through the
+online simulator for --seeds draws of the 3,000 resampled requests and their Poisson arrivals at load 1.2:
+cb, cb-sjf with aging 0.1 and cb-sjf with the FCFS deadline at each --slacks value, and cb-srpt
+(re-prediction, preemption with the default margin) with the deadline at each --slacks value, its
+preempted rows either prefilled again (`preempt_mode` recompute, as the engine does) or keeping their KV
+(keep); latency ratios to cb per seed, their mean and standard deviation.
 --cost-from replays with another JSON's cost model (for instance a run on a faster machine), all else
 unchanged. No model runs: seconds.
 
@@ -20,34 +23,38 @@ from pathlib import Path
 
 from ecru.cliargs import ArgumentParser, atomic_write_json, existing_file, positive_int, prepare_out_file
 from ecru.serve.cost import CostModel
-from ecru.serve.online import OnlineConfig, poisson_arrivals, simulate_online
+from ecru.serve.online import PREEMPT_MODES, OnlineConfig, poisson_arrivals, simulate_online
 from serve_online import build_trace, resample, saturated_capacity
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def ratios_over_seeds(pp: dict, cost: CostModel, predict_s: float, configs: dict, seeds: int) -> dict:
-    """name -> per-seed (mean, p99) latency over cb's, and their mean, std, min and max."""
+    """name -> per-seed (mean, p99) latency over cb's, and their mean, std, min and max; `configs`: name ->
+    (policy, OnlineConfig overrides)."""
     lens, plens, pred = pp["true_lengths"], pp["prompt_lens"], pp["predicted"]["minilm"]
+    traj = pp["remaining_trajectories"]
     base = OnlineConfig(max_new_tokens=256, token_s=cost.step_time(16, 200))
     per = {name: [] for name in configs}
     for seed in range(seeds):
         idx = resample(len(lens), 3000, seed)
         rate = 1.2 * saturated_capacity(idx, plens, lens, base, cost)
-        trace = build_trace(idx, poisson_arrivals(len(idx), rate, seed + 1), plens, lens, pred, None)
+        trace = build_trace(idx, poisson_arrivals(len(idx), rate, seed + 1), plens, lens, pred, traj)
         cb = simulate_online(trace, policy="cb", config=base, cost=cost)
-        for name, overrides in configs.items():
+        for name, (policy, overrides) in configs.items():
             cfg = dataclasses.replace(base, predict_s=predict_s, **overrides)
-            r = simulate_online(trace, policy="cb-sjf", config=cfg, cost=cost)
-            per[name].append((r.mean_latency_s / cb.mean_latency_s, r.p99_latency_s / cb.p99_latency_s))
+            r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
+            per[name].append((r.mean_latency_s / cb.mean_latency_s, r.p99_latency_s / cb.p99_latency_s,
+                              r.peak_kv_tokens, r.preemptions))  # fmt: skip
     return {name: summary(rows) for name, rows in per.items()}
 
 
-def summary(rows: list[tuple[float, float]]) -> dict:
-    means, p99s = [m for m, _ in rows], [p for _, p in rows]
+def summary(rows: list[tuple[float, float, int, int]]) -> dict:
+    means, p99s, kv, pre = ([r[k] for r in rows] for k in range(4))
     return {"per_seed_mean_x_cb": means, "per_seed_p99_x_cb": p99s, "mean_x_cb": statistics.fmean(means),
             "mean_x_cb_std": statistics.stdev(means), "mean_x_cb_max": max(means),
-            "p99_x_cb_mean": statistics.fmean(p99s), "p99_x_cb_max": max(p99s)}  # fmt: skip
+            "p99_x_cb_mean": statistics.fmean(p99s), "p99_x_cb_max": max(p99s),
+            "peak_kv_tokens_max": max(kv), "preemptions_mean": statistics.fmean(pre)}  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -66,17 +73,24 @@ def main(argv=None) -> None:
     cost_source = json.loads(Path(args.cost_from).read_text()) if args.cost_from else data
     cost = CostModel(**cost_source["cost_model"])
     slacks = [float(s) for s in args.slacks.split(",")]
-    configs = {"aging 0.1": {}} | {f"fcfs_slack {s:g}": {"aging": 0.0, "fcfs_slack": s} for s in slacks}
     predict_s = data["predictors"]["minilm"]["predict_s_per_request"]
+    repredict_s = data["predictors"]["remaining-probe"]["predict_s_per_row"]
+    configs = {"aging 0.1": ("cb-sjf", {})}
+    configs |= {f"fcfs_slack {s:g}": ("cb-sjf", {"aging": 0.0, "fcfs_slack": s}) for s in slacks}
+    for mode in PREEMPT_MODES:
+        srpt = {"repredict_s": repredict_s, "preempt": True, "preempt_mode": mode, "aging": 0.0}
+        configs |= {f"cb-srpt {mode} fcfs_slack {s:g}": ("cb-srpt", srpt | {"fcfs_slack": s}) for s in slacks}
     result = ratios_over_seeds(data["per_prompt"], cost, predict_s, configs, args.seeds)
     for name, r in result.items():
-        print(f"{name:>16}: mean x cb {r['mean_x_cb']:.3f} ± {r['mean_x_cb_std']:.3f} (max {r['mean_x_cb_max']:.3f}),"
+        print(f"{name:>30}: mean x cb {r['mean_x_cb']:.3f} ± {r['mean_x_cb_std']:.3f} (max {r['mean_x_cb_max']:.3f}),"
               f" p99 x cb {r['p99_x_cb_mean']:.3f} (max {r['p99_x_cb_max']:.3f})")  # fmt: skip
     atomic_write_json(out_path, {
         "command": "python bench/serve_online_seeds.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "source": str(args.source), "cost_model_from": str(args.cost_from or args.source),
         "cost_model": cost.__dict__, "load": 1.2, "requests": 3000, "predictor": "minilm",
-        "predict_s_per_request": predict_s, "seeds": args.seeds, "policies": result,
+        "predict_s_per_request": predict_s, "repredict_s_per_row": repredict_s, "seeds": args.seeds,
+        "names": "cb-sjf unless named; cb-srpt: re-prediction, preemption (margin 64), preempt_mode as named",
+        "policies": result,
     })  # fmt: skip
 
 

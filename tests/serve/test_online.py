@@ -201,3 +201,24 @@ def test_fcfs_slack_rejected_where_nothing_is_predicted_shortest_first():
             simulate_online(_stream(), policy=policy, config=config(fcfs_slack=0.1), cost=UNIT)
     with pytest.raises(ValueError, match="fcfs_slack"):
         config(fcfs_slack=-0.1)
+
+
+def test_a_preempted_row_that_keeps_its_kv_rejoins_without_a_prefill():
+    trace = [OnlineRequest(0.0, 4, 80), OnlineRequest(10.5, 100, 3)]
+    base = config(aging=0.0, repredict_every=4, preempt_margin=10)
+    plain = simulate_online(trace, policy="oracle-srpt", config=base, cost=PREFILL)
+    runs = {mode: simulate_online(trace, policy="oracle-srpt", cost=PREFILL,
+                                  config=dataclasses.replace(base, preempt=True, preempt_mode=mode))
+            for mode in ("recompute", "keep")}  # fmt: skip
+    for r in runs.values():
+        assert r.preemptions == 1 and finish_order(r, trace) == [1, 0]
+    # both wait for the short request (its prefill, 10 s, and 2 decode steps); recomputing prefills the long
+    # row again (10 s, which yields its next token: one decode step fewer), keeping its KV does not
+    assert runs["keep"].latencies[0] == pytest.approx(plain.latencies[0] + 10 + 2)
+    assert runs["recompute"].latencies[0] == pytest.approx(plain.latencies[0] + 10 + 2 + 10 - 1)
+    # the kept KV is memory: the long row's prompt and tokens wait beside the short request's running row
+    assert runs["recompute"].peak_kv_tokens == 100 + 2  # the short request's widest step
+    # preempted after its 4th token (re-predicted every 4), its prompt and 4 tokens beside that step
+    assert runs["keep"].peak_kv_tokens == 100 + 2 + 4 + 4
+    with pytest.raises(ValueError, match="preempt_mode"):
+        OnlineConfig(preempt_mode="swap")

@@ -45,6 +45,7 @@ from ecru.serve.cost import CostModel
 from ecru.serve.queues import DEFAULT_AGING, past_fcfs_deadline
 
 ONLINE_POLICIES = ("fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt")
+PREEMPT_MODES = ("recompute", "keep")
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,10 @@ class OnlineConfig:
     """cb-srpt, oracle-srpt: preempt the longest-predicted running row when a shorter one waits."""
     preempt_margin: float = 64.0
     """Tokens by which the waiting request must be predicted shorter than the row it displaces."""
+    preempt_mode: str = "recompute"
+    """What a preempted row's KV does: "recompute" drops it and the row is prefilled again with its tokens
+    when readmitted (the engine's behaviour); "keep" holds it while the row waits (counted in
+    `peak_kv_tokens`, in host memory on a CPU server) and the row rejoins the batch without a forward."""
     predict_s: float = 0.0
     """Seconds of prompt-only prediction per request (cb-sjf, cb-srpt), charged on arrival."""
     repredict_s: float = 0.0
@@ -112,6 +117,8 @@ class OnlineConfig:
             raise ValueError(f"fcfs_slack must be >= 0 (or None: off), got {self.fcfs_slack}")
         if self.arrival_kv_requests < 1:
             raise ValueError(f"arrival_kv_requests must be >= 1, got {self.arrival_kv_requests}")
+        if self.preempt_mode not in PREEMPT_MODES:
+            raise ValueError(f"preempt_mode must be one of {PREEMPT_MODES}, got {self.preempt_mode!r}")
         if self.prefill_at_arrival and self.predict_s:
             raise ValueError("prefill_at_arrival reads the prediction from the prefill: predict_s must be 0")
 
@@ -226,7 +233,7 @@ class _Continuous:
         self.overdue: set[int] = set()  # admitted past their deadline: never preempted
         self.running: list[int] = []
         self.arrived: list[int] = []  # prefill on arrival: arrived, not yet prefilled
-        self.kept: dict[int, None] = {}  # prefill on arrival: waiting with their KV, in keeping order
+        self.kept: dict[int, int] = {}  # waiting with their KV (tokens held), in keeping order
         self.kept_tokens = 0
 
     # -- priorities -------------------------------------------------------------------------------------
@@ -352,17 +359,19 @@ class _Continuous:
         for i in group:
             if self.done[i] < self.target[i]:
                 self._push(i)
-                self.kept[i] = None
-                self.kept_tokens += self.trace[i].prompt_len
+                self._keep(i, self.trace[i].prompt_len)
         while (
             len(self.kept) > cfg.arrival_kv_requests
         ):  # the longest-predicted loses its KV, the newest of equals
             self._unkeep(max(reversed(self.kept), key=lambda i: min(self.estimate[i], cfg.max_new_tokens)))
 
+    def _keep(self, i: int, tokens: int) -> None:
+        self.kept[i] = tokens
+        self.kept_tokens += tokens
+
     def _unkeep(self, i: int) -> None:
         if i in self.kept:
-            del self.kept[i]
-            self.kept_tokens -= self.trace[i].prompt_len
+            self.kept_tokens -= self.kept.pop(i)
 
     def _step(self) -> None:
         width = self._width(self.running)
@@ -407,5 +416,7 @@ class _Continuous:
         for v in swapped:
             self.running.remove(v)
             self._push(v)
+            if cfg.preempt_mode == "keep":
+                self._keep(v, self.trace[v].prompt_len + self.done[v])
         self.preemptions += len(swapped)
         return len(swapped)
