@@ -15,6 +15,9 @@ fitted on train prompts only and its measured prediction time is charged on the 
 - Online: the labelled test prompts resampled to --requests requests, Poisson arrivals at each --loads
   (load = arrival rate / cb's saturated throughput on the same trace), policies fcfs (static), cb, cb-sjf,
   cb-srpt (re-prediction, preemption), oracle-srpt (true remaining lengths); aging and preemption sweeps.
+  A preempted row is prefilled again with its tokens when readmitted (`preempt_mode` recompute), or, in
+  the `[keep-kv]` rows, keeps its KV while it waits and rejoins without a forward (`preempt_mode` keep,
+  what `RequestEngine`'s cb-srpt does by default; the kept KV counts in peak_kv_tokens).
 - FCFS deadline (`fcfs_slack`, aging 0): a request that has waited (1 + slack) x the wait FCFS would now
   impose is admitted first. The slack is chosen on a validation trace of train prompts (out-of-fold MiniLM
   predictions, load 1.2): the lowest mean latency whose p99 stays within 1.2x cb's; then applied to the
@@ -53,6 +56,8 @@ RESULTS = Path(__file__).parent / "results"
 NOTE = "replayed through simulator with measured lengths/predictions"
 SLACKS = (0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 """fcfs_slack values tried on the validation trace (and swept on the test trace)."""
+KEEP = {"preempt": True, "preempt_mode": "keep"}
+"""The `[keep-kv]` variants: preemption that keeps the preempted row's KV."""
 SLACK_P99_BOUND = 1.2
 """The chosen slack keeps the validation trace's p99 latency within this many times cb's."""
 
@@ -383,6 +388,7 @@ def online_tables(
         if traj:
             srpt = {"predict_s": per_req, "repredict_s": repredict_s}
             policies[f"cb-srpt{tag}"] = ("cb-srpt", name, {**srpt, "preempt": True})
+            policies[f"cb-srpt{tag}[keep-kv]"] = ("cb-srpt", name, {**srpt, **KEEP})
             policies[f"cb-srpt{tag}[no-preempt]"] = ("cb-srpt", name, srpt)
             policies[f"cb-srpt{tag}[free-predict]"] = (
                 "cb-srpt",
@@ -399,6 +405,7 @@ def online_tables(
                 {"prefill_at_arrival": True, "repredict_s": repredict_s, "preempt": True},
             )
     policies["oracle-srpt"] = ("oracle-srpt", None, {"preempt": True})
+    policies["oracle-srpt[keep-kv]"] = ("oracle-srpt", None, KEEP)
     policies["oracle-srpt[no-preempt]"] = ("oracle-srpt", None, {})
     if slack is not None:
         policies |= slack_policies(learned, primary, preds, traj, repredict_s, slack)
@@ -430,6 +437,7 @@ def slack_policies(learned, primary, preds, traj, repredict_s, slack) -> dict:
         if traj:
             srpt = {"predict_s": preds[name][1], "repredict_s": repredict_s, "preempt": True}
             out[f"cb-srpt{tag}[fcfs-slack]"] = ("cb-srpt", name, {**srpt, **deadline})
+            out[f"cb-srpt{tag}[fcfs-slack][keep-kv]"] = ("cb-srpt", name, {**srpt, **deadline, **KEEP})
     if "probe" in learned:
         tag = "" if primary == "probe" else "[probe]"
         out[f"cb-sjf{tag}[at-arrival][fcfs-slack]"] = (
@@ -438,6 +446,7 @@ def slack_policies(learned, primary, preds, traj, repredict_s, slack) -> dict:
             {"prefill_at_arrival": True, **deadline},
         )
     out["oracle-srpt[no-preempt][fcfs-slack]"] = ("oracle-srpt", None, deadline)
+    out["oracle-srpt[fcfs-slack][keep-kv]"] = ("oracle-srpt", None, {**deadline, **KEEP})
     return out
 
 

@@ -10,12 +10,17 @@ to its last token; `busy_s_per_decode_step` shows whether the machine's speed dr
 - `cb`: first come first served, no predictor;
 - `cb-sjf`: shortest MiniLM-predicted answer first (ridge on the 1,000 train labels), aged 0.1 per step;
 - `cb-sjf[fcfs-slack]`: the same without aging, the longest-waiting request first once it has waited
-  (1 + --slack) x the FCFS wait estimate (`EngineConfig.fcfs_slack`).
+  (1 + --slack) x the FCFS wait estimate (`EngineConfig.fcfs_slack`);
+- `cb-srpt[fcfs-slack]`: `cb-sjf[fcfs-slack]`, then every 16 tokens each running row's remaining length is
+  predicted again from its own last hidden state (`RemainingProbe`, fitted on the 480 cached greedy train
+  answers of bench/serve_online.py), and a full batch swaps its just re-predicted rows for waiting requests
+  predicted 64 tokens shorter, the swapped rows' KV kept until they rejoin (`preempt_mode` keep).
 
 MiniLM predicts inside `add_request`, on the serving clock. The same trace (arrival times, prompt lengths,
-the labels' greedy lengths, the same predictions and their measured time) is then replayed through the
-online simulator (`ecru.serve.online`), so the JSON shows the real ratios next to the simulated ones. The
-engine keeps its default prefix cache (the simulator does not model it).
+the labels' greedy lengths, the same predictions and their measured time, the probe's re-predictions on
+the cached greedy test answers) is then replayed through the online simulator (`ecru.serve.online`), so the
+JSON shows the real ratios next to the simulated ones. The engine keeps its default prefix cache (the
+simulator does not model it).
 
     OMP_NUM_THREADS=1 python bench/serve_online_real.py --json bench/results/serve_online_real.json
 """
@@ -49,8 +54,11 @@ from ecru.serve.online import OnlineConfig, OnlineRequest, poisson_arrivals, sim
 from ecru.serve.prompts import encode_chat
 from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
+from serve_online import fit_remaining, remaining_trajectories
 
 RESULTS = Path(__file__).parent / "results"
+TRAIN_ANSWERS = 480
+"""Greedy train answers the remaining-length probe is fitted on (bench/serve_online.py's full run)."""
 
 
 def read_labels(path: Path, cap: int) -> tuple[list[str], list[int]]:
@@ -58,20 +66,23 @@ def read_labels(path: Path, cap: int) -> tuple[list[str], list[int]]:
     return [r["prompt"] for r in rows], [min(cap, r["lengths"][0]) for r in rows]
 
 
-def policies(slack: float) -> dict[str, tuple[str, dict]]:
-    """name -> (simulator policy, EngineConfig/OnlineConfig overrides)."""
+def policies(slack: float) -> dict[str, tuple[str, dict, dict]]:
+    """name -> (policy, EngineConfig and OnlineConfig overrides, OnlineConfig's alone)."""
+    deadline = {"aging": 0.0, "fcfs_slack": slack}
     return {
-        "cb": ("cb", {}),
-        "cb-sjf": ("cb-sjf", {}),
-        "cb-sjf[fcfs-slack]": ("cb-sjf", {"aging": 0.0, "fcfs_slack": slack}),
+        "cb": ("cb", {}, {}),
+        "cb-sjf": ("cb-sjf", {}, {}),
+        "cb-sjf[fcfs-slack]": ("cb-sjf", deadline, {}),
+        "cb-srpt[fcfs-slack]": ("cb-srpt", deadline | {"preempt_mode": "keep"}, {"preempt": True}),
     }
 
 
-def serve_real(served, ids, texts, arrivals, predictor, config: EngineConfig, cap: int) -> dict:
+def serve_real(served, ids, texts, arrivals, predictor, probe, config: EngineConfig, cap: int) -> dict:
     """Serve the trace on the engine in wall-clock time; latencies from each scheduled arrival."""
+    remaining = probe if config.policy == "cb-srpt" else None
     engine = RequestEngine(served.model, eos_token_ids=served.eos_token_ids, pad_token_id=served.pad_token_id,
-                           config=config, tokenizer=served.tokenizer)  # fmt: skip
-    if config.policy == "cb-sjf":  # predicted in add_request, on the serving clock
+                           config=config, tokenizer=served.tokenizer, remaining=remaining)  # fmt: skip
+    if config.policy != "cb":  # predicted in add_request, on the serving clock
         text_of = {tuple(i): t for i, t in zip(ids, texts, strict=True)}
         engine.predict = lambda prompt, params: predictor.predict([text_of[tuple(prompt)]])[0]
     params, reqs, start, busy = SamplingParams(max_tokens=cap), [], time.perf_counter(), 0.0
@@ -91,7 +102,33 @@ def serve_real(served, ids, texts, arrivals, predictor, config: EngineConfig, ca
     return {"mean_latency_s": statistics.fmean(lat), "p99_latency_s": float(np.percentile(lat, 99)),
             "max_latency_s": max(lat), "wall_s": wall, "busy_s": busy, "tokens": sum(len(r.output) for r in reqs),
             "decode_steps": engine.stats.decode_steps, "busy_s_per_decode_step": busy / engine.stats.decode_steps,
-            "latencies_s": lat, "outputs": [r.output for r in reqs]}  # fmt: skip
+            "preemptions": engine.stats.preemptions, "peak_kv_tokens": engine.stats.peak_kv_tokens,
+            "prefill_forwards": engine.stats.prefill_forwards, "latencies_s": lat,
+            "outputs": [r.output for r in reqs]}  # fmt: skip
+
+
+def cached_answers(path: Path) -> dict[str, list[int]]:
+    """bench/serve_online.py's cached greedy answers: prompt -> answer tokens."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["prompt"]: r["tokens"] for r in rows}
+
+
+def remaining_probe(served, texts: list[str], cap: int):
+    """The remaining-length probe fitted on the cached greedy train answers, its re-predictions every 16
+    tokens of the served prompts' cached answers (the simulator's trajectories) and seconds per row."""
+    train = cached_answers(RESULTS / "serve_online_answers_train.jsonl")
+    test = cached_answers(RESULTS / "serve_online_answers_test.jsonl")
+    missing = [t for t in texts if t not in test]
+    if missing:
+        sys.exit(f"no cached answer for {len(missing)} served prompts: run bench/serve_online.py first")
+    prompts = list(train)[:TRAIN_ANSWERS]
+    answers = [train[p] for p in prompts]
+    probe, _ = fit_remaining(
+        served.model, served.tokenizer, prompts, answers, [len(a) for a in answers], cap=cap
+    )
+    traj, per_row = remaining_trajectories(served.model, served.tokenizer, probe, texts, [test[t] for t in texts],
+                                           every=16)  # fmt: skip
+    return probe, traj, per_row
 
 
 def ratios(results: dict) -> None:
@@ -122,24 +159,28 @@ def parse(argv) -> tuple:
     return args, prepare_out_file(args.json, flag="--json")
 
 
-def timed_trace(ids, lengths, predicted, cost, base, args) -> tuple[list[OnlineRequest], float]:
+def timed_trace(ids, lengths, predicted, traj, cost, base, args) -> tuple[list[OnlineRequest], float]:
     """The simulator's trace of the served requests, Poisson arrivals at args.load x cb's capacity on it."""
-    trace = [OnlineRequest(0.0, len(i), n, p) for i, n, p in zip(ids, lengths, predicted, strict=True)]
+    trace = [OnlineRequest(0.0, len(i), n, p, tuple(tr))
+             for i, n, p, tr in zip(ids, lengths, predicted, traj, strict=True)]  # fmt: skip
     capacity = len(trace) / simulate_online(trace, policy="cb", config=base, cost=cost).time_s
     arrivals = poisson_arrivals(len(trace), args.load * capacity, args.seed + 1)
     return [dataclasses.replace(r, arrival_s=a) for r, a in zip(trace, arrivals, strict=True)], capacity
 
 
-def run_both(served, ids, texts, trace, predictor, predict_s, cost, base, args) -> tuple[dict, dict]:
-    """Each policy on the real engine (args.order), then on the simulator; latency ratios to cb's."""
+def run_both(served, ids, texts, trace, predictors, cost, base, args) -> tuple[dict, dict]:
+    """Each policy on the real engine (args.order), then on the simulator; latency ratios to cb's.
+    `predictors`: (MiniLM, its seconds per request, the remaining probe, its seconds per row)."""
     real, simulated, table, arrivals = {}, {}, policies(args.slack), [r.arrival_s for r in trace]
+    predictor, predict_s, probe, repredict_s = predictors
     for name in args.order:
-        policy, overrides = table[name]
+        policy, overrides, sim_only = table[name]
         config = EngineConfig(policy=policy, max_new_tokens=args.cap, **overrides)
-        real[name] = serve_real(served, ids, texts, arrivals, predictor, config, args.cap)
+        real[name] = serve_real(served, ids, texts, arrivals, predictor, probe, config, args.cap)
         charged = {"predict_s": predict_s} if policy != "cb" else {}
-        sim = simulate_online(trace, policy=policy, config=dataclasses.replace(base, **overrides, **charged),
-                              cost=cost)  # fmt: skip
+        charged |= {"repredict_s": repredict_s} if policy == "cb-srpt" else {}
+        sim = simulate_online(trace, policy=policy, cost=cost,
+                              config=dataclasses.replace(base, **overrides, **sim_only, **charged))  # fmt: skip
         simulated[name] = sim.to_json()
         print(f"{name}: real mean {real[name]['mean_latency_s']:.1f} s p99 {real[name]['p99_latency_s']:.1f} s; "
               f"simulated {sim.mean_latency_s:.1f} / {sim.p99_latency_s:.1f}", file=sys.stderr)  # fmt: skip
@@ -162,11 +203,14 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     predicted = predictor.predict(texts)
     predict_s = (time.perf_counter() - t0) / len(texts)
+    print("fitting the remaining-length probe ...", file=sys.stderr)
+    probe, traj, repredict_s = remaining_probe(served, texts, args.cap)
     print("measuring the cost model ...", file=sys.stderr)
     cost = measure_cost_model(served.model, reps=3, source="SmolLM2-135M fp32, measured in this run")
     base = OnlineConfig(max_new_tokens=args.cap, token_s=cost.step_time(16, 200))
-    trace, capacity = timed_trace(ids, lengths, predicted, cost, base, args)
-    real, simulated = run_both(served, ids, texts, trace, predictor, predict_s, cost, base, args)
+    trace, capacity = timed_trace(ids, lengths, predicted, traj, cost, base, args)
+    predictors = (predictor, predict_s, probe, repredict_s)
+    real, simulated = run_both(served, ids, texts, trace, predictors, cost, base, args)
     outputs = {name: r.pop("outputs") for name, r in real.items()}
     atomic_write_json(out_path, {
         "command": "python bench/serve_online_real.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -177,6 +221,8 @@ def main(argv=None) -> None:
         "requests": len(trace), "load": args.load, "arrival_rate_per_s": args.load * capacity,
         "fcfs_slack": args.slack, "order": args.order, "predicted": predicted, "true_lengths": lengths,
         "predictor": {"name": "minilm", "train_labels": len(train), "predict_s_per_request": predict_s},
+        "remaining_probe": {"train_answers": TRAIN_ANSWERS, "repredict_every": 16,
+                            "predict_s_per_row": repredict_s},
         "cost_model": cost.__dict__, "real": real, "simulated": simulated,
         "greedy_outputs_equal_across_policies": all(o == outputs["cb"] for o in outputs.values()),
         "answer_tokens_equal_labels": [len(o) for o in outputs["cb"]] == lengths,

@@ -9,6 +9,22 @@ from ecru.serve import GenerationConfig
 VOCAB, MAX_NEW = 64, 24
 
 
+class RunsLong:
+    """A cb-srpt remaining-length predictor (`request_engine.RemainingPredictor`) that predicts every running
+    row to run far past its cap, and records the states and token counts it was given."""
+
+    def __init__(self):
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def predict(self, states: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        self.seen.append((states.clone(), t.clone()))
+        return torch.full((len(t),), 1000.0)
+
+
+def remaining_for(policy: str) -> RunsLong | None:
+    return RunsLong() if policy == "cb-srpt" else None
+
+
 def chaotic_llama():
     """tiny_llama with larger weights: greedy outputs do not collapse into one repeated token."""
     model = tiny_llama(vocab_size=VOCAB, seed=1)

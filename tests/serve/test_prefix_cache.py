@@ -7,7 +7,7 @@ from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix
 from ecru.serve.request_engine import ENGINE_POLICIES, EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
 
-from .conftest import MAX_NEW, VOCAB
+from .conftest import MAX_NEW, VOCAB, remaining_for
 
 GREEDY = SamplingParams(max_tokens=MAX_NEW)
 
@@ -74,7 +74,8 @@ def shared(model, gen):
 
 def engine_for(model, gen, **kw):
     config = EngineConfig(**{"max_new_tokens": MAX_NEW, "max_batch_size": 4, "refill_min": 2, **kw})
-    return RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, config=config)
+    return RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, config=config,
+                         remaining=remaining_for(config.policy))  # fmt: skip
 
 
 @pytest.mark.parametrize("policy", ENGINE_POLICIES)

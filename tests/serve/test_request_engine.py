@@ -7,24 +7,29 @@ import torch
 from ecru.serve.request_engine import ENGINE_POLICIES, EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
 
+from .conftest import remaining_for
+
 GREEDY = SamplingParams(max_tokens=24)  # conftest's MAX_NEW
 
 
 def make_engine(model, gen, **kw):
     config = EngineConfig(**{"max_new_tokens": 24, "max_batch_size": 4, "refill_min": 2, **kw})
-    return RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, config=config)
+    return RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, config=config,
+                         remaining=remaining_for(config.policy))  # fmt: skip
 
 
 @pytest.mark.parametrize("policy", ENGINE_POLICIES)
 def test_greedy_equals_hf_generate_for_every_policy(model, prompts, reference, gen, policy):
-    engine = make_engine(model, gen, policy=policy, kv_prompt_tokens=1)
-    # cb-kv: every request reserves 2 answer tokens, so rows outgrow their reservations and get preempted
-    predict = (lambda prompt, params: 2.0) if policy == "cb-kv" else None
+    engine = make_engine(model, gen, policy=policy, kv_prompt_tokens=1,
+                         **({"preempt_margin": 0.0, "repredict_every": 4} if policy == "cb-srpt" else {}))  # fmt: skip
+    # cb-kv: every request reserves 2 answer tokens, so rows outgrow their reservations and get preempted;
+    # cb-srpt: waiting requests predicted 2 tokens, running rows re-predicted to their cap: swapped out
+    predict = (lambda prompt, params: 2.0) if policy in ("cb-kv", "cb-srpt") else None
     engine.predict = predict or engine.predict
     reqs = engine.generate(prompts, GREEDY)
     assert [r.output for r in reqs] == reference
     assert all(r.finish_reason == ("stop" if r.output[-1] in gen.eos_token_ids else "length") for r in reqs)
-    if policy == "cb-kv":
+    if policy in ("cb-kv", "cb-srpt"):
         assert engine.stats.preemptions > 0
 
 

@@ -104,19 +104,26 @@ def forward(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor
     return _run(model, ids, mask, cache).logits[:, -1]
 
 
-def forward_pooled(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefill (`ids` [B, T] fills the whole `mask`) returning `forward`'s last logits [B, V] and, from
-    the same forward, the last hidden state (after the final norm) mean-pooled over `mask`: [B, H], the
-    features of `predictors.ProbePredictor`."""
-    from ecru.models.minilm import mean_pool
-
+def forward_states(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward`'s last logits [B, V] and, from the same forward, the decoder's output, the last hidden state
+    after the final norm, at every position of `ids`: [B, q, H]."""
     seen = []  # the decoder's output, caught by a hook: only the last layer's states are kept
     hook = model.get_decoder().register_forward_hook(lambda mod, args, out: seen.append(out[0]))
     try:
         logits = _run(model, ids, mask, cache).logits[:, -1]
     finally:
         hook.remove()
-    return logits, mean_pool(seen[0], mask)
+    return logits, seen[0]
+
+
+def forward_pooled(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill (`ids` [B, T] fills the whole `mask`) returning `forward`'s last logits [B, V] and, from
+    the same forward, the last hidden state (after the final norm) mean-pooled over `mask`: [B, H], the
+    features of `predictors.ProbePredictor`."""
+    from ecru.models.minilm import mean_pool
+
+    logits, states = forward_states(model, ids, mask, cache)
+    return logits, mean_pool(states, mask)
 
 
 def _run(model, ids: torch.Tensor, mask: torch.Tensor, cache):

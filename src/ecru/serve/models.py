@@ -96,9 +96,10 @@ class ServedModel:
         )
         return list(out["input_ids"])
 
-    def engine(self, config, *, state_predictor: StatePredictor | None = None):
+    def engine(self, config, *, state_predictor: StatePredictor | None = None, remaining=None):
         """A `RequestEngine` for this model (`state_predictor`, e.g. a fitted `ProbePredictor` of this
-        model: prefill on arrival, see `request_engine`)."""
+        model: prefill on arrival; `remaining`, a fitted `RemainingProbe` of this model: cb-srpt's
+        re-prediction; see `request_engine`)."""
         from ecru.serve.request_engine import RequestEngine
 
         return RequestEngine(
@@ -109,4 +110,5 @@ class ServedModel:
             tokenizer=self.tokenizer,
             context_len=self.context_len,
             state_predictor=state_predictor,
+            remaining=remaining,
         )

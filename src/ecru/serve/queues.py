@@ -95,6 +95,8 @@ class SJFQueue:
         self._count_of: dict[int, int] = {}  # index -> count of its waiting entry
         self._waiting_tokens = 0.0
         self._count = 0
+        self.past_deadline: set[int] = set()
+        """Requests popped because their FCFS deadline passed (until discarded): never to be preempted."""
 
     def push(self, index: int, *, now: int) -> None:
         if index in self._count_of:
@@ -109,12 +111,21 @@ class SJFQueue:
         self._count += 1
 
     def pop(self, *, now: int) -> int:
-        count, index = self._overdue(now) or self._shortest()
+        overdue = self._overdue(now)
+        count, index = overdue or self._shortest()
+        if overdue:
+            self.past_deadline.add(index)
         self._forget(count, index)
         return index
 
+    def smallest(self, n: int, *, now: int) -> list[float]:
+        """The `n` lowest priorities now (predicted length less aging x steps waited), lowest first."""
+        live = (key for key, count, _ in self._heap if count in self._live)
+        return [key - self.aging * now for key in heapq.nsmallest(n, live)]
+
     def discard(self, index: int) -> None:
-        """A cancelled request leaves the backlog now; its stale entries are skipped later."""
+        """A finished or cancelled request leaves the backlog now; its stale entries are skipped later."""
+        self.past_deadline.discard(index)
         if index in self._count_of:
             self._forget(self._count_of[index], index)
 

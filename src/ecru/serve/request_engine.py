@@ -46,7 +46,7 @@ from ecru.serve.continuous import (
     prefill_groups,
 )
 from ecru.serve.detok import Decoder, TextStream
-from ecru.serve.engine import forward, forward_pooled, left_pad, new_cache
+from ecru.serve.engine import forward, forward_pooled, forward_states, left_pad, new_cache
 from ecru.serve.kv_cache import HeadroomLayer, row_kv
 from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix
 from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue
@@ -55,7 +55,16 @@ from ecru.serve.sampling import SamplingParams, next_token_ids
 if TYPE_CHECKING:
     from ecru.serve.predictors import StatePredictor
 
-ENGINE_POLICIES = ("cb", "cb-sjf", "cb-kv")
+ENGINE_POLICIES = ("cb", "cb-sjf", "cb-srpt", "cb-kv")
+PREEMPT_MODES = ("keep", "recompute")
+SJF_POLICIES = ("cb-sjf", "cb-srpt")
+
+
+class RemainingPredictor(Protocol):
+    """Predicts a running row's remaining answer tokens from its last hidden state [N, H] after `t` [N]
+    generated tokens (`remaining.RemainingProbe`)."""
+
+    def predict(self, states: torch.Tensor, t: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -63,8 +72,9 @@ class EngineConfig:
     """Batching limits and the admission policy."""
 
     policy: str = "cb"
-    """Admission: cb (first come first served), cb-sjf (shortest predicted first, aged), cb-kv (KV
-    reserved by predicted length)."""
+    """Admission: cb (first come first served), cb-sjf (shortest predicted first, aged), cb-srpt (cb-sjf,
+    then shortest predicted remaining first: re-prediction while generating and preemption; needs a
+    `RemainingPredictor`), cb-kv (KV reserved by predicted length)."""
     max_batch_size: int = 16
     """Rows decoded together at most (cb-kv: the rows whose cap-length KV memory is shared)."""
     max_new_tokens: int = 256
@@ -74,7 +84,7 @@ class EngineConfig:
     aging: float = DEFAULT_AGING
     """cb-sjf: priority tokens gained per decode step waited (no starvation)."""
     fcfs_slack: float | None = None
-    """cb-sjf: admit the longest-waiting request first once it has waited (1 + fcfs_slack) x the wait
+    """cb-sjf, cb-srpt: admit the longest-waiting request first once it has waited (1 + fcfs_slack) x the wait
     first-come-first-served would now impose (predicted backlog / max_batch_size decode steps;
     `queues.SJFQueue`); None: aging alone bounds the wait. With it, set aging to 0."""
     kv_prompt_tokens: int = 128
@@ -87,12 +97,20 @@ class EngineConfig:
     arrival_kv_requests: int = 256
     """Prefill on arrival: waiting requests whose prompt KV is kept at most (beyond, the longest-predicted
     one's is dropped and it is prefilled again at admission)."""
+    repredict_every: int = 16
+    """cb-srpt: generated tokens between re-predictions of a running row's remaining length."""
+    preempt_margin: float = 64.0
+    """cb-srpt: a full batch swaps a just re-predicted row for a waiting request predicted this many tokens
+    shorter than the row's remainder."""
+    preempt_mode: str = "keep"
+    """cb-srpt: a preempted row's KV is kept while it waits (`KeptKV`, counted in `peak_kv_tokens`; it
+    rejoins without a forward) or dropped and recomputed from its prompt and tokens ("recompute")."""
 
     def __post_init__(self):
         if self.policy not in ENGINE_POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(ENGINE_POLICIES)}")
         ints = ("max_batch_size", "max_new_tokens", "refill_min", "kv_prompt_tokens", "kv_row_factor",
-                "arrival_kv_requests")  # fmt: skip
+                "arrival_kv_requests", "repredict_every")  # fmt: skip
         for name in ints:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -100,9 +118,12 @@ class EngineConfig:
             raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {self.prefix_cache}")
         if self.aging < 0:
             raise ValueError(f"aging must be >= 0, got {self.aging}")
-        if self.fcfs_slack is not None and (self.fcfs_slack < 0 or self.policy != "cb-sjf"):
-            raise ValueError(f"fcfs_slack must be >= 0 and needs policy cb-sjf (None: off), got {self.fcfs_slack} "
-                             f"with {self.policy}")  # fmt: skip
+        if self.fcfs_slack is not None and (self.fcfs_slack < 0 or self.policy not in SJF_POLICIES):
+            raise ValueError(f"fcfs_slack must be >= 0 and needs policy cb-sjf or cb-srpt (None: off), got "
+                             f"{self.fcfs_slack} with {self.policy}")  # fmt: skip
+        if self.preempt_margin < 0 or self.preempt_mode not in PREEMPT_MODES:
+            raise ValueError(f"preempt_margin must be >= 0 and preempt_mode one of {PREEMPT_MODES}; got "
+                             f"{self.preempt_margin}, {self.preempt_mode!r}")  # fmt: skip
 
     def continuous(self) -> ContinuousConfig:
         """The admitter's limits."""
@@ -201,19 +222,25 @@ class RequestEngine:
         limits: ContinuousConfig | None = None,
         discard_preempted: bool = False,
         state_predictor: StatePredictor | None = None,
+        remaining: RemainingPredictor | None = None,
     ):
         """`queue` and `limits` replace the ones `config` implies (offline measurements bring their own);
         `discard_preempted`: a preempted request restarts from its prompt (its tokens are recomputed, as
         the simulator models) instead of keeping them; only for requests that stream nothing.
-        `state_predictor`: prefill on arrival, lengths predicted from the prefill's states (not `predict`)."""
+        `state_predictor`: prefill on arrival, lengths predicted from the prefill's states (not `predict`).
+        `remaining`: cb-srpt's re-prediction of running rows' remaining lengths (required by it, only there)."""
         self.model, self.config = model, config or EngineConfig()
         self.eos, self.pad = torch.tensor(sorted(set(eos_token_ids))), pad_token_id
         self.decode = Decoder(tokenizer) if tokenizer is not None else None
         self.context_len = context_len or getattr(model.config, "max_position_embeddings", None) or 2048
         self.predict = predict or (lambda prompt, params: float(params.max_tokens))
         self._predicted: dict[int, float] = {}
+        if (remaining is None) != (self.config.policy != "cb-srpt"):
+            raise ValueError("policy cb-srpt needs a remaining-length predictor (remaining=, e.g. a fitted "
+                             "RemainingProbe), and only it takes one")  # fmt: skip
+        self.remaining, self._swapped = remaining, False
         if queue is None:
-            queue = self._sjf_queue() if self.config.policy == "cb-sjf" else FCFSQueue()
+            queue = self._sjf_queue() if self.config.policy in SJF_POLICIES else FCFSQueue()
         self.admitter = Admitter(queue, [], limits or self.config.continuous(),
                                  generated=lambda i: len(self.requests[i].output))  # fmt: skip
         self.discard_preempted = discard_preempted
@@ -369,13 +396,16 @@ class RequestEngine:
         return finished
 
     def _schedule(self) -> list[Request]:
+        free = self.max_rows - len(self.run.ids)
         n = admissions(
-            free=self.max_rows - len(self.run.ids),
+            free=free,
             waiting=len(self.admitter),
             upcoming=self.upcoming,
             running=len(self.run.ids),
             refill_min=self.admitter.config.refill_min,
         )
+        if self._swapped:  # rows cb-srpt freed for shorter requests are refilled at once
+            n, self._swapped = min(free, len(self.admitter)), False
         keys = self.admitter.admit(n, now=self.stats.decode_steps)
         if self.admission_log is not None:
             self.admission_log += keys
@@ -490,7 +520,13 @@ class RequestEngine:
         run = self.run
         rows = [self.requests[i] for i in run.ids]
         run.mask = torch.cat([run.mask, torch.ones_like(run.mask[:, :1])], dim=1)
-        tok = self._sample(forward(self.model, run.pending[:, None], run.mask, run.cache), rows)
+        due = self._repredict_due(rows)
+        if due:
+            logits, states = forward_states(self.model, run.pending[:, None], run.mask, run.cache)
+            self._repredict([rows[b] for b in due], states[due, -1])
+        else:
+            logits = forward(self.model, run.pending[:, None], run.mask, run.cache)
+        tok = self._sample(logits, rows)
         self.stats.observe_kv(run.mask.numel() + self.kept.tokens)
         self.stats.decode_steps += 1
         alive = self._update(rows, tok, finished)
@@ -504,6 +540,56 @@ class RequestEngine:
                     self.requests[i].output.clear()
             self.stats.preemptions += len(preempted)
             run.keep(torch.tensor([i not in preempted for i in run.ids]))
+        if due:
+            self._srpt_preempt([rows[b].seq for b in due if not rows[b].finished])
+
+    # ---- cb-srpt: re-prediction while generating, preemption ---------------------------------------------
+    def _repredict_due(self, rows: list[Request]) -> list[int]:
+        """Batch rows whose remaining length is predicted again at this decode step: every
+        `repredict_every` generated tokens (the step's state is the one that emits the next token)."""
+        if self.remaining is None:
+            return []
+        k = self.config.repredict_every
+        return [b for b, r in enumerate(rows) if r.output and len(r.output) % k == 0]
+
+    def _repredict(self, rows: list[Request], states: torch.Tensor) -> None:
+        """Each row's predicted answer length becomes its tokens so far plus its predicted remainder."""
+        t = torch.tensor([len(r.output) for r in rows])
+        left = self.remaining.predict(states.float(), t).tolist()
+        for r, n, rem in zip(rows, t.tolist(), left, strict=True):
+            r.predicted = min(float(r.params.max_tokens), n + rem)
+
+    def _srpt_preempt(self, fresh: list[int]) -> None:
+        """A full batch swaps its just re-predicted rows, longest predicted remainder first, for waiting
+        requests predicted `preempt_margin` tokens shorter, one for one, at most `refill_min` (rows admitted
+        past their FCFS deadline stay)."""
+        queue, cfg = self.admitter.queue, self.config
+        if len(self.run.ids) < self.max_rows or not len(queue) or not fresh:
+            return
+        left = {seq: self.requests[seq].predicted - len(self.requests[seq].output) for seq in fresh}
+        victims = sorted((s for s in fresh if s not in queue.past_deadline), key=left.get, reverse=True)
+        waiting = queue.smallest(cfg.refill_min, now=self.stats.decode_steps)
+        out = [v for v, w in zip(victims, waiting, strict=False) if left[v] - w > cfg.preempt_margin]
+        for seq in out:
+            self._preempt(seq, left[seq])
+        if out:
+            self._swapped = True
+            self.run.keep(torch.tensor([i not in out for i in self.run.ids]))
+            self.kept.drop_over_bound()  # a dropped row is prefilled again (prompt and tokens) when admitted
+
+    def _preempt(self, seq: int, left: float) -> None:
+        """Send running request `seq` back to the queue with its predicted remainder `left` as its key,
+        its KV kept (`preempt_mode` keep; its newest token is the pending one) or dropped."""
+        req = self.requests[seq]
+        if self.config.preempt_mode == "keep":
+            row, cached = self.run.ids.index(seq), len(req.prompt) + len(req.output) - 1
+            self.kept.keep(seq, self.run.cache, row, cached, pending=req.output[-1], predicted=left)
+        self.admitter.leave(seq)
+        req.status = RequestStatus.WAITING
+        self._predicted[seq] = left
+        self.admitter.queue.push(seq, now=self.stats.decode_steps)
+        del self._predicted[seq]
+        self.stats.preemptions += 1
 
     def _sample(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
         return next_token_ids(

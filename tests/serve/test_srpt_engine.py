@@ -1,0 +1,96 @@
+"""cb-srpt in the request engine: re-prediction from the running rows' own states, preemption that keeps
+(or recomputes) the KV, greedy outputs equal Hugging Face `generate` whatever is preempted."""
+
+import pytest
+import torch
+
+from ecru.serve.remaining import answer_states
+from ecru.serve.request_engine import EngineConfig, RequestEngine
+from ecru.serve.sampling import SamplingParams
+
+from .conftest import RunsLong
+
+GREEDY = SamplingParams(max_tokens=24)  # conftest's MAX_NEW
+
+
+def srpt_engine(model, gen, remaining, **kw):
+    config = EngineConfig(**{"policy": "cb-srpt", "max_new_tokens": 24, "max_batch_size": 3, "refill_min": 1,
+                             "repredict_every": 4, "preempt_margin": 0.0, **kw})  # fmt: skip
+    # waiting requests predicted 1 token long: every re-predicted row of a full batch gives way to one
+    return RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, config=config,
+                         predict=lambda prompt, params: 1.0, remaining=remaining)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_greedy_equals_hf_generate_through_preemptions(model, prompts, reference, gen, mode):
+    engine = srpt_engine(model, gen, RunsLong(), preempt_mode=mode)
+    reqs = engine.generate(prompts, GREEDY)
+    assert [r.output for r in reqs] == reference
+    assert engine.stats.preemptions >= 5
+    assert not engine.kept.rows and not engine.requests  # nothing left behind
+
+
+def test_kept_kv_rejoins_without_a_forward_recompute_prefills_again(model, prompts, reference, gen):
+    runs = {}
+    for mode in ("keep", "recompute"):
+        engine = srpt_engine(model, gen, RunsLong(), preempt_mode=mode)
+        assert [r.output for r in engine.generate(prompts, GREEDY)] == reference
+        runs[mode] = engine.stats
+    assert runs["keep"].preemptions > 0 and runs["recompute"].preemptions > 0
+    # kept rows rejoin without a forward: only fresh prompts are prefilled (at most one forward each);
+    # recomputing prefills every preempted row again
+    assert runs["keep"].prefill_forwards <= len(prompts) < runs["recompute"].prefill_forwards
+    # the kept rows wait in memory beside the batch: the honest peak counts them
+    assert runs["keep"].peak_kv_tokens > runs["recompute"].peak_kv_tokens
+
+
+def test_repredicts_from_the_rows_own_state_every_k_tokens(model, prompts, reference, gen):
+    probe = RunsLong()
+    engine = srpt_engine(model, gen, probe, max_batch_size=8, preempt_margin=1e9)  # re-predict, never preempt
+    reqs = engine.generate(prompts[:8], GREEDY)
+    assert [r.output for r in reqs] == reference[:8] and engine.stats.preemptions == 0
+    by_prompt = {tuple(r.prompt): r.output for r in reqs}
+    teacher = {p: s for p, s in zip(by_prompt, answer_states(model, list(by_prompt), list(by_prompt.values())),
+                                    strict=True)}  # fmt: skip
+    checked = 0
+    for states, t in probe.seen:
+        assert all(n > 0 and n % 4 == 0 for n in t.tolist())
+        for state, n in zip(states, t.tolist(), strict=True):
+            # the state that emits token n + 1 of some answer: the teacher-forced state after n tokens
+            match = [s[n] for p, s in teacher.items() if len(by_prompt[p]) > n
+                     and torch.allclose(s[n], state, atol=1e-4, rtol=1e-4)]  # fmt: skip
+            assert match, f"no answer's state after {n} tokens matches"
+            checked += 1
+    expected = sum(len(range(4, len(a), 4)) for a in reference[:8])
+    assert checked == expected > 0
+
+
+def test_a_request_admitted_past_its_deadline_is_never_preempted(model, prompts, gen):
+    engine = srpt_engine(model, gen, RunsLong(), aging=0.0, fcfs_slack=0.0)
+    queue, preempt, preempted, overdue = engine.admitter.queue, engine._preempt, [], set()
+
+    def spy(seq: int, left: float) -> None:
+        assert seq not in queue.past_deadline
+        preempted.append(seq)
+        preempt(seq, left)
+
+    engine._preempt = spy
+    for p in prompts:
+        engine.add_request(p, GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+        overdue |= queue.past_deadline
+    assert overdue and preempted  # both happened, never to the same running request
+
+
+def test_cb_srpt_needs_a_remaining_predictor_and_only_it(model, gen):
+    with pytest.raises(ValueError, match="remaining"):
+        RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                      config=EngineConfig(policy="cb-srpt"))  # fmt: skip
+    with pytest.raises(ValueError, match="remaining"):
+        RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                      config=EngineConfig(policy="cb"), remaining=RunsLong())  # fmt: skip
+    with pytest.raises(ValueError, match="preempt_mode"):
+        EngineConfig(policy="cb-srpt", preempt_mode="swap")
+    with pytest.raises(ValueError, match="repredict_every"):
+        EngineConfig(policy="cb-srpt", repredict_every=0)
