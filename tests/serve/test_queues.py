@@ -81,6 +81,8 @@ def test_a_deadline_admission_leaves_no_duplicate_and_a_cancelled_request_leaves
     q.push(2, now=60)
     # request 0's heap entry (key 50) now tops request 2's (100): it is skipped, never admitted twice
     assert [q.pop(now=61), q.pop(now=61)] == [1, 2] and len(q) == 0
+    for i in (0, 1, 2):  # they finish (the engine forgets them): their indices may come back as new requests
+        q.discard(i)
     for i in (2, 0, 3):
         q.push(i, now=300)
     q.discard(3)  # cancelled: it leaves the queue and the backlog (100 + 50) at once
@@ -110,3 +112,27 @@ def test_stale_entries_are_dropped_while_requests_keep_waiting():
         q.push(i, now=i)
         q.pop(now=i)
     assert len(q) == 1 and len(q._heap) + len(q._arrivals) <= 4 * len(q) + 66
+
+
+def test_a_request_pushed_again_goes_on_waiting_from_where_it_stopped():
+    # A waited 10 steps, ran, was preempted and is pushed again at step 20 beside a newcomer B
+    q = SJFQueue({0: 50.0, 1: 45.0}, aging=1.0)
+    q.push(0, now=0)
+    assert q.pop(now=10) == 0
+    q.push(0, now=20)
+    q.push(1, now=20)
+    # A's priority counts its 10 earlier steps: 50 - 10 < 45 - 0 (without them 50 > 45)
+    assert q.smallest(2, now=20) == [40.0, 45.0]
+    assert q.pop(now=20) == 0
+
+
+def test_a_preempted_requests_deadline_counts_its_earlier_wait():
+    q = SJFQueue({0: 100.0, 1: 1.0}, aging=0.0, fcfs_slack=0.0, rows=1)
+    q.push(0, now=0)
+    assert q.pop(now=90) == 0  # waited 90 steps
+    q.push(0, now=95)
+    q.push(1, now=95)
+    # backlog 101 tokens on one row: past its deadline after 101 steps of waiting in all, 11 more here
+    assert q.pop(now=105) == 1
+    q.push(1, now=105)
+    assert q.pop(now=106) == 0 and 0 in q.past_deadline

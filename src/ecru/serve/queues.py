@@ -90,7 +90,9 @@ class SJFQueue:
         self.predicted, self.aging, self.fcfs_slack = predicted, aging, fcfs_slack
         self.rows, self.running_tokens = rows, running_tokens
         self._heap: list[tuple[float, int, int]] = []
-        self._arrivals: deque[tuple[int, int, int]] = deque()  # (step pushed, count, index), with fcfs_slack
+        self._arrivals: list[tuple[int, int, int]] = []  # heap of (step its wait began, count, index)
+        self._began: dict[int, int] = {}  # waiting index -> the step its wait began
+        self._waited: dict[int, int] = {}  # index -> steps it waited in earlier stays (a preempted request)
         self._live: dict[int, float] = {}  # count of each waiting entry -> its prediction
         self._count_of: dict[int, int] = {}  # index -> count of its waiting entry
         self._waiting_tokens = 0.0
@@ -101,11 +103,13 @@ class SJFQueue:
     def push(self, index: int, *, now: int) -> None:
         if index in self._count_of:
             raise ValueError(f"request {index} is already waiting")
-        # the counter breaks ties in arrival order
-        p = float(self.predicted[index])
-        heapq.heappush(self._heap, (p + self.aging * now, self._count, index))
+        # the counter breaks ties in arrival order; a request pushed again (preempted) goes on waiting from
+        # where it stopped: its aging and its deadline count every step it waited
+        p, began = float(self.predicted[index]), now - self._waited.get(index, 0)
+        heapq.heappush(self._heap, (p + self.aging * began, self._count, index))
         if self.fcfs_slack is not None:
-            self._arrivals.append((now, self._count, index))
+            heapq.heappush(self._arrivals, (began, self._count, index))
+        self._began[index] = began
         self._live[self._count], self._count_of[index] = p, self._count
         self._waiting_tokens += max(p, 0.0)
         self._count += 1
@@ -115,6 +119,7 @@ class SJFQueue:
         count, index = overdue or self._shortest()
         if overdue:
             self.past_deadline.add(index)
+        self._waited[index] = now - self._began[index]
         self._forget(count, index)
         return index
 
@@ -126,20 +131,22 @@ class SJFQueue:
     def discard(self, index: int) -> None:
         """A finished or cancelled request leaves the backlog now; its stale entries are skipped later."""
         self.past_deadline.discard(index)
+        self._waited.pop(index, None)
         if index in self._count_of:
             self._forget(self._count_of[index], index)
 
     def _forget(self, count: int, index: int) -> None:
         self._waiting_tokens -= max(self._live.pop(count), 0.0)
-        del self._count_of[index]
+        del self._count_of[index], self._began[index]
         if not self._live:  # nothing waits: drop the stale entries at once
             self._heap.clear()
-            self._arrivals.clear()
+            self._arrivals = []
             self._waiting_tokens = 0.0
         elif len(self._heap) + len(self._arrivals) > 4 * len(self._live) + 64:  # stale entries pile up
             self._heap = [e for e in self._heap if e[1] in self._live]
             heapq.heapify(self._heap)
-            self._arrivals = deque(e for e in self._arrivals if e[1] in self._live)
+            self._arrivals = [e for e in self._arrivals if e[1] in self._live]
+            heapq.heapify(self._arrivals)
 
     def _shortest(self) -> tuple[int, int]:
         while self._heap[0][1] not in self._live:  # taken by its deadline earlier
@@ -151,12 +158,12 @@ class SJFQueue:
         if self.fcfs_slack is None:
             return None
         while self._arrivals[0][1] not in self._live:  # admitted by its prediction earlier
-            self._arrivals.popleft()
-        pushed, count, index = self._arrivals[0]
+            heapq.heappop(self._arrivals)
+        began, count, index = self._arrivals[0]
         backlog = self._waiting_tokens + self.running_tokens()
-        if not past_fcfs_deadline(now - pushed, backlog, rows=self.rows, slack=self.fcfs_slack):
+        if not past_fcfs_deadline(now - began, backlog, rows=self.rows, slack=self.fcfs_slack):
             return None
-        self._arrivals.popleft()
+        heapq.heappop(self._arrivals)
         return count, index
 
     def __len__(self) -> int:
