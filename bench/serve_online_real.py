@@ -59,6 +59,8 @@ from serve_online import fit_remaining, remaining_trajectories
 RESULTS = Path(__file__).parent / "results"
 TRAIN_ANSWERS = 480
 """Greedy train answers the remaining-length probe is fitted on (bench/serve_online.py's full run)."""
+REPREDICT_EVERY = 16
+"""cb-srpt: tokens between re-predictions, on the engine and in the simulator."""
 
 
 def read_labels(path: Path, cap: int) -> tuple[list[str], list[int]]:
@@ -121,13 +123,17 @@ def remaining_probe(served, texts: list[str], cap: int):
     missing = [t for t in texts if t not in test]
     if missing:
         sys.exit(f"no cached answer for {len(missing)} served prompts: run bench/serve_online.py first")
+    if len(train) < TRAIN_ANSWERS:
+        sys.exit(
+            f"{TRAIN_ANSWERS} cached train answers needed, found {len(train)}: run bench/serve_online.py"
+        )
     prompts = list(train)[:TRAIN_ANSWERS]
     answers = [train[p] for p in prompts]
     probe, _ = fit_remaining(
         served.model, served.tokenizer, prompts, answers, [len(a) for a in answers], cap=cap
     )
     traj, per_row = remaining_trajectories(served.model, served.tokenizer, probe, texts, [test[t] for t in texts],
-                                           every=16)  # fmt: skip
+                                           every=REPREDICT_EVERY)  # fmt: skip
     return probe, traj, per_row
 
 
@@ -175,7 +181,9 @@ def run_both(served, ids, texts, trace, predictors, cost, base, args) -> tuple[d
     predictor, predict_s, probe, repredict_s = predictors
     for name in args.order:
         policy, overrides, sim_only = table[name]
-        config = EngineConfig(policy=policy, max_new_tokens=args.cap, **overrides)
+        config = EngineConfig(
+            policy=policy, max_new_tokens=args.cap, repredict_every=REPREDICT_EVERY, **overrides
+        )
         real[name] = serve_real(served, ids, texts, arrivals, predictor, probe, config, args.cap)
         charged = {"predict_s": predict_s} if policy != "cb" else {}
         charged |= {"repredict_s": repredict_s} if policy == "cb-srpt" else {}
@@ -207,7 +215,9 @@ def main(argv=None) -> None:
     probe, traj, repredict_s = remaining_probe(served, texts, args.cap)
     print("measuring the cost model ...", file=sys.stderr)
     cost = measure_cost_model(served.model, reps=3, source="SmolLM2-135M fp32, measured in this run")
-    base = OnlineConfig(max_new_tokens=args.cap, token_s=cost.step_time(16, 200))
+    base = OnlineConfig(
+        max_new_tokens=args.cap, repredict_every=REPREDICT_EVERY, token_s=cost.step_time(16, 200)
+    )
     trace, capacity = timed_trace(ids, lengths, predicted, traj, cost, base, args)
     predictors = (predictor, predict_s, probe, repredict_s)
     real, simulated = run_both(served, ids, texts, trace, predictors, cost, base, args)
@@ -221,7 +231,7 @@ def main(argv=None) -> None:
         "requests": len(trace), "load": args.load, "arrival_rate_per_s": args.load * capacity,
         "fcfs_slack": args.slack, "order": args.order, "predicted": predicted, "true_lengths": lengths,
         "predictor": {"name": "minilm", "train_labels": len(train), "predict_s_per_request": predict_s},
-        "remaining_probe": {"train_answers": TRAIN_ANSWERS, "repredict_every": 16,
+        "remaining_probe": {"train_answers": TRAIN_ANSWERS, "repredict_every": REPREDICT_EVERY,
                             "predict_s_per_row": repredict_s},
         "cost_model": cost.__dict__, "real": real, "simulated": simulated,
         "greedy_outputs_equal_across_policies": all(o == outputs["cb"] for o in outputs.values()),

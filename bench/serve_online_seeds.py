@@ -5,8 +5,8 @@ its measured time, the remaining-length probe's re-predictions and their time, t
 online simulator for --seeds draws of the 3,000 resampled requests and their Poisson arrivals at load 1.2:
 cb, cb-sjf with aging 0.1 and cb-sjf with the FCFS deadline at each --slacks value, and cb-srpt
 (re-prediction, preemption with the default margin) with the deadline at each --slacks value, its
-preempted rows either prefilled again (`preempt_mode` recompute, as the engine does) or keeping their KV
-(keep); latency ratios to cb per seed, their mean and standard deviation.
+preempted rows either prefilled again (`preempt_mode` recompute) or keeping their KV (keep, the engine's
+cb-srpt default); latency ratios to cb per seed, their mean and standard deviation.
 --cost-from replays with another JSON's cost model (for instance a run on a faster machine), all else
 unchanged. No model runs: seconds.
 
@@ -29,12 +29,14 @@ from serve_online import build_trace, resample, saturated_capacity
 RESULTS = Path(__file__).parent / "results"
 
 
-def ratios_over_seeds(pp: dict, cost: CostModel, predict_s: float, configs: dict, seeds: int) -> dict:
+def ratios_over_seeds(data: dict, cost: CostModel, predict_s: float, configs: dict, seeds: int) -> dict:
     """name -> per-seed (mean, p99) latency over cb's, and their mean, std, min and max; `configs`: name ->
-    (policy, OnlineConfig overrides)."""
+    (policy, OnlineConfig overrides); cap and re-prediction interval as `data` (a serve_online JSON) ran."""
+    pp, run = data["per_prompt"], data["config"]
     lens, plens, pred = pp["true_lengths"], pp["prompt_lens"], pp["predicted"]["minilm"]
     traj = pp["remaining_trajectories"]
-    base = OnlineConfig(max_new_tokens=256, token_s=cost.step_time(16, 200))
+    base = OnlineConfig(max_new_tokens=run["max_new_tokens"], repredict_every=run["repredict_every"],
+                        token_s=cost.step_time(16, 200))  # fmt: skip
     per = {name: [] for name in configs}
     for seed in range(seeds):
         idx = resample(len(lens), 3000, seed)
@@ -80,7 +82,7 @@ def main(argv=None) -> None:
     for mode in PREEMPT_MODES:
         srpt = {"repredict_s": repredict_s, "preempt": True, "preempt_mode": mode, "aging": 0.0}
         configs |= {f"cb-srpt {mode} fcfs_slack {s:g}": ("cb-srpt", srpt | {"fcfs_slack": s}) for s in slacks}
-    result = ratios_over_seeds(data["per_prompt"], cost, predict_s, configs, args.seeds)
+    result = ratios_over_seeds(data, cost, predict_s, configs, args.seeds)
     for name, r in result.items():
         print(f"{name:>30}: mean x cb {r['mean_x_cb']:.3f} ± {r['mean_x_cb_std']:.3f} (max {r['mean_x_cb_max']:.3f}),"
               f" p99 x cb {r['p99_x_cb_mean']:.3f} (max {r['p99_x_cb_max']:.3f})")  # fmt: skip

@@ -125,7 +125,9 @@ def test_real_engine_serves_a_poisson_trace_alike_under_every_policy():
         config = EngineConfig(
             policy=policy, max_new_tokens=8, max_batch_size=2, repredict_every=2, **overrides
         )
-        r = real.serve_real(served, ids, texts, arrivals, ByLength(), RunsLong(), config, 8)
+        probe = RunsLong()
+        r = real.serve_real(served, ids, texts, arrivals, ByLength(), probe, config, 8)
         assert 0 < r["mean_latency_s"] <= r["p99_latency_s"] <= r["max_latency_s"] < r["wall_s"] + 1e-9, name
+        assert bool(probe.seen) == (policy == "cb-srpt")  # re-predicted while generating, only there
         outputs.append(r["outputs"])
     assert len(outputs) == 4 and all(o == outputs[0] for o in outputs)  # greedy: admission changes no answer

@@ -30,18 +30,63 @@ def test_greedy_equals_hf_generate_through_preemptions(model, prompts, reference
     assert not engine.kept.rows and not engine.requests  # nothing left behind
 
 
-def test_kept_kv_rejoins_without_a_forward_recompute_prefills_again(model, prompts, reference, gen):
-    runs = {}
-    for mode in ("keep", "recompute"):
-        engine = srpt_engine(model, gen, RunsLong(), preempt_mode=mode)
-        assert [r.output for r in engine.generate(prompts, GREEDY)] == reference
-        runs[mode] = engine.stats
-    assert runs["keep"].preemptions > 0 and runs["recompute"].preemptions > 0
-    # kept rows rejoin without a forward: only fresh prompts are prefilled (at most one forward each);
-    # recomputing prefills every preempted row again
-    assert runs["keep"].prefill_forwards <= len(prompts) < runs["recompute"].prefill_forwards
-    # the kept rows wait in memory beside the batch: the honest peak counts them
-    assert runs["keep"].peak_kv_tokens > runs["recompute"].peak_kv_tokens
+def spy_on(engine, name: str, check, *, before: bool = False) -> None:
+    """Call `check(*args)` with the arguments of each call of the engine's method `name`, before or after it."""
+    real = getattr(engine, name)
+
+    def spied(*args):
+        if before:
+            check(*args)
+        out = real(*args)
+        if not before:
+            check(*args)
+        return out
+
+    setattr(engine, name, spied)
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_kept_kv_rejoins_without_a_forward_recompute_prefills_again(model, prompts, reference, gen, mode):
+    engine = srpt_engine(model, gen, RunsLong(), preempt_mode=mode)
+    prefilled = []  # answer tokens each prefilled request already had
+    spy_on(
+        engine, "_prefill", lambda admitted, _: prefilled.extend(len(r.output) for r in admitted), before=True
+    )
+    kept = []
+
+    def kept_exactly(seq, left):  # a kept row holds its prompt and every token but the pending newest
+        req = engine.requests[seq]
+        if mode == "keep":
+            kept.append(engine.kept.rows[seq].length == len(req.prompt) + len(req.output) - 1)
+
+    spy_on(engine, "_preempt", kept_exactly)
+    assert [r.output for r in engine.generate(prompts, GREEDY)] == reference
+    assert engine.stats.preemptions > 0
+    if mode == "keep":  # only fresh prompts are prefilled; kept rows rejoin without a forward
+        assert len(kept) == engine.stats.preemptions and all(kept)
+        assert len(prefilled) == len(prompts) and not any(prefilled)
+    else:  # every preempted row is prefilled again with its tokens
+        assert sum(n > 0 for n in prefilled) == engine.stats.preemptions
+
+
+def test_a_preempted_request_can_be_cancelled_while_it_waits(model, prompts, reference, gen):
+    engine = srpt_engine(model, gen, RunsLong())
+    reqs = [engine.add_request(p, GREEDY) for p in prompts]
+    while not engine.stats.preemptions:
+        engine.step()
+    victim = next(r for r in reqs if r.status.value == "waiting" and r.output)
+    assert victim.seq in engine.kept and engine.abort(victim.request_id)
+    assert victim.seq not in engine.kept and victim.finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert all(r.output == ref for r, ref in zip(reqs, reference, strict=True) if r is not victim)
+
+
+def test_a_preempted_row_whose_kv_is_dropped_by_the_bound_is_prefilled_with_its_tokens(model, prompts, reference,
+                                                                                          gen):  # fmt: skip
+    engine = srpt_engine(model, gen, RunsLong(), arrival_kv_requests=1)
+    assert [r.output for r in engine.generate(prompts, GREEDY)] == reference
+    assert engine.stats.preemptions > 1 and not engine.kept.rows
 
 
 def test_repredicts_from_the_rows_own_state_every_k_tokens(model, prompts, reference, gen):

@@ -13,10 +13,11 @@ arrived, or at once when the batch could take them now (running rows + prefilled
 similar lengths (`prefill_groups`), at most `max_batch_size` of them (`arrival_groups`): no forward is
 larger than an admission's, whatever burst arrives.
 
-`KeptKV` holds each waiting request's cache rows without padding (exactly its prompt's positions), for at
-most `bound` requests: beyond, the rows of the request predicted longest are dropped (it keeps its
-prediction and first token and is prefilled at admission, prompt plus first token, as a preempted request
-is). At admission the kept rows are left-padded and stacked into one cache, with no forward.
+`KeptKV` holds each waiting request's cache rows without padding (exactly its cached positions: the prompt,
+and for a row cb-srpt preempted its tokens but the newest), for at most `bound` requests: beyond, the rows
+of the request predicted longest are dropped (it keeps its prediction and tokens and is prefilled at
+admission, prompt plus tokens, as a recomputed preempted request is). At admission the kept rows are
+left-padded and stacked into one cache, with no forward.
 """
 
 from __future__ import annotations
@@ -48,12 +49,12 @@ def arrival_groups(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
 
 @dataclass
 class KeptRow:
-    """One waiting request's prompt KV (per layer, [heads, prompt, head_dim] keys and values) and its pending
-    token."""
+    """One waiting request's cached KV (per layer, [heads, positions, head_dim] keys and values) and its
+    pending token."""
 
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     pending: int
-    """The first token, sampled at arrival, not yet in the cache."""
+    """Its newest token (the first, sampled at arrival; a preempted row's last), not yet in the cache."""
     predicted: float
 
     @property
@@ -82,7 +83,7 @@ class KeptKV:
         return sum(r.length for r in self.rows.values())
 
     def keep(self, key: int, cache, row: int, length: int, *, pending: int, predicted: float) -> None:
-        """Copy row `row` of a left-padded prefill `cache` (its last `length` positions are the prompt)."""
+        """Copy row `row` of a left-padded `cache` (its last `length` positions are the request's cached ones)."""
         self.rows[key] = KeptRow(row_kv(cache, row, length), pending, predicted)
 
     def drop(self, key: int) -> None:

@@ -20,7 +20,11 @@ from ecru.serve.queues import CONTINUOUS_POLICIES, DEFAULT_AGING
 
 PENALTY = number_in(float, "a number", lambda v: -2 <= v <= 2, "between -2 and 2")  # OpenAI's range
 POLICY_NAMES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
-ENGINE_POLICIES = ("cb", "cb-sjf", "cb-kv")  # request_engine.ENGINE_POLICIES (imports torch)
+ENGINE_POLICIES = (
+    "cb",
+    "cb-sjf",
+    "cb-kv",
+)  # request_engine's, but cb-srpt (it needs a fitted RemainingProbe)
 MODEL_HELP = "smollm2 (bundled), tiny (random, for tests) or the path of a local Hugging Face model folder"
 
 

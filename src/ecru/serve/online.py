@@ -25,8 +25,10 @@ current predicted backlog (`queues.SJFQueue`).
 
 Costs (`CostModel`): one prefill per admission over the widest (prompt + tokens kept) row, one decode step
 per token over the padded cache (rows x widest row, the engine's left-padded layout, which is also
-`peak_kv_tokens`). A preempted row keeps its tokens and is prefilled again with them when readmitted (the
-server's behaviour). Prompt-only prediction costs `predict_s` per request and re-prediction `repredict_s`
+`peak_kv_tokens`). A preempted row keeps its tokens and is prefilled again with them when readmitted
+(`preempt_mode` recompute, what the engine's cb-kv does), or keeps its KV too and rejoins without a forward
+(keep, the engine's cb-srpt default; rejoining is not charged: the engine merges the kept rows into the
+batch as it merges any admission). Prompt-only prediction costs `predict_s` per request and re-prediction `repredict_s`
 per row, both on the serving clock. With `prefill_at_arrival` (the engine's prefill on arrival) the
 prompt-only prediction rides on the prompt's own prefill, done when it arrives; its KV (counted in
 `peak_kv_tokens`) waits with it and admission costs no forward.
@@ -87,8 +89,10 @@ class OnlineConfig:
     """Tokens by which the waiting request must be predicted shorter than the row it displaces."""
     preempt_mode: str = "recompute"
     """What a preempted row's KV does: "recompute" drops it and the row is prefilled again with its tokens
-    when readmitted (the engine's behaviour); "keep" holds it while the row waits (counted in
-    `peak_kv_tokens`, in host memory on a CPU server) and the row rejoins the batch without a forward."""
+    when readmitted (the engine's cb-kv); "keep" holds it while the row waits (counted in
+    `peak_kv_tokens`, in host memory on a CPU server; the engine's cb-srpt default) and the row rejoins the
+    batch without a forward. Rows that would be past their FCFS deadline as soon as they waited again are
+    not preempted (the deadline would readmit them at once)."""
     predict_s: float = 0.0
     """Seconds of prompt-only prediction per request (cb-sjf, cb-srpt), charged on arrival."""
     repredict_s: float = 0.0
@@ -105,8 +109,9 @@ class OnlineConfig:
     (predicted backlog / max_batch_size, in decode steps) is admitted first, longest-waiting first; None:
     aging alone bounds the wait."""
     arrival_kv_requests: int = 256
-    """With `prefill_at_arrival`: waiting requests whose KV is kept at most; beyond, the longest-predicted
-    one's KV is dropped and it is prefilled again (prompt + its first token) when admitted."""
+    """Waiting requests whose KV is kept at most (prefilled on arrival, or preempted with `preempt_mode`
+    keep); beyond, the longest-predicted one's KV is dropped and it is prefilled again (prompt and the
+    tokens it has) when admitted."""
 
     def __post_init__(self):
         if min(self.max_batch_size, self.max_new_tokens, self.refill_min, self.repredict_every) < 1:
@@ -283,16 +288,22 @@ class _Continuous:
     def _overdue(self) -> tuple[float, int, int] | None:
         """With `fcfs_slack`, the heap entry of the longest-waiting request if it has waited (1 + slack) x
         the FCFS wait estimate (the predicted backlog over max_batch_size rows, in decode steps)."""
-        slack = self.config.fcfs_slack
-        if slack is None:
+        if self.config.fcfs_slack is None:
             return None
         while self.by_wait[0][1] not in self.queued:
             heapq.heappop(self.by_wait)
         began, _, entry = self.by_wait[0]
-        backlog = self.queued_tokens + sum(map(self._remaining, self.running))
-        if not past_fcfs_deadline(self.steps - began, backlog, rows=self.config.max_batch_size, slack=slack):
+        if not self._would_be_overdue(self.steps - began):
             return None
         return heapq.heappop(self.by_wait)[2]
+
+    def _would_be_overdue(self, waited: int) -> bool:
+        """Whether a request that has waited `waited` decode steps is past its FCFS deadline now."""
+        slack = self.config.fcfs_slack
+        backlog = self.queued_tokens + sum(map(self._remaining, self.running))
+        return slack is not None and past_fcfs_deadline(
+            waited, backlog, rows=self.config.max_batch_size, slack=slack
+        )
 
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self) -> OnlineResult:
@@ -360,9 +371,13 @@ class _Continuous:
             if self.done[i] < self.target[i]:
                 self._push(i)
                 self._keep(i, self.trace[i].prompt_len)
-        while (
-            len(self.kept) > cfg.arrival_kv_requests
-        ):  # the longest-predicted loses its KV, the newest of equals
+        self._bound_kept()
+
+    def _bound_kept(self) -> None:
+        """At most `arrival_kv_requests` waiting requests keep their KV: the longest-predicted loses its
+        KV first (the newest of equals), as the engine's `KeptKV`."""
+        cfg = self.config
+        while len(self.kept) > cfg.arrival_kv_requests:
             self._unkeep(max(reversed(self.kept), key=lambda i: min(self.estimate[i], cfg.max_new_tokens)))
 
     def _keep(self, i: int, tokens: int) -> None:
@@ -408,7 +423,8 @@ class _Continuous:
             return 0
         now = cfg.aging / cfg.token_s * self.clock
         waiting = [key - now for key, _, _ in heapq.nsmallest(cfg.refill_min, self.heap)]
-        ready = [i for i in self.running if self.done[i] % cfg.repredict_every == 0 and i not in self.overdue]
+        ready = [i for i in self.running if self.done[i] % cfg.repredict_every == 0 and i not in self.overdue
+                 and not self._would_be_overdue(self.wait_steps[i])]  # fmt: skip
         victims = sorted(ready, key=self._running_key, reverse=True)
         swapped = [
             v for v, w in zip(victims, waiting, strict=False) if self._running_key(v) - w > cfg.preempt_margin
@@ -418,5 +434,6 @@ class _Continuous:
             self._push(v)
             if cfg.preempt_mode == "keep":
                 self._keep(v, self.trace[v].prompt_len + self.done[v])
+        self._bound_kept()
         self.preemptions += len(swapped)
         return len(swapped)

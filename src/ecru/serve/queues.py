@@ -123,6 +123,17 @@ class SJFQueue:
         self._forget(count, index)
         return index
 
+    def waited(self, index: int) -> int:
+        """Decode steps request `index` waited in its stays so far (while it runs: before it was admitted)."""
+        return self._waited.get(index, 0)
+
+    def would_be_overdue(self, waited: int) -> bool:
+        """Whether a request that has waited `waited` steps would be past its FCFS deadline if it waited now."""
+        backlog = self._waiting_tokens + self.running_tokens()
+        return self.fcfs_slack is not None and past_fcfs_deadline(
+            waited, backlog, rows=self.rows, slack=self.fcfs_slack
+        )
+
     def smallest(self, n: int, *, now: int) -> list[float]:
         """The `n` lowest priorities now (predicted length less aging x steps waited), lowest first."""
         live = (key for key, count, _ in self._heap if count in self._live)
@@ -160,8 +171,7 @@ class SJFQueue:
         while self._arrivals[0][1] not in self._live:  # admitted by its prediction earlier
             heapq.heappop(self._arrivals)
         began, count, index = self._arrivals[0]
-        backlog = self._waiting_tokens + self.running_tokens()
-        if not past_fcfs_deadline(now - began, backlog, rows=self.rows, slack=self.fcfs_slack):
+        if not self.would_be_overdue(now - began):
             return None
         heapq.heappop(self._arrivals)
         return count, index

@@ -15,6 +15,15 @@ cb-kv's budget is enforced on the cache this engine really holds, rows x widest 
 (`EngineStats.peak_kv_tokens` never exceeds it; `ContinuousConfig.kv_accounting="padded"`).
 The predicted length is `predict(prompt, params)`, by default the request's own `max_tokens`.
 
+`cb-srpt` (shortest predicted remaining first) is `cb-sjf` plus re-prediction while generating: every
+`repredict_every` tokens a `RemainingPredictor` (a fitted `remaining.RemainingProbe`) predicts each running
+row's remaining length from the last hidden state that decode step computes anyway (a dot product per row),
+and a full batch swaps its just re-predicted rows, longest remainder first, for waiting requests predicted
+`preempt_margin` tokens shorter. A swapped row keeps its tokens and, by default, its KV (`KeptKV`, counted in
+`peak_kv_tokens`): it rejoins without a forward; `preempt_mode="recompute"` drops the KV and prefills the
+row again with its tokens. Its wait goes on from where it stopped (`SJFQueue`); rows admitted past their
+FCFS deadline are never swapped.
+
 Prefill on arrival (`state_predictor`, e.g. a fitted `ProbePredictor`; `arrival.py`): a request's prompt is
 prefilled when it arrives instead of when it is admitted. That one forward gives its first token, the
 prompt's mean-pooled last hidden state, from which the state predictor predicts its length (a dot product,
@@ -82,7 +91,7 @@ class EngineConfig:
     refill_min: int = 4
     """Admit only when this many rows are free (or the batch is empty, or fewer wait)."""
     aging: float = DEFAULT_AGING
-    """cb-sjf: priority tokens gained per decode step waited (no starvation)."""
+    """cb-sjf, cb-srpt: priority tokens gained per decode step waited (no starvation)."""
     fcfs_slack: float | None = None
     """cb-sjf, cb-srpt: admit the longest-waiting request first once it has waited (1 + fcfs_slack) x the wait
     first-come-first-served would now impose (predicted backlog / max_batch_size decode steps;
@@ -95,8 +104,8 @@ class EngineConfig:
     """Recently prefilled sequences whose KV is kept for prompts that start alike (`prefix_cache`
     module); 0 turns prefix caching off."""
     arrival_kv_requests: int = 256
-    """Prefill on arrival: waiting requests whose prompt KV is kept at most (beyond, the longest-predicted
-    one's is dropped and it is prefilled again at admission)."""
+    """Waiting requests whose KV is kept at most, prefilled on arrival or preempted by cb-srpt (beyond, the
+    longest-predicted one's is dropped and it is prefilled again, prompt and tokens, at admission)."""
     repredict_every: int = 16
     """cb-srpt: generated tokens between re-predictions of a running row's remaining length."""
     preempt_margin: float = 64.0
@@ -165,7 +174,8 @@ class Request:
     """stop (EOS or a stop string), length (max_tokens or the context), abort, error."""
     predicted: float | None = None
     """Its predicted answer length, at most max_tokens (the key it was queued with; with prefill on
-    arrival also set for a request that ended at its first token and was never queued)."""
+    arrival also set for a request that ended at its first token and was never queued; cb-srpt: its tokens
+    so far plus its latest predicted remainder, which is its key when preempted)."""
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -235,9 +245,6 @@ class RequestEngine:
         self.context_len = context_len or getattr(model.config, "max_position_embeddings", None) or 2048
         self.predict = predict or (lambda prompt, params: float(params.max_tokens))
         self._predicted: dict[int, float] = {}
-        if (remaining is None) != (self.config.policy != "cb-srpt"):
-            raise ValueError("policy cb-srpt needs a remaining-length predictor (remaining=, e.g. a fitted "
-                             "RemainingProbe), and only it takes one")  # fmt: skip
         self.remaining, self._swapped = remaining, False
         if queue is None:
             queue = self._sjf_queue() if self.config.policy in SJF_POLICIES else FCFSQueue()
@@ -258,6 +265,7 @@ class RequestEngine:
         self.kept = KeptKV(self.config.arrival_kv_requests)
         if state_predictor is not None:
             self._check_arrival(predict)
+        self._check_srpt(remaining, discard_preempted)
         self.requests: dict[int, Request] = {}  # unfinished, by seq
         self._ids: dict[str, int] = {}
         self._seq = itertools.count()
@@ -314,6 +322,22 @@ class RequestEngine:
         if not all(type(ly) is HeadroomLayer for ly in self.run.cache.layers):
             raise ValueError("prefill on arrival (state_predictor) needs a model whose layers all attend to the "
                              "whole context (its kept KV would be cut to a sliding window)")  # fmt: skip
+
+    def _check_srpt(self, remaining, discard_preempted: bool) -> None:
+        if (remaining is None) != (self.config.policy != "cb-srpt"):
+            raise ValueError("policy cb-srpt needs a remaining-length predictor (remaining=, e.g. a fitted "
+                             "RemainingProbe), and only it takes one")  # fmt: skip
+        if remaining is None:
+            return
+        if not isinstance(self.admitter.queue, SJFQueue) or self.admitter.config.kv_budget is not None:
+            raise ValueError("cb-srpt preempts by priority in an SJFQueue, without a KV budget: give no queue "
+                             "and no limits with a kv_budget")  # fmt: skip
+        if discard_preempted:
+            raise ValueError("cb-srpt's preempted rows keep their tokens: discard_preempted is for cb-kv")
+        keep = self.config.preempt_mode == "keep"
+        if keep and not all(type(ly) is HeadroomLayer for ly in self.run.cache.layers):
+            raise ValueError("preempt_mode keep needs a model whose layers all attend to the whole context (a "
+                             "kept KV would be cut to a sliding window): use preempt_mode recompute")  # fmt: skip
 
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
         """Why a request cannot be served (ValueError), before it is queued."""
@@ -559,17 +583,20 @@ class RequestEngine:
         for r, n, rem in zip(rows, t.tolist(), left, strict=True):
             r.predicted = min(float(r.params.max_tokens), n + rem)
 
-    def _srpt_preempt(self, fresh: list[int]) -> None:
-        """A full batch swaps its just re-predicted rows, longest predicted remainder first, for waiting
-        requests predicted `preempt_margin` tokens shorter, one for one, at most `refill_min` (rows admitted
-        past their FCFS deadline stay)."""
+    def _srpt_preempt(self, repredicted: list[int]) -> None:
+        """A full batch swaps its just re-predicted rows, highest priority key first (predicted remainder
+        less the aging it earned waiting), for waiting requests whose key is `preempt_margin` lower, one for
+        one, at most `refill_min`. Rows admitted past their FCFS deadline stay, and so do rows that would be
+        past it as soon as they waited again (the deadline would readmit them at once)."""
         queue, cfg = self.admitter.queue, self.config
-        if len(self.run.ids) < self.max_rows or not len(queue) or not fresh:
+        if len(self.run.ids) < self.max_rows or not len(queue) or not repredicted:
             return
-        left = {seq: self.requests[seq].predicted - len(self.requests[seq].output) for seq in fresh}
-        victims = sorted((s for s in fresh if s not in queue.past_deadline), key=left.get, reverse=True)
-        waiting = queue.smallest(cfg.refill_min, now=self.stats.decode_steps)
-        out = [v for v, w in zip(victims, waiting, strict=False) if left[v] - w > cfg.preempt_margin]
+        left = {seq: self.requests[seq].predicted - len(self.requests[seq].output) for seq in repredicted}
+        key = {seq: left[seq] - cfg.aging * queue.waited(seq) for seq in repredicted}
+        stay = queue.past_deadline | {s for s in repredicted if queue.would_be_overdue(queue.waited(s))}
+        victims = sorted((s for s in repredicted if s not in stay), key=key.get, reverse=True)
+        waiting = queue.smallest(self.admitter.config.refill_min, now=self.stats.decode_steps)
+        out = [v for v, w in zip(victims, waiting, strict=False) if key[v] - w > cfg.preempt_margin]
         for seq in out:
             self._preempt(seq, left[seq])
         if out:
