@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct serves --requests distinct unseen test prompts of the mixed workload (drawn with
 --seed from the 240 labelled ones), arriving as a Poisson stream at --load times cb's capacity (cb's
-throughput on this trace in the simulator, with a cost model measured in this run). Each policy runs on
+throughput on this trace in the simulator, with a cost model measured in this run; with --rate-from engine,
+measured on the engine with every request waiting, prefix cache included). Each policy runs on
 the request engine in real time, one after another in --order (one thread; the engine is stepped while
 requests wait, idle until the next arrival otherwise); a request's latency runs from its scheduled arrival
 to its last token; `busy_s_per_decode_step` shows whether the machine's speed drifted between policies:
@@ -152,6 +153,9 @@ def parse(argv) -> tuple:
     ap.add_argument("--slack", type=non_negative_float, default=0.15, help="fcfs_slack of cb-sjf[fcfs-slack]")
     ap.add_argument("--cap", type=positive_int, default=256, help="max new tokens (the labels' cap)")
     ap.add_argument("--seed", type=int, default=0, help="prompt draw and arrival seed")
+    ap.add_argument("--rate-from", choices=("simulator", "engine"), default="simulator",
+                    help="the capacity --load is relative to: cb's in the simulator, or measured on the engine "
+                    "(every request waiting; the prefix cache the simulator lacks included)")  # fmt: skip
     ap.add_argument(
         "--order", default=None, help="comma-separated policies in the order they run (default: cb first)"
     )
@@ -165,13 +169,25 @@ def parse(argv) -> tuple:
     return args, prepare_out_file(args.json, flag="--json")
 
 
-def timed_trace(ids, lengths, predicted, traj, cost, base, args) -> tuple[list[OnlineRequest], float]:
-    """The simulator's trace of the served requests, Poisson arrivals at args.load x cb's capacity on it."""
+def timed_trace(ids, lengths, predicted, traj, cost, base, args, served) -> tuple[list[OnlineRequest], float]:
+    """The simulator's trace of the served requests, Poisson arrivals at args.load x cb's capacity on it: in
+    the simulator, or with `--rate-from engine` the engine's own (`engine_capacity`)."""
     trace = [OnlineRequest(0.0, len(i), n, p, tuple(tr))
              for i, n, p, tr in zip(ids, lengths, predicted, traj, strict=True)]  # fmt: skip
     capacity = len(trace) / simulate_online(trace, policy="cb", config=base, cost=cost).time_s
+    if args.rate_from == "engine":
+        capacity = engine_capacity(served, ids, args.cap)
     arrivals = poisson_arrivals(len(trace), args.load * capacity, args.seed + 1)
     return [dataclasses.replace(r, arrival_s=a) for r, a in zip(trace, arrivals, strict=True)], capacity
+
+
+def engine_capacity(served, ids, cap: int) -> float:
+    """cb's throughput on the engine in requests/s, every request waiting from the start."""
+    engine = RequestEngine(served.model, eos_token_ids=served.eos_token_ids, pad_token_id=served.pad_token_id,
+                           config=EngineConfig(max_new_tokens=cap))  # fmt: skip
+    start = time.perf_counter()
+    engine.generate(ids, SamplingParams(max_tokens=cap))
+    return len(ids) / (time.perf_counter() - start)
 
 
 def run_both(served, ids, texts, trace, predictors, cost, base, args) -> tuple[dict, dict]:
@@ -218,7 +234,7 @@ def main(argv=None) -> None:
     base = OnlineConfig(
         max_new_tokens=args.cap, repredict_every=REPREDICT_EVERY, token_s=cost.step_time(16, 200)
     )
-    trace, capacity = timed_trace(ids, lengths, predicted, traj, cost, base, args)
+    trace, capacity = timed_trace(ids, lengths, predicted, traj, cost, base, args, served)
     predictors = (predictor, predict_s, probe, repredict_s)
     real, simulated = run_both(served, ids, texts, trace, predictors, cost, base, args)
     outputs = {name: r.pop("outputs") for name, r in real.items()}
@@ -228,7 +244,8 @@ def main(argv=None) -> None:
         "time; Poisson arrivals at load x cb's simulated capacity; latency from the scheduled arrival to "
         "the last token; the same trace replayed through the online simulator with the cost model measured "
         "in this run and MiniLM's measured time per request charged",
-        "requests": len(trace), "load": args.load, "arrival_rate_per_s": args.load * capacity,
+        "requests": len(trace), "load": args.load, "rate_from": args.rate_from, "capacity_requests_per_s": capacity,
+        "arrival_rate_per_s": args.load * capacity,
         "fcfs_slack": args.slack, "order": args.order, "predicted": predicted, "true_lengths": lengths,
         "predictor": {"name": "minilm", "train_labels": len(train), "predict_s_per_request": predict_s},
         "remaining_probe": {"train_answers": TRAIN_ANSWERS, "repredict_every": REPREDICT_EVERY,
