@@ -307,10 +307,15 @@ class RequestEngine:
 
     def _enqueue(self, req: Request, predicted: float) -> None:
         seq = req.seq
-        self._predicted[seq] = req.predicted = min(float(req.params.max_tokens), predicted)
+        req.predicted = min(float(req.params.max_tokens), predicted)
         self.admitter.add(seq, len(req.prompt), req.predicted, cap=req.params.max_tokens)
+        self._push(seq, req.predicted)
+
+    def _push(self, seq: int, key: float) -> None:
+        """Queue request `seq` with `key` as its predicted length (the queue reads it on push)."""
+        self._predicted[seq] = key
         self.admitter.queue.push(seq, now=self.stats.decode_steps)
-        del self._predicted[seq]  # the queue keyed it on push
+        del self._predicted[seq]
 
     def _check_arrival(self, predict) -> None:
         if predict is not None:
@@ -613,9 +618,7 @@ class RequestEngine:
             self.kept.keep(seq, self.run.cache, row, cached, pending=req.output[-1], predicted=left)
         self.admitter.leave(seq)
         req.status = RequestStatus.WAITING
-        self._predicted[seq] = left
-        self.admitter.queue.push(seq, now=self.stats.decode_steps)
-        del self._predicted[seq]
+        self._push(seq, left)
         self.stats.preemptions += 1
 
     def _sample(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
