@@ -9,7 +9,8 @@ prompts on 16 rows no row ever is, and continuous batching cannot show). Measure
 - one request at a time: Hugging Face `model.generate` on each of the first `--single-n` prompts alone;
 - `model.generate_batch` (transformers' paged continuous batching, the same `--max-batch-size`) on all
   prompts at once (A), the same engine in this process without HTTP (B, what the transport costs), the
-  same without prefix caching (B0, what that gains) and the server (`python -m ecru serve api`, its own
+  same with plain `nn.Linear` layers (B0: what the pre-packed weights of `ecru.serve.packed` gain; A and
+  one-at-a-time always run on the plain layers, as transformers ships them) and the server (`python -m ecru serve api`, its own
   process, warmed by one request) driven through HTTP by 16 concurrent streaming clients (C, the official
   `openai` client), in the order A B B0 C C B0 B A so that a load drifting linearly weighs on all alike
   (the machine is shared); then the server at 4 clients (all
@@ -65,10 +66,18 @@ def summary(tokens: int, wall: float, done: list[float], *, latencies=None, ttft
     return out
 
 
+def set_packed(model, packed: bool) -> None:
+    """The model's linear layers pre-packed (the engine's default) or plain (transformers' own)."""
+    from ecru.serve.packed import pack_linears, unpack_linears
+
+    (pack_linears if packed else unpack_linears)(model)
+
+
 def one_at_a_time(served, prompts: list[list[int]], cap: int) -> tuple[dict, list[list[int]]]:
     """Hugging Face `generate`, one prompt alone after the other (every request waits from t=0)."""
     import torch
 
+    set_packed(served.model, False)
     outs, finish, start, cpu = [], [], time.perf_counter(), time.process_time()
     for p in prompts:
         ids = torch.tensor([p])
@@ -86,6 +95,7 @@ def generate_batch(served, prompts: list[list[int]], cap: int, rows: int) -> tup
 
     gen = GenerationConfig(max_new_tokens=cap, do_sample=False, eos_token_id=list(served.eos_token_ids),
                            pad_token_id=served.pad_token_id)  # fmt: skip
+    set_packed(served.model, False)
     cb = ContinuousBatchingConfig(page_size=64, num_blocks=max(128, rows * (cap + 256) // 64 + 8),
                                   max_batch_tokens=rows * 256, max_requests_per_batch=rows,
                                   use_cuda_graph=False)  # fmt: skip
@@ -207,36 +217,38 @@ def run_batch(served, prompts, cap: int, rows: int) -> tuple[dict, list[list[int
     return batch, tokens
 
 
-def engine_alone(served, prompts, args, *, prefix_cache: int = 16) -> tuple[dict, list[list[int]]]:
-    """The same engine in this process, no HTTP: what the server's transport costs (`prefix_cache=0`:
-    without prefix caching, what it gains)."""
+def engine_alone(served, prompts, args, *, packed: bool = True) -> tuple[dict, list[list[int]]]:
+    """The same engine in this process, no HTTP: what the server's transport costs (`packed=False`: on
+    plain linear layers, what pre-packing the weights gains)."""
     from ecru.serve import EngineConfig, SamplingParams
 
+    set_packed(served.model, packed)
     engine = served.engine(EngineConfig(policy=args.policy, max_batch_size=args.max_batch_size,
-                                        max_new_tokens=args.max_new_tokens, prefix_cache=prefix_cache))  # fmt: skip
+                                        max_new_tokens=args.max_new_tokens))  # fmt: skip
     start, cpu = time.perf_counter(), time.process_time()
     reqs = engine.generate(prompts, SamplingParams(max_tokens=args.max_new_tokens))
     out = summary(sum(len(r.output) for r in reqs), time.perf_counter() - start,
                   [r.finish_s - start for r in reqs], cpu=time.process_time() - cpu)  # fmt: skip
     out |= {"prefills": engine.stats.prefills, "prefill_forwards": engine.stats.prefill_forwards,
             "decode_steps": engine.stats.decode_steps, "peak_kv_tokens": engine.stats.peak_kv_tokens,
-            "prefix_cache": prefix_cache, "prefix_hit_tokens": engine.stats.prefix_hit_tokens}  # fmt: skip
-    print(f"engine alone (prefix cache {prefix_cache}): {out['tokens_per_s']:.1f} tok/s ({out['wall_s']:.1f} s)",
-          flush=True)  # fmt: skip
+            "packed": packed, "prefix_hit_tokens": engine.stats.prefix_hit_tokens}  # fmt: skip
+    print(
+        f"engine alone (packed {packed}): {out['tokens_per_s']:.1f} tok/s ({out['wall_s']:.1f} s)", flush=True
+    )
     return out, [r.output for r in reqs]
 
 
 def compare_top(served, server, texts, prompts, decode, args, top: int):
-    """generate_batch (A), the engine alone (B), the engine without prefix caching (B0) and the server at
+    """generate_batch (A), the engine alone (B), the engine on plain linear layers (B0) and the server at
     `top` clients (C) in the order A B B0 C C B0 B A, so that a load drifting linearly during the run weighs
     on all alike. The reference answers are the first generate_batch run's."""
     cap, rows = args.max_new_tokens, args.max_batch_size
     first, ref_tokens = run_batch(served, prompts, cap, rows)
     reference = [decode(t) for t in ref_tokens]
     alone = [engine_alone(served, prompts, args)]
-    plain = [engine_alone(served, prompts, args, prefix_cache=0)]
+    plain = [engine_alone(served, prompts, args, packed=False)]
     tops = [run_level(server, texts, reference, cap, top) for _ in range(2)]
-    plain.append(engine_alone(served, prompts, args, prefix_cache=0))
+    plain.append(engine_alone(served, prompts, args, packed=False))
     alone.append(engine_alone(served, prompts, args))
     last, last_tokens = run_batch(served, prompts, cap, rows)
     first["outputs_identical"], last["outputs_identical"] = (
@@ -253,10 +265,10 @@ def ABCCBA(top: int) -> list[str]:  # noqa: N802 - the name is the order (with B
     return [
         "generate_batch",
         "engine alone",
-        "engine alone, no prefix cache",
+        "engine alone, plain linear layers",
         f"server {top}",
         f"server {top}",
-        "engine alone, no prefix cache",
+        "engine alone, plain linear layers",
         "engine alone",
         "generate_batch",
     ]
@@ -294,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     n, cap = args.n or (32 if args.quick else 64), args.max_new_tokens
     single_n = min(n, args.single_n or (8 if args.quick else n))
     levels = sorted(int(c) for c in args.concurrency.split(","))
-    served = ServedModel.load("smollm2")
+    served = ServedModel.load("smollm2", packed=False)  # packed for the engine arms only
     texts = load_prompts("mixed", n=n, split="test")
     prompts = [served.encode_chat([{"role": "user", "content": t}]) for t in texts]
     decode = Decoder(served.tokenizer)
@@ -350,7 +362,7 @@ def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out
              "tokens_per_cpu_s": mean_of(batches, "tokens_per_cpu_s"),
              "outputs_identical": all(b["outputs_identical"] for b in batches)}  # fmt: skip
     alone, plain = alone
-    engine, no_prefix = (
+    engine, unpacked = (
         {
             "tokens_per_s": mean_of(runs, "tokens_per_s"),
             "runs": runs,
@@ -364,12 +376,12 @@ def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out
         "x_generate_batch": top["tokens_per_s"] / batch["tokens_per_s"],
         "engine_alone_x_generate_batch": engine["tokens_per_s"] / batch["tokens_per_s"],
         "server_x_engine_alone": top["tokens_per_s"] / engine["tokens_per_s"],
-        "prefix_cache_x_none": engine["tokens_per_s"] / no_prefix["tokens_per_s"],
+        "packed_x_plain_linear": engine["tokens_per_s"] / unpacked["tokens_per_s"],
         "per_cpu_s_x_generate_batch": top["tokens_per_cpu_s"] / batch["tokens_per_cpu_s"],
         "engine_alone_per_cpu_s_x_generate_batch": engine["tokens_per_cpu_s"] / batch["tokens_per_cpu_s"],
     }
     identical = (single["outputs_identical"] and batch["outputs_identical"] and engine["outputs_identical"]
-                 and no_prefix["outputs_identical"]
+                 and unpacked["outputs_identical"]
                  and all(r["outputs_identical"] for r in levels_out.values()))  # fmt: skip
     met: dict[str, bool] = {k: ratios[k] >= v for k, v in TARGETS.items()}
     met["identical_greedy_outputs"] = identical
@@ -384,7 +396,7 @@ def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out
         "greedy": True,
         "order": ["one_at_a_time", *ABCCBA(levels[-1]), *[f"server {c}" for c in reversed(levels[:-1])]],
         "reference": "generate_batch's first run (all prompts); one_at_a_time is compared on the first single_n",
-        "cpu_s": "this process's for one_at_a_time, generate_batch, engine_alone(_no_prefix_cache); the server "
+        "cpu_s": "this process's for one_at_a_time, generate_batch, engine_alone(_plain_linear); the server "
         "process's for server",
     }
     return {
@@ -392,7 +404,7 @@ def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out
         "one_at_a_time": single,
         "generate_batch": batch,
         "engine_alone": engine,
-        "engine_alone_no_prefix_cache": no_prefix,
+        "engine_alone_plain_linear": unpacked,
         "server": levels_out,
         f"ratios_at_{levels[-1]}_clients": ratios,
         "targets": TARGETS,

@@ -146,3 +146,13 @@ def test_engine_config_takes_fcfs_slack_only_with_cb_sjf():
         EngineConfig(policy="cb", fcfs_slack=0.3)
     with pytest.raises(ValueError, match="fcfs_slack"):
         EngineConfig(policy="cb-sjf", fcfs_slack=-1.0)
+
+
+def test_answers_alike_with_and_without_packed_weights(chat_model_dir, tmp_path):
+    src = write_lines(
+        tmp_path / "in.jsonl", [{"prompt": f"Tell me about {w}"} for w in ("cats", "rain", "maps")]
+    )
+    outs = [tmp_path / "packed.jsonl", tmp_path / "plain.jsonl"]
+    assert run(chat_model_dir, src, outs[0], "--max-new-tokens", "8") == 0
+    assert run(chat_model_dir, src, outs[1], "--max-new-tokens", "8", "--no-packed-weights") == 0
+    assert answers(outs[0]) == answers(outs[1])

@@ -84,7 +84,7 @@ def _api(args: argparse.Namespace) -> int:
 
     config = _engine_config(args, max_new_tokens=args.max_new_tokens)
     _check_bindable(args.host, args.port)
-    served = ServedModel.load(args.model)
+    served = ServedModel.load(args.model, packed=args.packed_weights)
     print(
         f"serving {served.name} on http://{args.host}:{args.port}/v1 (policy {config.policy})",
         file=sys.stderr,
@@ -123,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
     _engine_config(args, max_new_tokens=args.max_new_tokens)  # checked before the model loads
     served, todo = None, []
     if todo_lines:
-        served = ServedModel.load(args.model)
+        served = ServedModel.load(args.model, packed=args.packed_weights)
         todo = batch_run.encode_lines(
             served, todo_lines, base, path=args.input, skip_invalid=args.skip_invalid, skipped=skipped
         )
@@ -164,6 +164,13 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
         default=16,
         help="recent prompts whose KV is kept so that prompts starting alike (a system prompt) skip "
         "recomputing the start; 0: off",
+    )
+    p.add_argument(
+        "--packed-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="multiply by a copy of the weights pre-packed for the CPU: faster decode steps, the weights "
+        "twice in memory (--no-packed-weights: once)",
     )
 
 

@@ -1,0 +1,108 @@
+"""Pre-packed linear layers: the same products as `F.linear` within fp32 rounding, the same Parameters, a
+fresh pack after the weight changes, `F.linear` itself outside the packed range, and the engine's greedy
+answers on a packed model equal to Hugging Face `generate` on the plain one."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ecru.models import tiny_llama
+from ecru.serve.packed import ROWS, PackedLinear, pack_linears, packing_available, unpack_linears
+from ecru.serve.request_engine import ENGINE_POLICIES, EngineConfig, RequestEngine
+from ecru.serve.sampling import SamplingParams
+
+from .conftest import remaining_for
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
+
+
+def layer(bias=True, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(96, 200, bias=bias)
+
+
+@pytest.mark.parametrize("shape", [(2, 96), (16, 96), (64, 96), (4, 5, 96), (1, 3, 96)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_product_equals_f_linear_within_fp32_rounding(shape, bias):
+    plain = layer(bias)
+    packed = PackedLinear(plain)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        # 96 products of unit-scale terms: rounding differences stay near 1e-6 of the sum's scale
+        torch.testing.assert_close(packed(x), F.linear(x, plain.weight, plain.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_non_contiguous_rows_are_multiplied_as_given():
+    packed = PackedLinear(layer())
+    x = torch.randn(8, 3, 96)[:, 1]  # 8 rows with a stride of 3 x 96
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), F.linear(x, packed.weight, packed.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, ROWS[1] + 1])
+def test_outside_the_packed_range_it_is_f_linear_exactly(rows, monkeypatch):
+    packed = PackedLinear(layer())
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", None, raising=False)  # any use would fail
+    x = torch.randn(rows, 96)
+    with torch.no_grad():
+        assert torch.equal(packed(x), F.linear(x, packed.weight, packed.bias))
+
+
+def test_autograd_goes_through_f_linear_and_trains_the_shared_weight():
+    plain = layer()
+    packed = PackedLinear(plain)
+    assert packed.weight is plain.weight and packed.bias is plain.bias
+    x = torch.randn(4, 96)
+    packed(x).sum().backward()
+    assert torch.allclose(plain.weight.grad, x.sum(0).expand(200, 96))  # d(sum of W x)/dW = sum of x rows
+
+
+def test_a_weight_written_in_place_is_packed_again():
+    packed = PackedLinear(layer())
+    x = torch.randn(8, 96)
+    with torch.no_grad():
+        before = packed(x)
+        packed.weight.mul_(2)
+        after = packed(x)
+    torch.testing.assert_close(after - packed.bias, 2 * (before - packed.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_only_weights_of_min_size_are_packed():
+    model = tiny_llama(vocab_size=64, hidden_size=32, intermediate_size=64, seed=3)  # MLP 2,048; head 2,048
+    assert pack_linears(model, min_size=2048) == 2 * 3 + 1  # gate, up, down per layer and the LM head
+    assert all(type(m) is nn.Linear for m in model.model.layers[0].self_attn.children() if m._parameters)
+
+
+def test_pack_and_unpack_keep_parameters_ties_and_state_dict():
+    model = tiny_llama(vocab_size=64, seed=3)
+    model.tie_weights()
+    keys, params = list(model.state_dict()), {n: p for n, p in model.named_parameters()}
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert pack_linears(model, min_size=0) == linears > 0
+    assert sum(type(m) is PackedLinear for m in model.modules()) == linears
+    assert pack_linears(model, min_size=0) == 0  # already packed
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert unpack_linears(model) == linears
+    assert sum(type(m) is nn.Linear for m in model.modules()) == linears
+    assert all(p is params[n] for n, p in model.named_parameters())
+
+
+@pytest.fixture(scope="module")
+def packed_model(model):
+    packed = copy.deepcopy(model)
+    assert pack_linears(packed, min_size=0) > 0
+    return packed
+
+
+@pytest.mark.parametrize("policy", ENGINE_POLICIES)
+def test_engine_on_a_packed_model_answers_as_generate_on_the_plain_one(packed_model, prompts, reference, gen,
+                                                                        policy):  # fmt: skip
+    config = EngineConfig(max_new_tokens=24, max_batch_size=4, refill_min=2, policy=policy)
+    engine = RequestEngine(packed_model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                           config=config, remaining=remaining_for(policy))  # fmt: skip
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=24))
+    assert [r.output for r in reqs] == reference  # conftest: each prompt alone through `generate`, unpacked
