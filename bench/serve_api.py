@@ -10,10 +10,10 @@ prompts on 16 rows no row ever is, and continuous batching cannot show). Measure
 - `model.generate_batch` (transformers' paged continuous batching, the same `--max-batch-size`) on all
   prompts at once (A), the same engine in this process without HTTP (B, what the transport costs), the
   same with plain `nn.Linear` layers (B0: what the pre-packed weights of `ecru.serve.packed` gain; A and
-  one-at-a-time always run on the plain layers, as transformers ships them) and the server (`python -m ecru serve api`, its own
-  process, warmed by one request) driven through HTTP by 16 concurrent streaming clients (C, the official
-  `openai` client), in the order A B B0 C C B0 B A so that a load drifting linearly weighs on all alike
-  (the machine is shared); then the server at 4 clients (all
+  one-at-a-time always run on the plain layers, as transformers ships them) and the server
+  (`python -m ecru serve api`, its own process, warmed by one request) driven through HTTP by 16
+  concurrent streaming clients (C, the official `openai` client), in the order A B B0 C C B0 B A so that
+  a load drifting linearly weighs on all alike (the machine is shared); then the server at 4 clients (all
   prompts) and at 1 client (the first `--single-n`). Each client sends its next prompt as soon as its
   previous answer has ended.
 Tokens/s is generated tokens (EOS included) / wall seconds of the whole group. CPU seconds are recorded
@@ -66,11 +66,15 @@ def summary(tokens: int, wall: float, done: list[float], *, latencies=None, ttft
     return out
 
 
-def set_packed(model, packed: bool) -> None:
-    """The model's linear layers pre-packed (the engine's default) or plain (transformers' own)."""
-    from ecru.serve.packed import pack_linears, unpack_linears
+def set_packed(model, packed: bool) -> int:
+    """The model's linear layers pre-packed (the engine's default) or plain (transformers' own); returns
+    how many are packed."""
+    from ecru.serve.packed import pack_linears_, unpack_linears_
 
-    (pack_linears if packed else unpack_linears)(model)
+    if packed:
+        return pack_linears_(model)
+    unpack_linears_(model)
+    return 0
 
 
 def one_at_a_time(served, prompts: list[list[int]], cap: int) -> tuple[dict, list[list[int]]]:
@@ -222,7 +226,7 @@ def engine_alone(served, prompts, args, *, packed: bool = True) -> tuple[dict, l
     plain linear layers, what pre-packing the weights gains)."""
     from ecru.serve import EngineConfig, SamplingParams
 
-    set_packed(served.model, packed)
+    packed_layers = set_packed(served.model, packed)
     engine = served.engine(EngineConfig(policy=args.policy, max_batch_size=args.max_batch_size,
                                         max_new_tokens=args.max_new_tokens))  # fmt: skip
     start, cpu = time.perf_counter(), time.process_time()
@@ -231,7 +235,7 @@ def engine_alone(served, prompts, args, *, packed: bool = True) -> tuple[dict, l
                   [r.finish_s - start for r in reqs], cpu=time.process_time() - cpu)  # fmt: skip
     out |= {"prefills": engine.stats.prefills, "prefill_forwards": engine.stats.prefill_forwards,
             "decode_steps": engine.stats.decode_steps, "peak_kv_tokens": engine.stats.peak_kv_tokens,
-            "packed": packed, "prefix_hit_tokens": engine.stats.prefix_hit_tokens}  # fmt: skip
+            "packed_layers": packed_layers, "prefix_hit_tokens": engine.stats.prefix_hit_tokens}  # fmt: skip
     print(
         f"engine alone (packed {packed}): {out['tokens_per_s']:.1f} tok/s ({out['wall_s']:.1f} s)", flush=True
     )
@@ -346,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out) -> dict:
     """The result JSON: every group, the ratios at the top concurrency, the targets and whether they hold."""
+    from ecru.serve.packed import MIN_SIZE
+
     keys = (
         "tokens_per_s",
         "tokens_per_cpu_s",
@@ -393,6 +399,7 @@ def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out
         "max_new_tokens": args.max_new_tokens,
         "max_batch_size": args.max_batch_size,
         "policy": args.policy,
+        "packed_min_size": MIN_SIZE,
         "greedy": True,
         "order": ["one_at_a_time", *ABCCBA(levels[-1]), *[f"server {c}" for c in reversed(levels[:-1])]],
         "reference": "generate_batch's first run (all prompts); one_at_a_time is compared on the first single_n",

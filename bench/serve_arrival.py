@@ -155,7 +155,7 @@ def main(argv=None) -> None:
     out_path = prepare_out_file(args.json, flag="--json")
     started = time.perf_counter()
     torch.manual_seed(0)
-    served = ServedModel.load(args.model)
+    served = ServedModel.load(args.model, packed=False)  # as in its committed results (before packing)
     train = prompts_of(RESULTS / "serve_online_answers_train.jsonl", args.train, args.seed)
     test = prompts_of(RESULTS / "serve_online_answers_test.jsonl", args.test, args.seed)
     y_train = true_lengths(served, train, args.cap, RESULTS / "serve_online_answers_train.jsonl")

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from ecru.cli import main
+from ecru.serve.packed import packing_available
+
+from .test_packed import Counting
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -148,11 +151,16 @@ def test_engine_config_takes_fcfs_slack_only_with_cb_sjf():
         EngineConfig(policy="cb-sjf", fcfs_slack=-1.0)
 
 
-def test_answers_alike_with_and_without_packed_weights(chat_model_dir, tmp_path):
+@pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear ops")
+def test_answers_alike_with_and_without_packed_weights(chat_model_dir, tmp_path, monkeypatch):
+    products = Counting(monkeypatch)
     src = write_lines(
         tmp_path / "in.jsonl", [{"prompt": f"Tell me about {w}"} for w in ("cats", "rain", "maps")]
     )
     outs = [tmp_path / "packed.jsonl", tmp_path / "plain.jsonl"]
     assert run(chat_model_dir, src, outs[0], "--max-new-tokens", "8") == 0
+    assert products.calls > 0
+    packed_calls = products.calls
     assert run(chat_model_dir, src, outs[1], "--max-new-tokens", "8", "--no-packed-weights") == 0
+    assert products.calls == packed_calls  # plain layers only
     assert answers(outs[0]) == answers(outs[1])

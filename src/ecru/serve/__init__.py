@@ -16,6 +16,9 @@ _LAZY: dict[str, str] = {
     "RequestEngine": "ecru.serve.request_engine",
     "SamplingParams": "ecru.serve.sampling",
     "ServedModel": "ecru.serve.models",
+    "PackedLinear": "ecru.serve.packed",
+    "pack_linears_": "ecru.serve.packed",
+    "unpack_linears_": "ecru.serve.packed",
     "create_app": "ecru.serve.openai_api",
     "Batch": "ecru.serve.policies",
     "BatchResult": "ecru.serve.engine",
@@ -83,6 +86,7 @@ if TYPE_CHECKING:  # static analysers see the real imports
     from ecru.serve.models import ServedModel
     from ecru.serve.online import ONLINE_POLICIES, OnlineConfig, OnlineRequest, simulate_online
     from ecru.serve.openai_api import create_app
+    from ecru.serve.packed import PackedLinear, pack_linears_, unpack_linears_
     from ecru.serve.policies import (
         STATIC_POLICIES,
         Batch,
@@ -130,6 +134,9 @@ __all__ = [
     "RequestEngine",
     "SamplingParams",
     "ServedModel",
+    "PackedLinear",
+    "pack_linears_",
+    "unpack_linears_",
     "create_app",
     "POLICIES",
     "SMOLLM2_CPU",

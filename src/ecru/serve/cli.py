@@ -86,7 +86,7 @@ def _api(args: argparse.Namespace) -> int:
     _check_bindable(args.host, args.port)
     served = ServedModel.load(args.model, packed=args.packed_weights)
     print(
-        f"serving {served.name} on http://{args.host}:{args.port}/v1 (policy {config.policy})",
+        f"serving {served.describe()} on http://{args.host}:{args.port}/v1 (policy {config.policy})",
         file=sys.stderr,
     )
     serve_forever(served, config, host=args.host, port=args.port)
@@ -124,6 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     served, todo = None, []
     if todo_lines:
         served = ServedModel.load(args.model, packed=args.packed_weights)
+        print(f"loaded {served.describe()}", file=sys.stderr)
         todo = batch_run.encode_lines(
             served, todo_lines, base, path=args.input, skip_invalid=args.skip_invalid, skipped=skipped
         )
@@ -169,8 +170,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
         "--packed-weights",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="multiply by a copy of the weights pre-packed for the CPU: faster decode steps, the weights "
-        "twice in memory (--no-packed-weights: once)",
+        help="multiply by a copy of the large weights pre-packed for the CPU: faster decode steps, those "
+        "weights twice in memory (--no-packed-weights: once)",
     )
 
 

@@ -64,10 +64,18 @@ class ServedModel:
         (`ecru.serve.packed`, faster decode steps, one more copy of the weights in memory)."""
         model, tokenizer = load_model(name)
         if packed:
-            from ecru.serve.packed import pack_linears
+            from ecru.serve.packed import pack_linears_
 
-            pack_linears(model)
+            pack_linears_(model)
         return cls(name, model, tokenizer)
+
+    def describe(self) -> str:
+        """What was loaded, for a front end to print: the name, and the packed weights' extra memory."""
+        from ecru.serve.packed import PackedLinear, packed_bytes
+
+        layers = sum(type(m) is PackedLinear for m in self.model.modules())
+        extra = f", {layers} linear layers pre-packed (+{packed_bytes(self.model) / 2**20:.0f} MB)"
+        return f"{self.name}{extra if layers else ''}"
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -3,17 +3,22 @@
 A decode step multiplies a few rows (one per running request) by every weight of the model. Through
 `F.linear` the BLAS library re-packs the whole weight into its blocked layout at every call, which for a
 few rows costs about as much as the product itself; the LM head (49152 x 576 in SmolLM2) is the largest
-such weight. `PackedLinear` keeps one packed copy and multiplies by it with the ops that `torch.compile`'s
-CPU freezing pass emits for the same purpose (`torch.ops.mkldnn._reorder_linear_weight` and
-`_linear_pointwise`). Measured in `bench/serve_api.py` (an engine arm without packing); the results differ
-from `F.linear`'s in the last bits (another summation order), as batched and one-at-a-time products do.
+such weight. `PackedLinear` keeps one packed copy and multiplies by it with oneDNN's packed linear ops
+(`torch.ops.mkldnn._reorder_linear_weight` and `_linear_pointwise`, which PyTorch's inductor uses for
+packed CPU linear layers). Measured in `bench/serve_api.py` (an engine arm on plain layers); the results
+differ from `F.linear`'s in the last bits (another summation order), as batched and one-at-a-time products
+do.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 ROWS = (2, 64)  # packed for 2..64 rows: one row, or a long prefill, gain nothing over F.linear
 MIN_SIZE = 1 << 19  # weights of fewer elements gain nothing (SmolLM2's 576 x 576 and 192 x 576 ones)
@@ -34,16 +39,18 @@ def packing_available() -> bool:
 class PackedLinear(nn.Linear):
     """An `nn.Linear` sharing its weight and bias Parameters with the layer it wraps (state dict, tied
     weights and training unchanged). Forward without autograd on 2-64 fp32 rows on the CPU multiplies by a
-    packed copy of the weight, remade whenever the weight changes (another tensor, or written in place);
-    everything else goes through `F.linear`."""
+    packed copy of the weight; everything else goes through `F.linear`. The copy is remade when the weight
+    is replaced or written in place through autograd-visible ops (`copy_`, `load_state_dict`); writes
+    through `.data` are not seen: call `pack_linears_` again after them. Copies and pickles leave the
+    packed copy behind (it is remade on first use)."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_parameter("weight", linear.weight)
         self.register_parameter("bias", linear.bias)
-        self._packed: torch.Tensor | None = None
-        self._packed_from: tuple | None = None
+        self.train(linear.training)
+        self.repack()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -62,14 +69,24 @@ class PackedLinear(nn.Linear):
             and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))
         )
 
+    def repack(self) -> None:
+        """Forget the packed copy; the next packed product makes a fresh one."""
+        self._packed: torch.Tensor | None = None
+        self._source: tuple[torch.Tensor, int] | None = None
+
     def packed_weight(self) -> torch.Tensor:
         w = self.weight
-        source = (w.data_ptr(), w._version, tuple(w.shape))
-        if source != self._packed_from:
+        version = 0 if w.is_inference() else w._version
+        # the packed-from tensor is held, so a replaced weight can never reuse its address unnoticed
+        if self._source is None or self._source[0].data_ptr() != w.data_ptr() or self._source[1] != version:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_HINT)
-            self._packed_from = source
+            self._source = (w.detach(), version)
         return self._packed
+
+    def __getstate__(self) -> dict:
+        # the packed copy is an opaque oneDNN tensor without storage: neither copied nor pickled
+        return {**self.__dict__, "_packed": None, "_source": None}
 
 
 def _linears(model: nn.Module, kind: type[nn.Linear]):
@@ -79,31 +96,48 @@ def _linears(model: nn.Module, kind: type[nn.Linear]):
                 yield parent, name, child
 
 
-def pack_linears(model: nn.Module, *, min_size: int = MIN_SIZE) -> int:
-    """Swap every fp32 CPU `nn.Linear` of `model` with at least `min_size` weights for a `PackedLinear` (in
-    place; packs at once). Returns how many were swapped: 0 where the torch build lacks the ops. Undo with
-    `unpack_linears`."""
+def _packable_layer(linear: nn.Linear, min_size: int) -> bool:
+    w = linear.weight
+    hooked = linear._forward_hooks or linear._forward_pre_hooks  # e.g. accelerate's: kept as they are
+    return w.dtype == torch.float32 and w.device.type == "cpu" and w.numel() >= min_size and not hooked
+
+
+def pack_linears_(model: nn.Module, *, min_size: int = MIN_SIZE) -> int:
+    """Swap every fp32 CPU `nn.Linear` of `model` with at least `min_size` weights (and no hooks) for a
+    `PackedLinear`, in place, packing at once; layers already packed are packed afresh. Returns how many
+    layers are packed: 0 where the torch build lacks the ops or packing fails (with a warning; the model
+    is left plain). Undo with `unpack_linears_`."""
     if not packing_available():
         return 0
-    swapped = 0
-    for parent, name, linear in _linears(model, nn.Linear):
-        w = linear.weight
-        if w.dtype == torch.float32 and w.device.type == "cpu" and w.numel() >= min_size:
-            packed = PackedLinear(linear)
-            packed.packed_weight()
-            setattr(parent, name, packed)
-            swapped += 1
-    return swapped
+    try:
+        for parent, name, linear in _linears(model, nn.Linear):
+            if _packable_layer(linear, min_size):
+                setattr(parent, name, PackedLinear(linear))
+        for packed in (m for m in model.modules() if type(m) is PackedLinear):
+            packed.repack()
+            packed.packed_weight()  # now, not in the first request
+    except RuntimeError as exc:
+        log.warning("could not pack the linear layers (%s); running on plain ones", exc)
+        unpack_linears_(model)
+        return 0
+    return sum(type(m) is PackedLinear for m in model.modules())
 
 
-def unpack_linears(model: nn.Module) -> int:
-    """Put plain `nn.Linear` layers (the same Parameters) back where `pack_linears` swapped them."""
+def unpack_linears_(model: nn.Module) -> int:
+    """Put plain `nn.Linear` layers (the same Parameters) back where `pack_linears_` swapped them."""
     swapped = 0
     for parent, name, packed in _linears(model, PackedLinear):
         plain = nn.Linear(
             packed.in_features, packed.out_features, bias=packed.bias is not None, device="meta"
         )
         plain.weight, plain.bias = packed.weight, packed.bias
+        plain.train(packed.training)
         setattr(parent, name, plain)
         swapped += 1
     return swapped
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """The memory the packed copies add: their weights' bytes."""
+    layers = [m for m in model.modules() if type(m) is PackedLinear]
+    return sum(m.weight.numel() * m.weight.element_size() for m in layers)
