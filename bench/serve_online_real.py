@@ -139,6 +139,19 @@ def remaining_probe(served, texts: list[str], cap: int):
     return probe, traj, per_row
 
 
+def merged(runs: list[dict]) -> dict:
+    """One policy's runs (two with --mirror): the first run's fields with every number averaged over the
+    runs, and the runs themselves (without their outputs, which must agree)."""
+    if any(r["outputs"] != runs[0]["outputs"] for r in runs):
+        sys.exit("greedy outputs differ between runs of one policy")
+    if len(runs) == 1:
+        return runs[0]
+    numbers = {
+        k: statistics.fmean(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, float | int)
+    }
+    return {**runs[0], **numbers, "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]}
+
+
 def ratios(results: dict) -> None:
     cb = results["cb"]
     for r in results.values():
@@ -160,6 +173,9 @@ def parse(argv) -> tuple:
     ap.add_argument(
         "--order", default=None, help="comma-separated policies in the order they run (default: cb first)"
     )
+    ap.add_argument("--mirror", action="store_true",
+                    help="run --order, then its reverse: each policy twice, so that a drift in the machine's "
+                    "speed linear in time weighs on all alike; every figure is the mean of the two runs")  # fmt: skip
     args = ap.parse_args(argv)
     names = list(policies(args.slack))
     args.order = names if args.order is None else [p.strip() for p in args.order.split(",")]
@@ -194,21 +210,28 @@ def engine_capacity(served, ids, cap: int) -> float:
 def run_both(served, ids, texts, trace, predictors, cost, base, args) -> tuple[dict, dict]:
     """Each policy on the real engine (args.order), then on the simulator; latency ratios to cb's.
     `predictors`: (MiniLM, its seconds per request, the remaining probe, its seconds per row)."""
-    real, simulated, table, arrivals = {}, {}, policies(args.slack), [r.arrival_s for r in trace]
+    runs, simulated, table, arrivals = {}, {}, policies(args.slack), [r.arrival_s for r in trace]
     predictor, predict_s, probe, repredict_s = predictors
-    for name in args.order:
-        policy, overrides, sim_only = table[name]
+    for name in args.order + (args.order[::-1] if args.mirror else []):
+        policy, overrides, _ = table[name]
         config = EngineConfig(
             policy=policy, max_new_tokens=args.cap, repredict_every=REPREDICT_EVERY, **overrides
         )
-        real[name] = serve_real(served, ids, texts, arrivals, predictor, probe, config, args.cap)
+        run = serve_real(served, ids, texts, arrivals, predictor, probe, config, args.cap)
+        runs.setdefault(name, []).append(run)
+        print(
+            f"{name}: real mean {run['mean_latency_s']:.1f} s p99 {run['p99_latency_s']:.1f} s",
+            file=sys.stderr,
+        )
+    real = {name: merged(rs) for name, rs in runs.items()}
+    for name in args.order:
+        policy, overrides, sim_only = table[name]
         charged = {"predict_s": predict_s} if policy != "cb" else {}
         charged |= {"repredict_s": repredict_s} if policy == "cb-srpt" else {}
         sim = simulate_online(trace, policy=policy, cost=cost,
                               config=dataclasses.replace(base, **overrides, **sim_only, **charged))  # fmt: skip
         simulated[name] = sim.to_json()
-        print(f"{name}: real mean {real[name]['mean_latency_s']:.1f} s p99 {real[name]['p99_latency_s']:.1f} s; "
-              f"simulated {sim.mean_latency_s:.1f} / {sim.p99_latency_s:.1f}", file=sys.stderr)  # fmt: skip
+        print(f"{name}: simulated {sim.mean_latency_s:.1f} / {sim.p99_latency_s:.1f}", file=sys.stderr)
     ratios(real)
     ratios(simulated)
     return real, simulated
@@ -248,7 +271,7 @@ def main(argv=None) -> None:
         "packed_layers": sum(type(m) is PackedLinear for m in served.model.modules()),
         "requests": len(trace), "load": args.load, "rate_from": args.rate_from, "capacity_requests_per_s": capacity,
         "arrival_rate_per_s": args.load * capacity,
-        "fcfs_slack": args.slack, "order": args.order, "predicted": predicted, "true_lengths": lengths,
+        "fcfs_slack": args.slack, "order": args.order, "mirror": args.mirror, "predicted": predicted, "true_lengths": lengths,
         "predictor": {"name": "minilm", "train_labels": len(train), "predict_s_per_request": predict_s},
         "remaining_probe": {"train_answers": TRAIN_ANSWERS, "repredict_every": REPREDICT_EVERY,
                             "predict_s_per_row": repredict_s},

@@ -131,3 +131,15 @@ def test_real_engine_serves_a_poisson_trace_alike_under_every_policy():
         assert bool(probe.seen) == (policy == "cb-srpt")  # re-predicted while generating, only there
         outputs.append(r["outputs"])
     assert len(outputs) == 4 and all(o == outputs[0] for o in outputs)  # greedy: admission changes no answer
+
+
+def test_mirrored_runs_average_every_number_and_keep_each_run():
+    real = load_bench_script("serve_online_real")
+    runs = [{"mean_latency_s": 2.0, "decode_steps": 10, "outputs": [[1]], "latencies_s": [2.0]},
+            {"mean_latency_s": 4.0, "decode_steps": 11, "outputs": [[1]], "latencies_s": [4.0]}]  # fmt: skip
+    m = real.merged(runs)
+    assert m["mean_latency_s"] == 3.0 and m["decode_steps"] == 10.5 and m["outputs"] == [[1]]
+    assert [r["mean_latency_s"] for r in m["runs"]] == [2.0, 4.0] and "outputs" not in m["runs"][0]
+    assert real.merged(runs[:1]) is runs[0]
+    with pytest.raises(SystemExit):
+        real.merged([runs[0], {**runs[1], "outputs": [[2]]}])
