@@ -74,7 +74,7 @@ class ServedModel:
         from ecru.serve.packed import PackedLinear, packed_bytes
 
         layers = sum(type(m) is PackedLinear for m in self.model.modules())
-        extra = f", {layers} linear layers pre-packed (+{packed_bytes(self.model) / 2**20:.0f} MB)"
+        extra = f", {layers} linear layers pre-packed (+{packed_bytes(self.model) / 2**20:.0f} MiB)"
         return f"{self.name}{extra if layers else ''}"
 
     @property
