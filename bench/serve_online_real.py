@@ -52,7 +52,7 @@ from ecru.serve import MiniLMPredictor
 from ecru.serve.cost import measure_cost_model
 from ecru.serve.models import ServedModel
 from ecru.serve.online import OnlineConfig, OnlineRequest, poisson_arrivals, simulate_online
-from ecru.serve.packed import PackedLinear
+from ecru.serve.packed import packed_layers
 from ecru.serve.prompts import encode_chat
 from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
@@ -268,7 +268,7 @@ def main(argv=None) -> None:
         "time; Poisson arrivals at load x cb's simulated capacity; latency from the scheduled arrival to "
         "the last token; the same trace replayed through the online simulator with the cost model measured "
         "in this run and MiniLM's measured time per request charged",
-        "packed_layers": sum(type(m) is PackedLinear for m in served.model.modules()),
+        "packed_layers": len(packed_layers(served.model)),
         "requests": len(trace), "load": args.load, "rate_from": args.rate_from, "capacity_requests_per_s": capacity,
         "arrival_rate_per_s": args.load * capacity,
         "fcfs_slack": args.slack, "order": args.order, "mirror": args.mirror, "predicted": predicted, "true_lengths": lengths,

@@ -61,7 +61,7 @@ class ServedModel:
     @classmethod
     def load(cls, name: str, *, packed: bool = True) -> ServedModel:
         """`load_model(name)`; `packed`: its linear layers multiply by pre-packed weights on the CPU
-        (`ecru.serve.packed`, faster decode steps, one more copy of the weights in memory)."""
+        (`ecru.serve.packed`, faster decode steps, one more copy of the large weights in memory)."""
         model, tokenizer = load_model(name)
         if packed:
             from ecru.serve.packed import pack_linears_
@@ -71,9 +71,9 @@ class ServedModel:
 
     def describe(self) -> str:
         """What was loaded, for a front end to print: the name, and the packed weights' extra memory."""
-        from ecru.serve.packed import PackedLinear, packed_bytes
+        from ecru.serve.packed import packed_bytes, packed_layers
 
-        layers = sum(type(m) is PackedLinear for m in self.model.modules())
+        layers = len(packed_layers(self.model))
         extra = f", {layers} linear layers pre-packed (+{packed_bytes(self.model) / 2**20:.0f} MiB)"
         return f"{self.name}{extra if layers else ''}"
 

@@ -113,14 +113,14 @@ def pack_linears_(model: nn.Module, *, min_size: int = MIN_SIZE) -> int:
         for parent, name, linear in _linears(model, nn.Linear):
             if _packable_layer(linear, min_size):
                 setattr(parent, name, PackedLinear(linear))
-        for packed in (m for m in model.modules() if type(m) is PackedLinear):
+        for packed in packed_layers(model):
             packed.repack()
             packed.packed_weight()  # now, not in the first request
     except RuntimeError as exc:
         log.warning("could not pack the linear layers (%s); running on plain ones", exc)
         unpack_linears_(model)
         return 0
-    return sum(type(m) is PackedLinear for m in model.modules())
+    return len(packed_layers(model))
 
 
 def unpack_linears_(model: nn.Module) -> int:
@@ -137,7 +137,11 @@ def unpack_linears_(model: nn.Module) -> int:
     return swapped
 
 
+def packed_layers(model: nn.Module) -> list[PackedLinear]:
+    """The model's `PackedLinear` layers."""
+    return [m for m in model.modules() if type(m) is PackedLinear]
+
+
 def packed_bytes(model: nn.Module) -> int:
     """The memory the packed copies add: their weights' bytes."""
-    layers = [m for m in model.modules() if type(m) is PackedLinear]
-    return sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    return sum(m.weight.numel() * m.weight.element_size() for m in packed_layers(model))
