@@ -3,6 +3,7 @@ fresh pack after the weight changes, `F.linear` itself outside the packed range,
 answers on a packed model equal to Hugging Face `generate` on the plain one."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -171,3 +172,14 @@ def test_engine_on_a_packed_model_answers_as_generate_on_the_plain_one(packed_mo
     reqs = engine.generate(prompts, SamplingParams(max_tokens=24))
     assert [r.output for r in reqs] == reference  # conftest: each prompt alone through `generate`, unpacked
     assert products.calls > 0  # the packed path ran
+
+
+def test_the_matmul_benchmark_writes_a_ratio_per_shape_and_row_count(tmp_path):
+    from tests.bench_scripts import load_bench_script
+
+    bench = load_bench_script("serve_packed_matmul")
+    out = tmp_path / "m.json"
+    assert bench.main(["--pairs", "1", "--json", str(out)]) == 0
+    ratios = json.loads(out.read_text())["plain_over_packed"]
+    assert set(ratios) == set(bench.SHAPES) and all(set(r) == {"4", "8", "16"} for r in ratios.values())
+    assert all(v > 0 for r in ratios.values() for v in r.values())
