@@ -150,6 +150,12 @@ class Server:
         t = psutil.Process(self.proc.pid).cpu_times()
         return t.user + t.system
 
+    def thread_cpu_s(self) -> dict[int, float]:
+        """CPU seconds of each of the server process's threads, by thread id."""
+        import psutil
+
+        return {t.id: t.user_time + t.system_time for t in psutil.Process(self.proc.pid).threads()}
+
     def rss_mb(self) -> float:
         import psutil
 
@@ -203,9 +209,11 @@ def drive(url: str, texts: list[str], cap: int, clients: int) -> tuple[dict, lis
 
 
 def run_level(server: Server, texts: list[str], reference: list[str], cap: int, clients: int) -> dict:
-    cpu = server.cpu_s()
+    cpu, threads = server.cpu_s(), server.thread_cpu_s()
     result, answers = drive(server.url, texts, cap, clients)
     result["cpu_s"] = server.cpu_s() - cpu  # the server process (model, engine, HTTP); clients apart
+    spent = sorted((t - threads.get(i, 0.0) for i, t in server.thread_cpu_s().items()), reverse=True)
+    result["server_thread_cpu_s"] = {"busiest (the engine's)": spent[0], "all others (HTTP)": sum(spent[1:])}
     result["tokens_per_cpu_s"] = result["tokens"] / result["cpu_s"]
     result["outputs_identical"] = answers == reference
     result["mismatches"] = sum(a != r for a, r in zip(answers, reference, strict=True))

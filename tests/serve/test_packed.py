@@ -183,3 +183,16 @@ def test_the_matmul_benchmark_writes_a_ratio_per_shape_and_row_count(tmp_path):
     ratios = json.loads(out.read_text())["plain_over_packed"]
     assert set(ratios) == set(bench.SHAPES) and all(set(r) == {"4", "8", "16"} for r in ratios.values())
     assert all(v > 0 for r in ratios.values() for v in r.values())
+
+
+@pytest.mark.slow
+def test_the_in_model_benchmark_times_each_rule_on_smollm2(tmp_path):
+    from tests.bench_scripts import load_bench_script
+
+    bench = load_bench_script("serve_packed_matmul")
+    out = tmp_path / "m.json"
+    assert bench.main(["--pairs", "1", "--in-model", "--rounds", "1", "--json", str(out)]) == 0
+    model = json.loads(out.read_text())["in_model"]
+    assert model["packed_layers"] == {"plain": 0, "min_2^19": 91, "shipped": 211}
+    assert model["plain_over_rule"]["plain"] == 1.0 and model["identical_greedy_outputs"]
+    assert all(len(t) == 1 and t[0] > 0 for t in model["times_s"].values())

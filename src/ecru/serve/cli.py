@@ -170,8 +170,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
         "--packed-weights",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="multiply by a copy of the large weights pre-packed for the CPU: faster decode steps, those "
-        "weights twice in memory (--no-packed-weights: once)",
+        help="multiply by a copy of the linear layers' weights pre-packed for the CPU: faster decode "
+        "steps, those weights twice in memory (--no-packed-weights: once)",
     )
 
 

@@ -61,7 +61,7 @@ class ServedModel:
     @classmethod
     def load(cls, name: str, *, packed: bool = True) -> ServedModel:
         """`load_model(name)`; `packed`: its linear layers multiply by pre-packed weights on the CPU
-        (`ecru.serve.packed`, faster decode steps, one more copy of the large weights in memory)."""
+        (`ecru.serve.packed`, faster decode steps, one more copy of the linear layers' weights in memory)."""
         model, tokenizer = load_model(name)
         if packed:
             from ecru.serve.packed import pack_linears_

@@ -21,7 +21,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 ROWS = (2, 64)  # packed for 2..64 rows: one row, or a long prefill, gain nothing over F.linear
-MIN_SIZE = 1 << 19  # weights of fewer elements gain nothing (SmolLM2's 576 x 576 and 192 x 576 ones)
+MIN_SIZE = 1 << 16  # every SmolLM2 weight (bench/serve_packed_matmul.py --in-model); not LoRA's small ones
 PACK_HINT = 16  # the row count oneDNN chooses the packed layout for
 
 
