@@ -171,7 +171,9 @@ def parse(argv) -> tuple:
                     help="the capacity --load is relative to: cb's in the simulator, or measured on the engine "
                     "(every request waiting; the prefix cache the simulator lacks included)")  # fmt: skip
     ap.add_argument(
-        "--order", default=None, help="comma-separated policies in the order they run (default: cb first)"
+        "--order",
+        default=None,
+        help="comma-separated policies in the order they run, cb among them (default: all, cb first)",
     )
     ap.add_argument("--mirror", action="store_true",
                     help="run --order, then its reverse: each policy twice, so that a drift in the machine's "
@@ -179,8 +181,8 @@ def parse(argv) -> tuple:
     args = ap.parse_args(argv)
     names = list(policies(args.slack))
     args.order = names if args.order is None else [p.strip() for p in args.order.split(",")]
-    if sorted(args.order) != sorted(names):
-        ap.error(f"--order: name each of {', '.join(names)} once, got {','.join(args.order)!r}")
+    if len(set(args.order)) != len(args.order) or not set(args.order) <= set(names) or "cb" not in args.order:
+        ap.error(f"--order: cb and any of {', '.join(names[1:])}, each once, got {','.join(args.order)!r}")
     if args.requests > 240:
         ap.error(f"--requests: at most 240 labelled test prompts, got {args.requests}")
     return args, prepare_out_file(args.json, flag="--json")

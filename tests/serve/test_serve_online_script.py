@@ -143,3 +143,14 @@ def test_mirrored_runs_average_every_number_and_keep_each_run():
     assert real.merged(runs[:1]) is runs[0]
     with pytest.raises(SystemExit):
         real.merged([runs[0], {**runs[1], "outputs": [[2]]}])
+
+
+def test_order_takes_cb_and_any_other_policies_each_once(tmp_path):
+    real = load_bench_script("serve_online_real")
+    out = str(tmp_path / "r.json")
+    args, _ = real.parse(["--json", out, "--order", "cb,cb-srpt[fcfs-slack]", "--mirror"])
+    assert args.order == ["cb", "cb-srpt[fcfs-slack]"] and args.mirror
+    assert real.parse(["--json", out])[0].order == list(real.policies(0.15))
+    for bad in ("cb-sjf", "cb,cb", "cb,fifo"):
+        with pytest.raises(SystemExit):
+            real.parse(["--json", out, "--order", bad])
