@@ -135,12 +135,17 @@ def prepare_out_file(path: str | os.PathLike[str], *, flag: str = "--out") -> Pa
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """Write `text` to `path` through a temporary file in the same folder and `os.replace`: a reader (or a
     crash) sees the old file or the new one, never half of it."""
+    return atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """`atomic_write_text` for bytes."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a written file gets the usual mode
         os.replace(tmp, target)
     except BaseException:

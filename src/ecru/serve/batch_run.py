@@ -138,11 +138,14 @@ def encode_lines(served, lines: Sequence[BatchLine], base: SamplingParams, *, pa
     return out
 
 
-def run_batch(served, todo: Sequence[Encoded], *, out: Path, config, progress: bool = True) -> int:
-    """Serve `todo` on one engine, appending each answer to `out` as it finishes; returns tokens generated."""
+def run_batch(
+    served, todo: Sequence[Encoded], *, out: Path, config, progress: bool = True, remaining=None
+) -> int:
+    """Serve `todo` on one engine, appending each answer to `out` as it finishes; returns tokens generated.
+    `remaining`: cb-srpt's fitted `RemainingProbe`."""
     from tqdm.auto import tqdm
 
-    engine = served.engine(config)
+    engine = served.engine(config, remaining=remaining)
     lines = {str(i): e.line for i, e in enumerate(todo)}
     for i, e in enumerate(todo):
         engine.add_request(e.prompt_ids, e.params, request_id=str(i))

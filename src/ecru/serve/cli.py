@@ -1,4 +1,4 @@
-"""`ecru serve ...`: api, run, simulate, label, bench, cost. Heavy imports happen inside the handlers."""
+"""`ecru serve ...`: api, run, probe, simulate, label, bench, cost. Heavy imports happen inside the handlers."""
 
 from __future__ import annotations
 
@@ -23,8 +23,11 @@ POLICY_NAMES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
 ENGINE_POLICIES = (
     "cb",
     "cb-sjf",
+    "cb-srpt",
     "cb-kv",
-)  # request_engine's, but cb-srpt (it needs a fitted RemainingProbe)
+)  # request_engine's (no torch import here; tested alike)
+SJF_POLICIES = ("cb-sjf", "cb-srpt")
+
 MODEL_HELP = "smollm2 (bundled), tiny (random, for tests) or the path of a local Hugging Face model folder"
 
 
@@ -49,8 +52,13 @@ def _engine_config(args: argparse.Namespace, *, max_new_tokens: int):
     from ecru.cliargs import config_from
     from ecru.serve.request_engine import EngineConfig
 
-    if args.fcfs_slack is not None and args.policy != "cb-sjf":
-        raise EcruError("--fcfs-slack applies to --policy cb-sjf only: drop it or add --policy cb-sjf")
+    if args.fcfs_slack is not None and args.policy not in SJF_POLICIES:
+        raise EcruError(
+            "--fcfs-slack applies to --policy cb-sjf or cb-srpt only: drop it or add --policy cb-sjf"
+        )
+    if (args.policy == "cb-srpt") != (args.remaining_probe is not None):
+        raise EcruError("--policy cb-srpt needs --remaining-probe DIR (fit one with `ecru serve probe`), and only "
+                        "it takes one")  # fmt: skip
     return config_from(
         EngineConfig,
         policy=args.policy,
@@ -78,18 +86,38 @@ def _check_bindable(host: str, port: int) -> None:
         ) from None
 
 
+def _remaining_probe(args: argparse.Namespace, served=None):
+    """`--remaining-probe DIR` loaded, and checked against the served model once there is one."""
+    from ecru.serve.remaining import RemainingProbe
+
+    if args.remaining_probe is None:
+        return None
+    try:
+        probe = RemainingProbe.load(args.remaining_probe)
+    except ValueError as exc:
+        raise EcruError(f"--remaining-probe {exc}") from None
+    if served is not None and (
+        probe.model != served.name or probe.hidden_size != served.model.config.hidden_size
+    ):
+        raise EcruError(f"--remaining-probe {args.remaining_probe}: fitted for model {probe.model!r}, not "
+                        f"{served.name!r}; fit one for it with `ecru serve probe --model {served.name}`")  # fmt: skip
+    return probe
+
+
 def _api(args: argparse.Namespace) -> int:
     from ecru.serve.models import ServedModel
     from ecru.serve.server import serve_forever
 
     config = _engine_config(args, max_new_tokens=args.max_new_tokens)
+    _remaining_probe(args)  # a bad folder is refused before the model loads
     _check_bindable(args.host, args.port)
     served = ServedModel.load(args.model, packed=args.packed_weights)
+    remaining = _remaining_probe(args, served)
     print(
         f"serving {served.describe()} on http://{args.host}:{args.port}/v1 (policy {config.policy})",
         file=sys.stderr,
     )
-    serve_forever(served, config, host=args.host, port=args.port)
+    serve_forever(served, config, host=args.host, port=args.port, remaining=remaining)
     return 0
 
 
@@ -121,9 +149,11 @@ def _run(args: argparse.Namespace) -> int:
     done = {r["id"] for r in batch_run.read_answers(out)}
     todo_lines = [line for line in lines if line.id not in done]
     _engine_config(args, max_new_tokens=args.max_new_tokens)  # checked before the model loads
-    served, todo = None, []
+    _remaining_probe(args)
+    served, todo, remaining = None, [], None
     if todo_lines:
         served = ServedModel.load(args.model, packed=args.packed_weights)
+        remaining = _remaining_probe(args, served)
         print(f"loaded {served.describe()}", file=sys.stderr)
         todo = batch_run.encode_lines(
             served, todo_lines, base, path=args.input, skip_invalid=args.skip_invalid, skipped=skipped
@@ -132,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     config = _engine_config(args, max_new_tokens=cap)
     for message in skipped:
         print(f"skipped {message}", file=sys.stderr)
-    tokens = batch_run.run_batch(served, todo, out=out, config=config) if todo else 0
+    tokens = batch_run.run_batch(served, todo, out=out, config=config, remaining=remaining) if todo else 0
     batch_run.reorder(out, lines)
     print(
         f"{len(todo)} answered ({tokens} tokens), {len(done & {line.id for line in lines})} already in "
@@ -148,7 +178,14 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
         choices=ENGINE_POLICIES,
         default="cb",
         help="admission: cb first come first served, cb-sjf shortest max_tokens first (aged), "
-        "cb-kv KV memory reserved per request (more rows)",
+        "cb-srpt cb-sjf plus shortest predicted remaining first, re-predicted every 16 tokens by "
+        "--remaining-probe, cb-kv KV memory reserved per request (more rows)",
+    )
+    p.add_argument(
+        "--remaining-probe",
+        default=None,
+        metavar="DIR",
+        help="cb-srpt: the remaining-length probe `ecru serve probe --out DIR` fitted for this model",
     )
     p.add_argument("--max-batch-size", type=positive_int, default=16, help="rows decoded together at most")
     p.add_argument(
@@ -502,6 +539,7 @@ def _configure_cost(sub) -> None:
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="serve_command", metavar="SUBCOMMAND", required=True)
     _configure_api_run(sub)
+    _configure_probe(sub)
     _configure_simulate(sub)
     _configure_label(sub)
     _configure_bench(sub)
@@ -516,3 +554,57 @@ def main(argv=None) -> int:  # pragma: no cover - convenience for `python -m ecr
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+# ---- probe: cb-srpt's remaining-length probe for a user's prompts ----------------------------------------
+MIN_PROBE_PROMPTS = 10
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from ecru.cliargs import atomic_write_json, config_from, prepare_out_dir
+    from ecru.serve import batch_run
+    from ecru.serve.models import ServedModel
+    from ecru.serve.remaining import fit_probe
+    from ecru.serve.request_engine import EngineConfig
+    from ecru.serve.sampling import SamplingParams
+
+    out = prepare_out_dir(args.out)
+    config = config_from(EngineConfig, max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens)
+    lines, _ = batch_run.read_batch(args.input, skip_invalid=False)
+    if len(lines) < MIN_PROBE_PROMPTS:
+        raise EcruError(f"{args.input}: {len(lines)} prompt(s); a probe needs at least {MIN_PROBE_PROMPTS} "
+                        "(hundreds are better)")  # fmt: skip
+    served = ServedModel.load(args.model, packed=args.packed_weights)
+    print(f"loaded {served.describe()}; answering {len(lines)} prompts greedily", file=sys.stderr)
+    base = SamplingParams(max_tokens=args.max_new_tokens)
+    todo = batch_run.encode_lines(served, lines, base, path=args.input, skip_invalid=False, skipped=[])
+    probe, report = fit_probe(served, [e.prompt_ids for e in todo], cap=args.max_new_tokens, config=config)
+    probe.save(out)
+    atomic_write_json(
+        out / "probe.json", {"model": served.name, "cap": args.max_new_tokens, "held_out": report}
+    )
+    rho = "n/a" if report["spearman"] is None else f"{report['spearman']:.2f}"
+    print(f"fitted on {report['answers']} greedy answers ({report['answer_tokens']} tokens); held out "
+          f"{report['held_out_answers']}: Spearman {rho} over {report['held_out_points']} re-predictions; wrote {out}")  # fmt: skip
+    return 0
+
+
+def _configure_probe(sub) -> None:
+    probe = sub.add_parser(
+        "probe", help="fit cb-srpt's remaining-length probe for a model on your prompts (greedy answers)"
+    )
+    probe.add_argument("--model", default="smollm2", help=MODEL_HELP)
+    probe.add_argument("--in", dest="input", required=True, type=existing_file,
+                       help='JSONL as for `serve run`: {"prompt": str} or {"messages": [...]} a line')  # fmt: skip
+    probe.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="folder for the probe (remaining_probe.safetensors, probe.json)",
+    )
+    probe.add_argument("--max-new-tokens", type=positive_int, default=256,
+                       help="cap on each greedy answer: the longest remainder the probe predicts")  # fmt: skip
+    probe.add_argument("--max-batch-size", type=positive_int, default=16, help="rows decoded together")
+    probe.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True,
+                       help="pre-packed weights while answering (as in `serve api`)")  # fmt: skip
+    probe.set_defaults(func=_probe)

@@ -6,16 +6,24 @@ story winding down, a repetition loop that will run to the cap. `RemainingProbe`
 log(1 + remaining) on that state plus t; it is trained teacher-forced: one forward of prompt + answer
 (`answer_states`) gives the state at every t, equal to what the decode steps compute. At serving time the
 engine already has this state at every step, so a re-prediction costs one dot product per row.
+
+`fit_probe` fits one for a user's prompts (their greedy answers on the engine; `ecru serve probe`), and a
+fitted probe is saved to and loaded from a folder (`save`, `load`: one safetensors file with its model's
+name), which `ecru serve api/run --policy cb-srpt --remaining-probe DIR` serve with.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
-from ecru.serve.predictors import ridge_fit
+from ecru.serve.predictors import length_metrics, ridge_fit
+
+PROBE_FILE = "remaining_probe.safetensors"
 
 
 @torch.no_grad()
@@ -53,10 +61,49 @@ class RemainingProbe:
 
     name = "remaining-probe"
 
-    def __init__(self, *, cap: int = 256, lam: float = 10.0, stride: int = 4):
+    def __init__(self, *, cap: int = 256, lam: float = 10.0, stride: int = 4, model: str | None = None):
         self.cap, self.lam, self.stride = cap, lam, stride
+        self.model = model
+        """The name of the model whose hidden states it reads (recorded by `save`, checked by front ends)."""
         self.w: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
+
+    @property
+    def hidden_size(self) -> int | None:
+        return None if self.w is None else self.w.shape[0] - 2
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the fitted probe to `folder`/remaining_probe.safetensors (atomically)."""
+        from safetensors.torch import save
+
+        from ecru.cliargs import atomic_write_bytes
+
+        if self.w is None:
+            raise RuntimeError("RemainingProbe is not fitted: nothing to save")
+        meta = {"cap": self.cap, "lam": self.lam, "stride": self.stride, "model": self.model}
+        data = save({"w": self.w.contiguous(), "b": self.b.reshape(1)}, metadata={"probe": json.dumps(meta)})
+        return atomic_write_bytes(Path(folder) / PROBE_FILE, data)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> RemainingProbe:
+        """A probe written by `save`; ValueError when `folder` holds none."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file, safe_open
+
+        path = Path(folder) / PROBE_FILE
+        if not path.is_file():
+            raise ValueError(
+                f"{folder}: no {PROBE_FILE} in it; fit one with `ecru serve probe --out {folder}`"
+            )
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = json.loads(f.metadata()["probe"])
+            tensors = load_file(str(path))
+        except (SafetensorError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a remaining-length probe ({exc})") from None
+        probe = cls(cap=meta["cap"], lam=meta["lam"], stride=meta["stride"], model=meta["model"])
+        probe.w, probe.b = tensors["w"], tensors["b"][0]
+        return probe
 
     def fit(self, states: Sequence[torch.Tensor], lengths: Sequence[int]) -> RemainingProbe:
         """`states[i]` from `answer_states`; `lengths[i]` the answer's length (capped at `cap`). Every
@@ -82,3 +129,30 @@ class RemainingProbe:
         """Predicted remaining length after 0, every, 2 x every, ... tokens of one answer."""
         t = torch.arange(0, len(states), every)
         return self.predict(states[t], t).tolist()
+
+
+def fit_probe(served, prompts: Sequence[Sequence[int]], *, cap: int, config, every: int = 16,
+              holdout: int = 5) -> tuple[RemainingProbe, dict]:  # fmt: skip
+    """A `RemainingProbe` for `served` from `prompts` (token ids): their greedy answers on the engine
+    (`config`, at most `cap` tokens each), then one teacher-forced forward each for the states. Every
+    `holdout`-th prompt is first held out to report how well re-predictions every `every` tokens rank and
+    match the true remaining lengths of unseen answers; the probe returned is then fitted on all."""
+    from scipy.stats import spearmanr
+
+    from ecru.serve.sampling import SamplingParams
+
+    answers = [r.output for r in served.engine(config).generate(prompts, SamplingParams(max_tokens=cap))]
+    states, lengths = answer_states(served.model, prompts, answers), [len(a) for a in answers]
+    test = set(range(0, len(prompts), holdout))
+    train = [i for i in range(len(prompts)) if i not in test]
+    held = RemainingProbe(cap=cap).fit([states[i] for i in train], [lengths[i] for i in train])
+    pred, true = [], []
+    for i in sorted(test):
+        t = torch.arange(every, max(every, lengths[i]), every)  # after every k tokens, while the answer runs
+        pred += held.predict(states[i][t], t).tolist() if len(t) else []
+        true += (lengths[i] - t).tolist()
+    report = {"answers": len(answers), "answer_tokens": sum(lengths), "held_out_answers": len(test),
+              "held_out_points": len(pred), "every": every, **(length_metrics(pred, true) if pred else {}),
+              "spearman": float(spearmanr(pred, true).statistic) if len(set(true)) > 1 else None}  # fmt: skip
+    probe = RemainingProbe(cap=cap, model=served.name).fit(states, lengths)
+    return probe, report

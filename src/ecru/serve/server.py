@@ -10,20 +10,27 @@ import time
 from ecru.serve.background import EngineThread
 from ecru.serve.models import ServedModel
 from ecru.serve.openai_api import create_app
-from ecru.serve.request_engine import EngineConfig
+from ecru.serve.request_engine import EngineConfig, RemainingPredictor
 
 
-def build(served: ServedModel, config: EngineConfig):
-    """The engine thread and the FastAPI app on it."""
-    threads = EngineThread(served.engine(config))
+def build(served: ServedModel, config: EngineConfig, *, remaining: RemainingPredictor | None = None):
+    """The engine thread and the FastAPI app on it (`remaining`: cb-srpt's fitted `RemainingProbe`)."""
+    threads = EngineThread(served.engine(config, remaining=remaining))
     return threads, create_app(served, threads, default_max_tokens=config.max_new_tokens)
 
 
-def serve_forever(served: ServedModel, config: EngineConfig, *, host: str, port: int) -> None:
+def serve_forever(
+    served: ServedModel,
+    config: EngineConfig,
+    *,
+    host: str,
+    port: int,
+    remaining: RemainingPredictor | None = None,
+) -> None:
     """Run until Ctrl-C (uvicorn handles the signal and shuts down cleanly)."""
     import uvicorn
 
-    threads, app = build(served, config)
+    threads, app = build(served, config, remaining=remaining)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
@@ -39,10 +46,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 class BackgroundServer:
     """`with BackgroundServer(served, config) as url:` a real uvicorn server on a free loopback port."""
 
-    def __init__(self, served: ServedModel, config: EngineConfig, *, host: str = "127.0.0.1"):
+    def __init__(self, served: ServedModel, config: EngineConfig, *, host: str = "127.0.0.1", remaining=None):
         import uvicorn
 
-        self.threads, app = build(served, config)
+        self.threads, app = build(served, config, remaining=remaining)
         self.host, self.port = host, free_port(host)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self.server.run, name="ecru-uvicorn", daemon=True)

@@ -1,0 +1,119 @@
+"""`ecru serve probe` fits cb-srpt's remaining-length probe on a user's prompts; `serve run/api --policy cb-srpt
+--remaining-probe DIR` serve with it (greedy answers unchanged)."""
+
+import json
+
+import pytest
+import torch
+
+from ecru.cli import main
+from ecru.serve.remaining import PROBE_FILE, RemainingProbe
+
+from .test_batch_run import answers, run, write_lines
+
+PROMPTS = ["Once upon a time", "hi", "The weather today", "List three fruits", "Why is the sky blue",
+           "Tell me a story", "a b c", "Count to ten", "What is a cache", "Name a colour", "Say yes",
+           "Explain rain"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def probe_dir(chat_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("probe")
+    src = write_lines(tmp / "p.jsonl", [{"prompt": p} for p in PROMPTS])
+    out = tmp / "probe"
+    args = ["--model", str(chat_model_dir), "--in", str(src), "--out", str(out), "--max-new-tokens", "40"]
+    assert main(["serve", "probe", *args]) == 0
+    return out
+
+
+def test_a_fitted_probe_is_saved_with_its_model_and_held_out_report(probe_dir, chat_model_dir):
+    probe = RemainingProbe.load(probe_dir)
+    assert probe.model == str(chat_model_dir) and probe.cap == 40 and probe.hidden_size == 32
+    report = json.loads((probe_dir / "probe.json").read_text())
+    held = report["held_out"]
+    assert report["cap"] == 40 and held["answers"] == len(PROMPTS) and held["held_out_answers"] == 3
+    assert held["answer_tokens"] > 0 and set(held) >= {"mae", "acc50", "spearman", "held_out_points"}
+    t = torch.tensor([0, 4])
+    assert probe.predict(torch.randn(2, 32), t).shape == (2,)
+
+
+def test_save_and_load_give_the_same_predictions(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    states = [torch.randn(n, 8, generator=gen) for n in (5, 9, 12, 3)]
+    probe = RemainingProbe(cap=16, stride=1, model="m").fit(states, [5, 9, 12, 3])
+    probe.save(tmp_path)
+    back = RemainingProbe.load(tmp_path)
+    x, t = torch.randn(4, 8, generator=gen), torch.tensor([0, 1, 2, 3])
+    assert torch.equal(back.predict(x, t), probe.predict(x, t))
+    assert (back.cap, back.lam, back.stride, back.model) == (16, probe.lam, 1, "m")
+    with pytest.raises(ValueError, match="no remaining_probe.safetensors"):
+        RemainingProbe.load(tmp_path / "missing")
+    (tmp_path / PROBE_FILE).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a remaining-length probe"):
+        RemainingProbe.load(tmp_path)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        RemainingProbe().save(tmp_path)
+
+
+def test_serve_run_with_cb_srpt_answers_as_cb(probe_dir, chat_model_dir, tmp_path):
+    src = write_lines(tmp_path / "in.jsonl", [{"prompt": p} for p in PROMPTS])
+    extra = ("--max-new-tokens", "12", "--max-batch-size", "2")
+    assert run(chat_model_dir, src, tmp_path / "cb.jsonl", *extra) == 0
+    srpt = ("--policy", "cb-srpt", "--remaining-probe", str(probe_dir), "--fcfs-slack", "0.2")
+    assert run(chat_model_dir, src, tmp_path / "srpt.jsonl", *extra, *srpt) == 0
+    assert answers(tmp_path / "cb.jsonl") == answers(
+        tmp_path / "srpt.jsonl"
+    )  # greedy: order changes no answer
+
+
+def test_bad_probe_use_is_refused_in_one_line_before_any_work(probe_dir, chat_model_dir, tmp_path, capsys):
+    src = write_lines(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    other = tmp_path / "other"
+    probe = RemainingProbe.load(probe_dir)
+    probe.model = "smollm2"
+    probe.save(other)
+    cases = {
+        ("--policy", "cb-srpt"): "--policy cb-srpt needs --remaining-probe DIR",
+        ("--remaining-probe", str(probe_dir)): "--policy cb-srpt needs --remaining-probe DIR",
+        ("--policy", "cb-srpt", "--remaining-probe", str(tmp_path)): "no remaining_probe.safetensors",
+        ("--policy", "cb-srpt", "--remaining-probe", str(other)): "fitted for model 'smollm2'",
+    }
+    for extra, message in cases.items():
+        out = tmp_path / "out.jsonl"
+        assert run(chat_model_dir, src, out, *extra) == 2, extra
+        err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(err) == 1 and message in err[0], (extra, err)  # one line (after the model's loading bar)
+        assert not out.exists() or not out.read_text()
+
+
+def test_probe_refuses_too_few_prompts(chat_model_dir, tmp_path, capsys):
+    src = write_lines(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS[:3]])
+    out = tmp_path / "probe"
+    assert main(["serve", "probe", "--model", str(chat_model_dir), "--in", str(src), "--out", str(out)]) == 2
+    assert "a probe needs at least 10" in capsys.readouterr().err
+    assert not (out / PROBE_FILE).exists()
+
+
+def test_the_cli_knows_every_engine_policy():
+    from ecru.serve import cli, request_engine
+
+    assert cli.ENGINE_POLICIES == request_engine.ENGINE_POLICIES
+    assert cli.SJF_POLICIES == request_engine.SJF_POLICIES
+
+
+def test_the_server_serves_cb_srpt_with_a_probe(probe_dir, chat_model_dir):
+    import openai
+
+    from ecru.serve.models import ServedModel
+    from ecru.serve.request_engine import EngineConfig
+    from ecru.serve.server import BackgroundServer
+
+    served = ServedModel.load(str(chat_model_dir))
+    texts = {}
+    for policy, probe in (("cb", None), ("cb-srpt", RemainingProbe.load(probe_dir))):
+        config = EngineConfig(policy=policy, max_new_tokens=12, max_batch_size=2, repredict_every=2)
+        with BackgroundServer(served, config, remaining=probe) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            texts[policy] = [client.completions.create(model=served.name, prompt=p, max_tokens=12,
+                                                       temperature=0).choices[0].text for p in PROMPTS[:4]]  # fmt: skip
+    assert texts["cb"] == texts["cb-srpt"]
