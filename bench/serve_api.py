@@ -213,7 +213,7 @@ def run_level(server: Server, texts: list[str], reference: list[str], cap: int, 
     result, answers = drive(server.url, texts, cap, clients)
     result["cpu_s"] = server.cpu_s() - cpu  # the server process (model, engine, HTTP); clients apart
     spent = sorted((t - threads.get(i, 0.0) for i, t in server.thread_cpu_s().items()), reverse=True)
-    result["server_thread_cpu_s"] = {"busiest (the engine's)": spent[0], "all others (HTTP)": sum(spent[1:])}
+    result["server_thread_cpu_s"] = {"engine_thread": spent[0], "other_threads": sum(spent[1:])}  # busiest
     result["tokens_per_cpu_s"] = result["tokens"] / result["cpu_s"]
     result["outputs_identical"] = answers == reference
     result["mismatches"] = sum(a != r for a, r in zip(answers, reference, strict=True))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ecru.cli import main
-from ecru.serve.remaining import PROBE_FILE, RemainingProbe
+from ecru.serve.remaining import PROBE_FILE, RemainingProbe, model_key
 
 from .test_batch_run import answers, run, write_lines
 
@@ -28,7 +28,7 @@ def probe_dir(chat_model_dir, tmp_path_factory):
 
 def test_a_fitted_probe_is_saved_with_its_model_and_held_out_report(probe_dir, chat_model_dir):
     probe = RemainingProbe.load(probe_dir)
-    assert probe.model == str(chat_model_dir) and probe.cap == 40 and probe.hidden_size == 32
+    assert probe.model == model_key(str(chat_model_dir)) and probe.cap == 40 and probe.hidden_size == 32
     report = json.loads((probe_dir / "probe.json").read_text())
     held = report["held_out"]
     assert report["cap"] == 40 and held["answers"] == len(PROMPTS) and held["held_out_answers"] == 3
@@ -53,14 +53,37 @@ def test_save_and_load_give_the_same_predictions(tmp_path):
         RemainingProbe.load(tmp_path)
     with pytest.raises(RuntimeError, match="not fitted"):
         RemainingProbe().save(tmp_path)
+    from safetensors.torch import save_file
+
+    for tensors, meta in (({"w": torch.zeros(3), "b": torch.zeros(1)}, {"probe": "{}"}),
+                          ({"w": torch.zeros(3, 2), "b": torch.zeros(1)}, {"probe": json.dumps({"cap": 1, "lam": 1,
+                           "stride": 1, "model": "m"})}), ({"b": torch.zeros(1)}, {"probe": "[]"})):  # fmt: skip
+        save_file(tensors, str(tmp_path / PROBE_FILE), metadata=meta)
+        with pytest.raises(ValueError, match="not a remaining-length probe"):
+            RemainingProbe.load(tmp_path)
 
 
-def test_serve_run_with_cb_srpt_answers_as_cb(probe_dir, chat_model_dir, tmp_path):
+class Repredictions:
+    """Counts the probe's re-predictions (it must run, not only load)."""
+
+    def __init__(self, monkeypatch):
+        self.rows, predict = 0, RemainingProbe.predict
+
+        def counted(probe, states, t):
+            self.rows += len(t)
+            return predict(probe, states, t)
+
+        monkeypatch.setattr(RemainingProbe, "predict", counted)
+
+
+def test_serve_run_with_cb_srpt_answers_as_cb(probe_dir, chat_model_dir, tmp_path, monkeypatch):
     src = write_lines(tmp_path / "in.jsonl", [{"prompt": p} for p in PROMPTS])
-    extra = ("--max-new-tokens", "12", "--max-batch-size", "2")
+    extra = ("--max-new-tokens", "40", "--max-batch-size", "2")
     assert run(chat_model_dir, src, tmp_path / "cb.jsonl", *extra) == 0
+    seen = Repredictions(monkeypatch)
     srpt = ("--policy", "cb-srpt", "--remaining-probe", str(probe_dir), "--fcfs-slack", "0.2")
     assert run(chat_model_dir, src, tmp_path / "srpt.jsonl", *extra, *srpt) == 0
+    assert seen.rows > 0  # re-predicted every 16 tokens
     assert answers(tmp_path / "cb.jsonl") == answers(
         tmp_path / "srpt.jsonl"
     )  # greedy: order changes no answer
@@ -68,15 +91,31 @@ def test_serve_run_with_cb_srpt_answers_as_cb(probe_dir, chat_model_dir, tmp_pat
 
 def test_bad_probe_use_is_refused_in_one_line_before_any_work(probe_dir, chat_model_dir, tmp_path, capsys):
     src = write_lines(tmp_path / "in.jsonl", [{"prompt": "hi"}])
-    other = tmp_path / "other"
+    other, wide = tmp_path / "other", tmp_path / "wide"
     probe = RemainingProbe.load(probe_dir)
     probe.model = "smollm2"
     probe.save(other)
+    probe.model, probe.w = model_key(str(chat_model_dir)), torch.zeros(18)  # a 16-wide model's probe
+    probe.save(wide)
     cases = {
         ("--policy", "cb-srpt"): "--policy cb-srpt needs --remaining-probe DIR",
         ("--remaining-probe", str(probe_dir)): "--policy cb-srpt needs --remaining-probe DIR",
         ("--policy", "cb-srpt", "--remaining-probe", str(tmp_path)): "no remaining_probe.safetensors",
         ("--policy", "cb-srpt", "--remaining-probe", str(other)): "fitted for model 'smollm2'",
+        (
+            "--policy",
+            "cb-srpt",
+            "--remaining-probe",
+            str(wide),
+        ): "hidden states of width 16, the model's are 32",
+        (
+            "--policy",
+            "cb-srpt",
+            "--remaining-probe",
+            str(probe_dir),
+            "--max-new-tokens",
+            "80",
+        ): "up to 40 tokens",
     }
     for extra, message in cases.items():
         out = tmp_path / "out.jsonl"
@@ -86,12 +125,24 @@ def test_bad_probe_use_is_refused_in_one_line_before_any_work(probe_dir, chat_mo
         assert not out.exists() or not out.read_text()
 
 
+def test_probe_refuses_a_bad_line_without_a_flag_it_lacks(chat_model_dir, tmp_path, capsys):
+    src = write_lines(tmp_path / "p.jsonl", [*({"prompt": p} for p in PROMPTS), {"prompt": ""}])
+    assert (
+        main(
+            ["serve", "probe", "--model", str(chat_model_dir), "--in", str(src), "--out", str(tmp_path / "o")]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert f"p.jsonl:{len(PROMPTS) + 1}:" in err and "--skip-invalid" not in err
+
+
 def test_probe_refuses_too_few_prompts(chat_model_dir, tmp_path, capsys):
     src = write_lines(tmp_path / "p.jsonl", [{"prompt": p} for p in PROMPTS[:3]])
     out = tmp_path / "probe"
     assert main(["serve", "probe", "--model", str(chat_model_dir), "--in", str(src), "--out", str(out)]) == 2
     assert "a probe needs at least 10" in capsys.readouterr().err
-    assert not (out / PROBE_FILE).exists()
+    assert not out.exists()  # refused before the folder is made
 
 
 def test_the_cli_knows_every_engine_policy():
@@ -101,7 +152,9 @@ def test_the_cli_knows_every_engine_policy():
     assert cli.SJF_POLICIES == request_engine.SJF_POLICIES
 
 
-def test_the_server_serves_cb_srpt_with_a_probe(probe_dir, chat_model_dir):
+def test_the_server_serves_cb_srpt_with_a_probe(probe_dir, chat_model_dir, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
     import openai
 
     from ecru.serve.models import ServedModel
@@ -109,11 +162,18 @@ def test_the_server_serves_cb_srpt_with_a_probe(probe_dir, chat_model_dir):
     from ecru.serve.server import BackgroundServer
 
     served = ServedModel.load(str(chat_model_dir))
-    texts = {}
+    seen, texts = Repredictions(monkeypatch), {}
     for policy, probe in (("cb", None), ("cb-srpt", RemainingProbe.load(probe_dir))):
-        config = EngineConfig(policy=policy, max_new_tokens=12, max_batch_size=2, repredict_every=2)
+        config = EngineConfig(policy=policy, max_new_tokens=40, max_batch_size=2, repredict_every=4)
         with BackgroundServer(served, config, remaining=probe) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-            texts[policy] = [client.completions.create(model=served.name, prompt=p, max_tokens=12,
-                                                       temperature=0).choices[0].text for p in PROMPTS[:4]]  # fmt: skip
-    assert texts["cb"] == texts["cb-srpt"]
+
+            def ask(prompt, client=client):
+                reply = client.completions.create(
+                    model=served.name, prompt=prompt, max_tokens=40, temperature=0
+                )
+                return reply.choices[0].text
+
+            with ThreadPoolExecutor(6) as pool:  # concurrent: rows fill, requests wait, rows may be swapped
+                texts[policy] = list(pool.map(ask, PROMPTS[:6]))
+    assert seen.rows > 0 and texts["cb"] == texts["cb-srpt"]

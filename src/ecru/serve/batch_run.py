@@ -67,8 +67,12 @@ def parse_line(text: str, number: int) -> BatchLine:
     return replace(line, prompt=row["prompt"])
 
 
-def read_batch(path: Path, *, skip_invalid: bool) -> tuple[list[BatchLine], list[str]]:
-    """Every line of `path`, checked; with `skip_invalid` the bad ones are left out and described."""
+SKIP_HINT = " (or pass --skip-invalid)"
+
+
+def read_batch(path: Path, *, skip_invalid: bool, hint: str = SKIP_HINT) -> tuple[list[BatchLine], list[str]]:
+    """Every line of `path`, checked; with `skip_invalid` the bad ones are left out and described (`hint`
+    ends the error of a bad line otherwise)."""
     lines, skipped, seen = [], [], set()
     for number, text in enumerate(path.read_text().splitlines(), 1):
         if not text.strip():
@@ -79,7 +83,7 @@ def read_batch(path: Path, *, skip_invalid: bool) -> tuple[list[BatchLine], list
                 raise InvalidLine(f"id {json.dumps(line.id)} appears twice; ids must be unique")
         except InvalidLine as exc:
             if not skip_invalid:
-                raise EcruError(f"{path}:{number}: {exc} (or pass --skip-invalid)") from None
+                raise EcruError(f"{path}:{number}: {exc}{hint}") from None
             skipped.append(f"{path}:{number}: {exc}")
             continue
         seen.add(line.id)
@@ -117,7 +121,7 @@ class Encoded:
 
 
 def encode_lines(served, lines: Sequence[BatchLine], base: SamplingParams, *, path: Path,
-                 skip_invalid: bool, skipped: list[str]) -> list[Encoded]:  # fmt: skip
+                 skip_invalid: bool, skipped: list[str], hint: str = SKIP_HINT) -> list[Encoded]:  # fmt: skip
     """Token ids and sampling of each line; a prompt too long for the context is an invalid line."""
     out = []
     for line in lines:
@@ -131,7 +135,7 @@ def encode_lines(served, lines: Sequence[BatchLine], base: SamplingParams, *, pa
                 )
         except Exception as exc:  # noqa: BLE001 - a chat template may raise anything on odd messages
             if not skip_invalid:
-                raise EcruError(f"{path}:{line.line}: {exc} (or pass --skip-invalid)") from None
+                raise EcruError(f"{path}:{line.line}: {exc}{hint}") from None
             skipped.append(f"{path}:{line.line}: {exc}")
             continue
         out.append(Encoded(line, ids, params))

@@ -86,21 +86,34 @@ def _check_bindable(host: str, port: int) -> None:
         ) from None
 
 
-def _remaining_probe(args: argparse.Namespace, served=None):
-    """`--remaining-probe DIR` loaded, and checked against the served model once there is one."""
-    from ecru.serve.remaining import RemainingProbe
+def _remaining_probe(args: argparse.Namespace, served=None, config=None):
+    """`--remaining-probe DIR` loaded, and, once the model is loaded, checked against it and `config`."""
+    from ecru.serve.remaining import RemainingProbe, model_key
 
     if args.remaining_probe is None:
         return None
+    where = f"--remaining-probe {args.remaining_probe}"
     try:
         probe = RemainingProbe.load(args.remaining_probe)
     except ValueError as exc:
         raise EcruError(f"--remaining-probe {exc}") from None
-    if served is not None and (
-        probe.model != served.name or probe.hidden_size != served.model.config.hidden_size
-    ):
-        raise EcruError(f"--remaining-probe {args.remaining_probe}: fitted for model {probe.model!r}, not "
-                        f"{served.name!r}; fit one for it with `ecru serve probe --model {served.name}`")  # fmt: skip
+    if served is None:
+        return probe
+    if probe.model != model_key(served.name):
+        raise EcruError(f"{where}: fitted for model {probe.model!r}, not {model_key(served.name)!r}; fit one for "
+                        f"it with `ecru serve probe --model {served.name}`")  # fmt: skip
+    width = served.model.config.get_text_config().hidden_size
+    if probe.hidden_size != width:
+        raise EcruError(f"{where}: it reads hidden states of width {probe.hidden_size}, the model's are {width}; fit "
+                        f"one for this model with `ecru serve probe --model {served.name}`")  # fmt: skip
+    if config.max_new_tokens > probe.cap:
+        raise EcruError(f"{where}: it predicts remainders of answers up to {probe.cap} tokens, below --max-new-tokens "
+                        f"{config.max_new_tokens}; lower it or fit with `ecru serve probe --max-new-tokens "
+                        f"{config.max_new_tokens}`")  # fmt: skip
+    try:
+        served.engine(config, remaining=probe)  # the engine's own checks (e.g. a sliding-window model)
+    except ValueError as exc:
+        raise EcruError(f"{where}: {exc}") from None
     return probe
 
 
@@ -112,7 +125,7 @@ def _api(args: argparse.Namespace) -> int:
     _remaining_probe(args)  # a bad folder is refused before the model loads
     _check_bindable(args.host, args.port)
     served = ServedModel.load(args.model, packed=args.packed_weights)
-    remaining = _remaining_probe(args, served)
+    remaining = _remaining_probe(args, served, config)
     print(
         f"serving {served.describe()} on http://{args.host}:{args.port}/v1 (policy {config.policy})",
         file=sys.stderr,
@@ -153,13 +166,14 @@ def _run(args: argparse.Namespace) -> int:
     served, todo, remaining = None, [], None
     if todo_lines:
         served = ServedModel.load(args.model, packed=args.packed_weights)
-        remaining = _remaining_probe(args, served)
         print(f"loaded {served.describe()}", file=sys.stderr)
         todo = batch_run.encode_lines(
             served, todo_lines, base, path=args.input, skip_invalid=args.skip_invalid, skipped=skipped
         )
     cap = max([args.max_new_tokens, *(e.params.max_tokens for e in todo)])
     config = _engine_config(args, max_new_tokens=cap)
+    if todo:
+        remaining = _remaining_probe(args, served, config)
     for message in skipped:
         print(f"skipped {message}", file=sys.stderr)
     tokens = batch_run.run_batch(served, todo, out=out, config=config, remaining=remaining) if todo else 0
@@ -536,53 +550,40 @@ def _configure_cost(sub) -> None:
     cost.set_defaults(func=_cost)
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="serve_command", metavar="SUBCOMMAND", required=True)
-    _configure_api_run(sub)
-    _configure_probe(sub)
-    _configure_simulate(sub)
-    _configure_label(sub)
-    _configure_bench(sub)
-    _configure_cost(sub)
-
-
-def main(argv=None) -> int:  # pragma: no cover - convenience for `python -m ecru.serve.cli`
-    from ecru.cli import main as ecru_main
-
-    return ecru_main(["serve", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
-
 # ---- probe: cb-srpt's remaining-length probe for a user's prompts ----------------------------------------
 MIN_PROBE_PROMPTS = 10
 
 
 def _probe(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from ecru.cliargs import atomic_write_json, config_from, prepare_out_dir
     from ecru.serve import batch_run
     from ecru.serve.models import ServedModel
-    from ecru.serve.remaining import fit_probe
+    from ecru.serve.remaining import fit_probe, model_key
     from ecru.serve.request_engine import EngineConfig
     from ecru.serve.sampling import SamplingParams
 
-    out = prepare_out_dir(args.out)
     config = config_from(EngineConfig, max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens)
-    lines, _ = batch_run.read_batch(args.input, skip_invalid=False)
+    lines, _ = batch_run.read_batch(args.input, skip_invalid=False, hint="")
     if len(lines) < MIN_PROBE_PROMPTS:
         raise EcruError(f"{args.input}: {len(lines)} prompt(s); a probe needs at least {MIN_PROBE_PROMPTS} "
                         "(hundreds are better)")  # fmt: skip
+    out = prepare_out_dir(args.out)
     served = ServedModel.load(args.model, packed=args.packed_weights)
     print(f"loaded {served.describe()}; answering {len(lines)} prompts greedily", file=sys.stderr)
-    base = SamplingParams(max_tokens=args.max_new_tokens)
-    todo = batch_run.encode_lines(served, lines, base, path=args.input, skip_invalid=False, skipped=[])
-    probe, report = fit_probe(served, [e.prompt_ids for e in todo], cap=args.max_new_tokens, config=config)
-    probe.save(out)
-    atomic_write_json(
-        out / "probe.json", {"model": served.name, "cap": args.max_new_tokens, "held_out": report}
+    base, lines = SamplingParams(max_tokens=args.max_new_tokens), [replace(x, max_tokens=None) for x in lines]
+    todo = batch_run.encode_lines(
+        served, lines, base, path=args.input, skip_invalid=False, skipped=[], hint=""
     )
+    try:
+        probe, report = fit_probe(served, [e.prompt_ids for e in todo], cap=args.max_new_tokens, config=config,
+                                  progress=True)  # fmt: skip
+    except ValueError as exc:
+        raise EcruError(f"{args.input}: {exc}") from None
+    meta = {"model": model_key(served.name), "cap": args.max_new_tokens, "held_out": report}
+    atomic_write_json(out / "probe.json", meta)  # the report first: the probe file is what serving reads
+    probe.save(out)
     rho = "n/a" if report["spearman"] is None else f"{report['spearman']:.2f}"
     print(f"fitted on {report['answers']} greedy answers ({report['answer_tokens']} tokens); held out "
           f"{report['held_out_answers']}: Spearman {rho} over {report['held_out_points']} re-predictions; wrote {out}")  # fmt: skip
@@ -608,3 +609,23 @@ def _configure_probe(sub) -> None:
     probe.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True,
                        help="pre-packed weights while answering (as in `serve api`)")  # fmt: skip
     probe.set_defaults(func=_probe)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="serve_command", metavar="SUBCOMMAND", required=True)
+    _configure_api_run(sub)
+    _configure_probe(sub)
+    _configure_simulate(sub)
+    _configure_label(sub)
+    _configure_bench(sub)
+    _configure_cost(sub)
+
+
+def main(argv=None) -> int:  # pragma: no cover - convenience for `python -m ecru.serve.cli`
+    from ecru.cli import main as ecru_main
+
+    return ecru_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -26,6 +26,11 @@ from ecru.serve.predictors import length_metrics, ridge_fit
 PROBE_FILE = "remaining_probe.safetensors"
 
 
+def model_key(name: str) -> str:
+    """How a probe names its model: a bundled model's name, or a model folder's resolved path."""
+    return str(Path(name).resolve()) if Path(name).exists() else name
+
+
 @torch.no_grad()
 def answer_states(
     model, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, batch_size: int = 8
@@ -87,8 +92,7 @@ class RemainingProbe:
     @classmethod
     def load(cls, folder: str | Path) -> RemainingProbe:
         """A probe written by `save`; ValueError when `folder` holds none."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file, safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = Path(folder) / PROBE_FILE
         if not path.is_file():
@@ -98,11 +102,15 @@ class RemainingProbe:
         try:
             with safe_open(str(path), "pt") as f:
                 meta = json.loads(f.metadata()["probe"])
-            tensors = load_file(str(path))
-        except (SafetensorError, KeyError, TypeError, json.JSONDecodeError) as exc:
+                w, b = f.get_tensor("w"), f.get_tensor("b")
+            if w.ndim != 1 or b.numel() != 1:
+                raise ValueError(f"weights of shape {tuple(w.shape)} and bias of {b.numel()} values")
+            probe = cls(
+                cap=int(meta["cap"]), lam=float(meta["lam"]), stride=int(meta["stride"]), model=meta["model"]
+            )
+        except (SafetensorError, OSError, KeyError, TypeError, ValueError, IndexError) as exc:
             raise ValueError(f"{path}: not a remaining-length probe ({exc})") from None
-        probe = cls(cap=meta["cap"], lam=meta["lam"], stride=meta["stride"], model=meta["model"])
-        probe.w, probe.b = tensors["w"], tensors["b"][0]
+        probe.w, probe.b = w, b.reshape(())
         return probe
 
     def fit(self, states: Sequence[torch.Tensor], lengths: Sequence[int]) -> RemainingProbe:
@@ -131,18 +139,32 @@ class RemainingProbe:
         return self.predict(states[t], t).tolist()
 
 
+def greedy_answers(
+    served, prompts: Sequence[Sequence[int]], *, cap: int, config, progress: bool
+) -> list[list[int]]:
+    """Each prompt's greedy answer (at most `cap` tokens) on the request engine, with a progress bar."""
+    from tqdm.auto import tqdm
+
+    from ecru.serve.sampling import SamplingParams
+
+    engine = served.engine(config)
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=cap)) for p in prompts]
+    with tqdm(total=len(reqs), desc="answering", unit="prompt", disable=not progress) as bar:
+        while engine.has_unfinished():
+            bar.update(len(engine.step()))
+    return [r.output for r in reqs]
+
+
 def fit_probe(served, prompts: Sequence[Sequence[int]], *, cap: int, config, every: int = 16,
-              holdout: int = 5) -> tuple[RemainingProbe, dict]:  # fmt: skip
+              holdout: int = 5, progress: bool = False) -> tuple[RemainingProbe, dict]:  # fmt: skip
     """A `RemainingProbe` for `served` from `prompts` (token ids): their greedy answers on the engine
     (`config`, at most `cap` tokens each), then one teacher-forced forward each for the states. Every
     `holdout`-th prompt is first held out to report how well re-predictions every `every` tokens rank and
     match the true remaining lengths of unseen answers; the probe returned is then fitted on all."""
-    from scipy.stats import spearmanr
-
-    from ecru.serve.sampling import SamplingParams
-
-    answers = [r.output for r in served.engine(config).generate(prompts, SamplingParams(max_tokens=cap))]
+    answers = greedy_answers(served, prompts, cap=cap, config=config, progress=progress)
     states, lengths = answer_states(served.model, prompts, answers), [len(a) for a in answers]
+    if not any(lengths):
+        raise ValueError("every greedy answer is empty (the model ended each at once): nothing to fit on")
     test = set(range(0, len(prompts), holdout))
     train = [i for i in range(len(prompts)) if i not in test]
     held = RemainingProbe(cap=cap).fit([states[i] for i in train], [lengths[i] for i in train])
@@ -153,6 +175,15 @@ def fit_probe(served, prompts: Sequence[Sequence[int]], *, cap: int, config, eve
         true += (lengths[i] - t).tolist()
     report = {"answers": len(answers), "answer_tokens": sum(lengths), "held_out_answers": len(test),
               "held_out_points": len(pred), "every": every, **(length_metrics(pred, true) if pred else {}),
-              "spearman": float(spearmanr(pred, true).statistic) if len(set(true)) > 1 else None}  # fmt: skip
-    probe = RemainingProbe(cap=cap, model=served.name).fit(states, lengths)
+              "spearman": _rank_correlation(pred, true)}  # fmt: skip
+    probe = RemainingProbe(cap=cap, model=model_key(served.name)).fit(states, lengths)
     return probe, report
+
+
+def _rank_correlation(pred: Sequence[float], true: Sequence[float]) -> float | None:
+    """Spearman's rho, None where it is undefined (fewer than two distinct values on a side)."""
+    from scipy.stats import spearmanr
+
+    if len(set(pred)) < 2 or len(set(true)) < 2:
+        return None
+    return float(spearmanr(pred, true).statistic)
