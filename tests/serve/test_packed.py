@@ -193,6 +193,6 @@ def test_the_in_model_benchmark_times_each_rule_on_smollm2(tmp_path):
     out = tmp_path / "m.json"
     assert bench.main(["--pairs", "1", "--in-model", "--rounds", "1", "--json", str(out)]) == 0
     model = json.loads(out.read_text())["in_model"]
-    assert model["packed_layers"] == {"plain": 0, "min_2^19": 91, "shipped": 211}
+    assert model["packed_layers"] == {"plain": 0, "min_2^19": 91, "min_2^18": 151, "shipped": 211}
     assert model["plain_over_rule"]["plain"] == 1.0 and model["identical_greedy_outputs"]
     assert all(len(t) == 1 and t[0] > 0 for t in model["times_s"].values())
