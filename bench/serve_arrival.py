@@ -29,12 +29,11 @@ import time
 from pathlib import Path
 
 import torch
-from scipy.stats import spearmanr
 
 from ecru.cliargs import ArgumentParser, atomic_write_json, positive_int, prepare_out_file
 from ecru.serve.engine import GenerationConfig, generate_static
 from ecru.serve.models import ServedModel
-from ecru.serve.predictors import ProbePredictor, length_metrics
+from ecru.serve.predictors import ProbePredictor, length_metrics, spearman
 from ecru.serve.prompts import encode_chat
 from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.responses import read_responses
@@ -43,10 +42,6 @@ from ecru.serve.sampling import SamplingParams
 RESULTS = Path(__file__).parent / "results"
 CACHE_CAP = 256  # the cached answers' cap; a greedy answer's first `cap` tokens are its answer under `cap`
 POLICIES = ("cb", "cb+arrival", "cb-sjf+arrival", "cb-sjf+probe")
-
-
-def spearman(a, b) -> float | None:
-    return float(spearmanr(a, b)[0]) if len(set(a)) > 1 and len(set(b)) > 1 else None
 
 
 def prompts_of(path: Path, n: int, seed: int) -> list[str]:

@@ -40,13 +40,12 @@ import time
 from pathlib import Path
 
 import torch
-from scipy.stats import spearmanr
 
 from ecru.cliargs import ArgumentParser, atomic_write_json, positive_int, prepare_out_file
 from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
 from ecru.serve.online import OnlineConfig, OnlineRequest, poisson_arrivals, simulate_online
-from ecru.serve.predictors import ConstantPredictor, ProbePredictor, ridge_fit, timed_predict
+from ecru.serve.predictors import ConstantPredictor, ProbePredictor, ridge_fit, spearman, timed_predict
 from ecru.serve.prompts import encode_chat
 from ecru.serve.remaining import RemainingProbe, answer_states
 from ecru.serve.responses import generate_responses
@@ -60,12 +59,6 @@ KEEP = {"preempt": True, "preempt_mode": "keep"}
 """The `[keep-kv]` variants: preemption that keeps the preempted row's KV."""
 SLACK_P99_BOUND = 1.2
 """The chosen slack keeps the validation trace's p99 latency within this many times cb's."""
-
-
-def spearman(a, b) -> float | None:
-    if len(set(a)) < 2 or len(set(b)) < 2:
-        return None
-    return float(spearmanr(a, b).statistic)
 
 
 def read_split(path: Path, n: int, cap: int) -> tuple[list[str], list[int]]:

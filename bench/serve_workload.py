@@ -23,23 +23,15 @@ import sys
 from pathlib import Path
 
 import torch
-from scipy.stats import spearmanr
 
 from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
 from ecru.serve.labels import TEMPERATURES, LengthLabel, label_prompts
 from ecru.serve.models import load_model
-from ecru.serve.predictors import ConstantPredictor, ProbePredictor, timed_predict
+from ecru.serve.predictors import ConstantPredictor, ProbePredictor, spearman, timed_predict
 from ecru.serve.prompts import encode_chat
 from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
 from ecru.serve.workload import HELD_OUT_FORMS, WorkloadConfig, build_mixed_workload
-
-
-def spearman(a, b) -> float | None:
-    """Rank correlation with ties averaged; None where one side is constant (a constant predictor)."""
-    if len(set(a)) < 2 or len(set(b)) < 2:
-        return None
-    return float(spearmanr(a, b).statistic)
 
 
 def label(model, tok, prompts, path: Path, cap: int, samples: int) -> dict[str, LengthLabel]:

@@ -53,6 +53,15 @@ def length_metrics(predicted: Sequence[float], true: Sequence[float]) -> dict[st
     }
 
 
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Rank correlation with ties averaged; None where one side is constant (a constant predictor)."""
+    from scipy.stats import spearmanr
+
+    if len(set(a)) < 2 or len(set(b)) < 2:
+        return None
+    return float(spearmanr(a, b).statistic)
+
+
 def ridge_fit(x: torch.Tensor, y: torch.Tensor, *, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Weights and bias of ridge regression y ~ x w + b on centred features (closed form)."""
     mu, ybar = x.mean(0), y.mean()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ecru.serve.predictors import length_metrics, ridge_fit
+from ecru.serve.predictors import length_metrics, ridge_fit, spearman
 
 PROBE_FILE = "remaining_probe.safetensors"
 
@@ -175,15 +175,6 @@ def fit_probe(served, prompts: Sequence[Sequence[int]], *, cap: int, config, eve
         true += (lengths[i] - t).tolist()
     report = {"answers": len(answers), "answer_tokens": sum(lengths), "held_out_answers": len(test),
               "held_out_points": len(pred), "every": every, **(length_metrics(pred, true) if pred else {}),
-              "spearman": _rank_correlation(pred, true)}  # fmt: skip
+              "spearman": spearman(pred, true)}  # fmt: skip
     probe = RemainingProbe(cap=cap, model=model_key(served.name)).fit(states, lengths)
     return probe, report
-
-
-def _rank_correlation(pred: Sequence[float], true: Sequence[float]) -> float | None:
-    """Spearman's rho, None where it is undefined (fewer than two distinct values on a side)."""
-    from scipy.stats import spearmanr
-
-    if len(set(pred)) < 2 or len(set(true)) < 2:
-        return None
-    return float(spearmanr(pred, true).statistic)
