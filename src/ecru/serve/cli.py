@@ -86,19 +86,25 @@ def _check_bindable(host: str, port: int) -> None:
         ) from None
 
 
-def _remaining_probe(args: argparse.Namespace, served=None, config=None):
-    """`--remaining-probe DIR` loaded, and, once the model is loaded, checked against it and `config`."""
-    from ecru.serve.remaining import RemainingProbe, model_key
+def _load_probe(args: argparse.Namespace):
+    """`--remaining-probe DIR` loaded (None without the flag); a bad folder is refused in one line."""
+    from ecru.serve.remaining import RemainingProbe
 
     if args.remaining_probe is None:
         return None
-    where = f"--remaining-probe {args.remaining_probe}"
     try:
-        probe = RemainingProbe.load(args.remaining_probe)
+        return RemainingProbe.load(args.remaining_probe)
     except ValueError as exc:
         raise EcruError(f"--remaining-probe {exc}") from None
-    if served is None:
-        return probe
+
+
+def _check_probe(args: argparse.Namespace, probe, served, config) -> None:
+    """A loaded probe against the loaded model and the engine's `config`."""
+    from ecru.serve.remaining import model_key
+
+    if probe is None:
+        return
+    where = f"--remaining-probe {args.remaining_probe}"
     if probe.model != model_key(served.name):
         raise EcruError(f"{where}: fitted for model {probe.model!r}, not {model_key(served.name)!r}; fit one for "
                         f"it with `ecru serve probe --model {served.name}`")  # fmt: skip
@@ -114,7 +120,6 @@ def _remaining_probe(args: argparse.Namespace, served=None, config=None):
         served.engine(config, remaining=probe)  # the engine's own checks (e.g. a sliding-window model)
     except ValueError as exc:
         raise EcruError(f"{where}: {exc}") from None
-    return probe
 
 
 def _api(args: argparse.Namespace) -> int:
@@ -122,10 +127,10 @@ def _api(args: argparse.Namespace) -> int:
     from ecru.serve.server import serve_forever
 
     config = _engine_config(args, max_new_tokens=args.max_new_tokens)
-    _remaining_probe(args)  # a bad folder is refused before the model loads
+    remaining = _load_probe(args)  # before the model loads
     _check_bindable(args.host, args.port)
     served = ServedModel.load(args.model, packed=args.packed_weights)
-    remaining = _remaining_probe(args, served, config)
+    _check_probe(args, remaining, served, config)
     print(
         f"serving {served.describe()} on http://{args.host}:{args.port}/v1 (policy {config.policy})",
         file=sys.stderr,
@@ -162,8 +167,8 @@ def _run(args: argparse.Namespace) -> int:
     done = {r["id"] for r in batch_run.read_answers(out)}
     todo_lines = [line for line in lines if line.id not in done]
     _engine_config(args, max_new_tokens=args.max_new_tokens)  # checked before the model loads
-    _remaining_probe(args)
-    served, todo, remaining = None, [], None
+    remaining = _load_probe(args)
+    served, todo = None, []
     if todo_lines:
         served = ServedModel.load(args.model, packed=args.packed_weights)
         print(f"loaded {served.describe()}", file=sys.stderr)
@@ -173,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
     cap = max([args.max_new_tokens, *(e.params.max_tokens for e in todo)])
     config = _engine_config(args, max_new_tokens=cap)
     if todo:
-        remaining = _remaining_probe(args, served, config)
+        _check_probe(args, remaining, served, config)
     for message in skipped:
         print(f"skipped {message}", file=sys.stderr)
     tokens = batch_run.run_batch(served, todo, out=out, config=config, remaining=remaining) if todo else 0
