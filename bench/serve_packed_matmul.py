@@ -77,7 +77,15 @@ def in_model(rounds: int) -> dict:
     }
     return {"prompts": len(prompts), "max_tokens": 40, "rounds": rounds, "min_size": rules,
             "packed_layers": layers, "times_s": times, "plain_over_rule": ratios,
-            "identical_greedy_outputs": True}  # fmt: skip
+            "shipped_against": pairwise(times, "shipped"), "identical_greedy_outputs": True}  # fmt: skip
+
+
+def pairwise(times: dict[str, list[float]], rule: str) -> dict[str, dict[str, float]]:
+    """`rule` against every other rule round by round: the median of their time / its time, and the rounds
+    in which it was faster."""
+    return {other: {"median_ratio": statistics.median(o / t for o, t in zip(times[other], times[rule], strict=True)),
+                    "faster_rounds": sum(o > t for o, t in zip(times[other], times[rule], strict=True))}
+            for other in times if other != rule}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

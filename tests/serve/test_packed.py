@@ -196,3 +196,13 @@ def test_the_in_model_benchmark_times_each_rule_on_smollm2(tmp_path):
     assert model["packed_layers"] == {"plain": 0, "min_2^19": 91, "min_2^18": 151, "shipped": 211}
     assert model["plain_over_rule"]["plain"] == 1.0 and model["identical_greedy_outputs"]
     assert all(len(t) == 1 and t[0] > 0 for t in model["times_s"].values())
+
+
+def test_the_in_model_comparison_counts_rounds_pair_by_pair():
+    from tests.bench_scripts import load_bench_script
+
+    bench = load_bench_script("serve_packed_matmul")
+    times = {"plain": [2.0, 2.0, 2.0], "old": [1.5, 1.0, 1.5], "shipped": [1.0, 1.2, 1.0]}
+    got = bench.pairwise(times, "shipped")
+    assert got["plain"] == {"median_ratio": 2.0, "faster_rounds": 3}
+    assert got["old"] == {"median_ratio": 1.5, "faster_rounds": 2}
