@@ -25,6 +25,8 @@ from ecru.lifelong.methods.base import TrainConfig
 from ecru.lifelong.methods.registry import ROUTED
 from ecru.lifelong.methods.routed import OFFSET
 from ecru.lifelong.router import (
+    FROZEN,
+    LDARouter,
     class_prototypes,
     class_statistics,
     loo_prototype_scores,
@@ -60,6 +62,18 @@ class Cache:
         self._lda: dict[int, torch.Tensor] = {}
         self.AP = adapter_prototypes(c, self) if "train_adapted" in c else None
         self._class_thresholds: dict[float, torch.Tensor] = {}
+        # caches made with `rmd_percentile`: every LDA rule at the cache's own percentile rejects as its router did
+        self.rmd = self._rmd_rejects if c["router"].get("rmd_thresholds") else None
+        self._rejects: dict[int, torch.Tensor] = {}
+
+    def _rmd_rejects(self, k: int) -> torch.Tensor:
+        """[N] whether the cache's own router rejects each text after k tasks: its prototype test and its
+        relative Mahalanobis test, by the router's code (the thresholds are the saved ones)."""
+        if k not in self._rejects:
+            router = LDARouter(percentile=0.0, rmd_percentile=0.0)  # percentiles unused: saved thresholds
+            router.load_state_dict({key: v[:k] for key, v in self.raw["router"].items()})
+            self._rejects[k] = router(self.F) == FROZEN
+        return self._rejects[k]
 
     def learned(self, k: int) -> torch.Tensor:
         return torch.cat(self.cols[:k]) if k else torch.zeros(0, dtype=torch.long)
@@ -167,6 +181,8 @@ def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight
         task = proto.argmax(-1)
     th = c.TH if percentile is None else thresholds_at(c, percentile)
     rejected = proto.gather(1, task[:, None])[:, 0] < th[task]
+    if percentile is None and route == "lda" and c.rmd is not None:  # the cache's own router, its test too
+        rejected = c.rmd(k)
     if class_percentile is not None:
         rejected = rejected_per_class(c, k, class_percentile)
     learned = torch.zeros(len(c.names), dtype=torch.bool)

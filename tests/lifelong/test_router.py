@@ -451,3 +451,137 @@ def test_the_rules_bench_reproduces_the_method_s_own_scores(routed, tmp_path):
     cfg = method.cfg
     without = rules.routed(c, c.T, route="lda", w=0.0, lda_weight=cfg.lda_weight)
     assert not torch.allclose(without, c.raw["scores"], atol=1e-4)
+
+
+def test_relative_mahalanobis_against_a_plain_reference():
+    from ecru.lifelong.router import (
+        class_statistics,
+        ledoit_wolf,
+        relative_mahalanobis,
+        relative_mahalanobis_head,
+    )
+
+    torch.manual_seed(0)
+    labels = torch.arange(3).repeat(20)
+    emb = torch.randn(3, 8)[labels] + 0.3 * torch.randn(60, 8)
+    stats = class_statistics(emb, labels, 3)
+    counts = torch.bincount(labels).float()
+    got = relative_mahalanobis(emb[:5], relative_mahalanobis_head(*stats, counts))
+    # by hand: per pair (x - m)^T S^-1 (x - m), the background's covariance the total one
+    means = stats[0].double()
+    within = ledoit_wolf(stats[1].double(), stats[2], stats[3]) + 1e-6 * torch.eye(8, dtype=torch.float64)
+    centre = means.mean(0)  # equal counts
+    between = sum(torch.outer(m - centre, m - centre) for m in means) / 3
+
+    def d2(x, m, cov):
+        return (x - m) @ torch.linalg.solve(cov, x - m)
+
+    want = torch.stack(
+        [d2(x, centre, within + between) - min(d2(x, m, within) for m in means) for x in emb[:5].double()]
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_cross_fitted_relative_mahalanobis_threshold_rejects_its_percentile_of_new_texts():
+    from ecru.lifelong.router import (
+        LDARouter,
+        class_statistics,
+        cross_fitted_relative_mahalanobis,
+        relative_mahalanobis,
+        relative_mahalanobis_head,
+    )
+
+    torch.manual_seed(0)
+    dim, classes = 64, 5
+    centres, spread = 2 * torch.randn(classes, dim), torch.logspace(0.5, -1.5, dim)  # a decaying spectrum
+
+    def texts(n):
+        labels = torch.arange(classes).repeat(n // classes)
+        return centres[labels] + torch.randn(len(labels), dim) * spread, labels
+
+    (train, labels), (fresh, _) = texts(200), texts(2000)
+    head = relative_mahalanobis_head(
+        *class_statistics(train, labels, classes), torch.bincount(labels).float()
+    )
+    fresh_scores = relative_mahalanobis(fresh, head)
+    crossed = torch.quantile(cross_fitted_relative_mahalanobis(train, labels), 0.10)
+    in_sample = torch.quantile(relative_mahalanobis(train, head), 0.10)
+    # the cross-fitted 10th percentile rejects about 10% of new texts of the task; in-sample scores are optimistic
+    # (200 texts in 64 dimensions) and their 10th percentile rejects far more
+    assert 0.03 <= (fresh_scores < crossed).float().mean() <= 0.15
+    assert (fresh_scores < in_sample).float().mean() > 0.2
+    # the router applies the test on top of the prototype test: a text near a class mean in cosine but off the
+    # task's spread in Mahalanobis distance (along its least varying direction) is rejected with rmd_percentile,
+    # routed without it
+    odd = centres[:1] + 3 * torch.nn.functional.one_hot(torch.tensor([dim - 1]), dim)
+    with_rmd, without = LDARouter(percentile=0.0, rmd_percentile=10.0), LDARouter(percentile=0.0)
+    for r in (with_rmd, without):
+        r.add_task(train, labels=labels)
+    assert without(odd).item() == 0 and with_rmd(odd).item() == FROZEN
+    assert with_rmd(fresh).eq(0).float().mean() > 0.8
+    # a one-task state (the store's files) loads back into the same test
+    loaded = LDARouter(percentile=0.0, rmd_percentile=10.0)
+    loaded.load_state_dict({k: v[:1] for k, v in with_rmd.state_dict().items()})
+    assert torch.equal(loaded(fresh), with_rmd(fresh))
+    with pytest.raises(EcruError, match="relative Mahalanobis"):
+        loaded.load_state_dict(without.state_dict())
+    # the halves depend on the texts, not on their order, so the threshold does too
+    shuffled = torch.randperm(len(train))
+    again = LDARouter(percentile=0.0, rmd_percentile=10.0)
+    again.add_task(train[shuffled], labels=labels[shuffled])
+    assert again.rmd_thresholds == with_rmd.rmd_thresholds
+    # one text per class: nothing to cross-fit, the test never rejects
+    tiny = LDARouter(percentile=0.0, rmd_percentile=10.0)
+    tiny.add_task(train[:classes], labels=labels[:classes])
+    assert tiny.rmd_thresholds == [float("-inf")] and tiny(train[:classes]).eq(0).all()
+
+
+def test_rmd_percentile_needs_the_lda_router():
+    with pytest.raises(EcruError, match="rmd_percentile"):
+        RoutedConfig(router="prototypes", rmd_percentile=10.0)
+    with pytest.raises(EcruError, match="rmd_percentile"):
+        RoutedConfig(router="lda", rmd_percentile=120.0)
+
+
+def test_the_open_set_bench_answers_unlearned_label_sets_as_the_method_does(routed):
+    from ecru.lifelong.evaluate import Evaluator
+    from ecru.lifelong.router import LDARouter
+    from tests.bench_scripts import load_bench_script
+
+    bench = load_bench_script("lifelong_open_set")
+    method, stream = routed
+    ev = Evaluator(stream)
+    sc = bench.Scored(ev, bench.stream_embeddings(bench.Frozen(), stream, ev))
+    # the preset's router, and a strict one whose relative Mahalanobis test rejects about half of every task's
+    # texts (the preset's rejects nothing with 6 texts per intent): each fitted by the bench and by the method
+    kept, unlearned = method.router, {}
+    try:
+        for rmd in (method.cfg.rmd_percentile, 50.0):
+            router = LDARouter(percentile=method.cfg.percentile, rmd_percentile=rmd)
+            method.router = LDARouter(percentile=method.cfg.percentile, rmd_percentile=rmd)
+            for train, labels, task in zip(sc.emb["train"], sc.emb["labels"], stream.tasks, strict=True):
+                router.add_task(train, labels=labels)
+                method.router.add_task(method.encoder().frozen([e.text for e in task.train]), labels=labels)
+            torch.testing.assert_close(
+                torch.tensor(router.rmd_thresholds), torch.tensor(method.router.rmd_thresholds)
+            )
+            unlearned[rmd] = _same_unlearned_answers(sc, router, method, ev)
+    finally:
+        method.router = kept
+    n = len(ev.texts) - sc.sp[sc.T]
+    assert 0 < unlearned[method.cfg.rmd_percentile] < unlearned[50.0] <= n  # the strict test rejects more
+
+
+def _same_unlearned_answers(sc, router, method, ev) -> int:
+    """Banking77 among the learned labels and its own: whether a text gets an unlearned label, and which, is
+    exactly the method's; returns how many do."""
+    r = slice(sc.sp[sc.T], len(ev.texts))
+    got = sc.answers(router, r, sc.held)
+    learned = torch.tensor(sorted({c for cols in sc.task_cols for c in cols}))
+    candidates = sorted(set(learned.tolist()) | set(sc.held))
+    scores = method.encoder().scores(ev.texts[r], [ev.names[c] for c in candidates])
+    want = torch.tensor(candidates)[scores.argmax(-1)]
+    unlearned = ~torch.isin(want, learned)
+    assert torch.equal(unlearned, ~torch.isin(got, learned))
+    assert torch.equal(want[unlearned], got[unlearned])
+    return int(unlearned.sum())

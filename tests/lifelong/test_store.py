@@ -251,9 +251,16 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
 
     folder = store.path / "tasks" / store.manifest["tasks"][0]["folder"]
     saved = load_file(folder / "router.safetensors")
-    assert {"prototypes", "threshold", "means", "scatter", "count", "fourth"} <= set(
-        saved
-    )  # the LDA router's
+    assert {
+        "prototypes",
+        "threshold",
+        "means",
+        "scatter",
+        "count",
+        "fourth",
+        "class_counts",
+        "rmd_threshold",
+    } <= set(saved)  # the LDA router's, with its relative Mahalanobis test
     labels = json.loads((folder / "labels.json").read_text())["labels"]
     assert saved["adapter_prototypes"].shape == (len(labels), saved["prototypes"].shape[1])
     assert saved["adapter_counts"].sum() == store.manifest["tasks"][0]["examples"]
@@ -266,7 +273,9 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
     shutil.copytree(store.path, old)
     manifest = json.loads((old / "store.json").read_text())
     manifest["config"] = {
-        k: v for k, v in manifest["config"].items() if k not in ("lda_weight", "label_smoothing")
+        k: v
+        for k, v in manifest["config"].items()
+        if k not in ("lda_weight", "label_smoothing", "rmd_percentile")
     }
     manifest["config"].update(router="prototypes", prototype_weight=0.5)
     (old / "store.json").write_text(json.dumps(manifest))
@@ -284,20 +293,31 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
         len(got) == len(texts)
         and sum(p.label == w for p, w in zip(got, want, strict=True)) >= len(texts) // 2
     )
-    # a store written with the LDA router before the adapter prototypes: no adapter_* tensors, no such config
+    # a store written with the LDA router before the adapter prototypes and the relative Mahalanobis test: no
+    # adapter_* or rmd tensors, no such config
     lda = tmp_path / "lda"
     shutil.copytree(store.path, lda)
     manifest = json.loads((lda / "store.json").read_text())
     manifest["config"] = {
-        k: v for k, v in manifest["config"].items() if not k.startswith("adapter_prototype")
+        k: v
+        for k, v in manifest["config"].items()
+        if not k.startswith("adapter_prototype") and k != "rmd_percentile"
     }
     (lda / "store.json").write_text(json.dumps(manifest))
     for t in manifest["tasks"]:
         f = lda / "tasks" / t["folder"] / "router.safetensors"
         keep = load_file(f)
-        save_file({k: v for k, v in keep.items() if not k.startswith("adapter_")}, f)
+        save_file(
+            {
+                k: v
+                for k, v in keep.items()
+                if not k.startswith("adapter_") and k not in ("class_counts", "rmd_threshold")
+            },
+            f,
+        )
     lda_store = KnowledgeStore(lda)
     before = lda_store.predict(texts)
     assert lda_store.method().adapter_prototypes == [None] * len(manifest["tasks"])
     assert lda_store.method().cfg.adapter_prototype_weight == 0.0
+    assert lda_store.method().router.rmd_percentile is None
     assert sum(p.label == w for p, w in zip(before, want, strict=True)) >= len(texts) // 2

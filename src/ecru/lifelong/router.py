@@ -25,6 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ecru.errors import EcruError
+
 FROZEN = -1
 """The route of a text that resembles no learned task: the frozen pretrained model."""
 
@@ -234,20 +236,100 @@ def pooled_lda_head(
     return lda_head(torch.cat(list(means)).double(), cov)
 
 
+def relative_mahalanobis_head(
+    means: torch.Tensor, scatter: torch.Tensor, n: int, fourth: float, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One task's relative Mahalanobis detector (Ren et al., 2021) from its `class_statistics` and texts per
+    class `counts` [C]: the class means [C, D] with the precision [D, D] of the shrunk within-class covariance
+    (`ledoit_wolf` + `RIDGE`), and the task's background Gaussian: the mean [1, D] of its texts with the
+    precision of the within-class plus between-class covariance (float64)."""
+    means, counts = means.double(), counts.double()
+    eye = torch.eye(means.shape[1], dtype=torch.float64)
+    within = ledoit_wolf(scatter.double(), n, fourth) + RIDGE * eye
+    centre = (counts[:, None] * means).sum(0, keepdim=True) / counts.sum()
+    spread = means - centre
+    between = (spread.T * counts) @ spread / counts.sum()
+    return means, torch.linalg.inv(within), centre, torch.linalg.inv(within + between)
+
+
+def squared_mahalanobis(emb: torch.Tensor, means: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+    """[Q, C] squared Mahalanobis distances of `emb` [Q, D] to `means` [C, D] under `precision` [D, D]."""
+    xp = emb @ precision
+    return (xp * emb).sum(-1, keepdim=True) - 2 * xp @ means.T + ((means @ precision) * means).sum(-1)[None]
+
+
+def relative_mahalanobis(emb: torch.Tensor, head: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """[Q] how much closer each text is to its nearest class of the task than to the task's background:
+    the background's squared Mahalanobis distance minus the nearest class's (higher = more the task's own)."""
+    means, precision, centre, background = head
+    emb = emb.double()
+    nearest = squared_mahalanobis(emb, means, precision).min(-1).values
+    return squared_mahalanobis(emb, centre, background)[:, 0] - nearest
+
+
+def halves(emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[N] fold 0 or 1 of each text: within each class, the texts in the order of a fixed random projection of
+    their embeddings, alternately (stratified by class, and the same whatever order the texts come in)."""
+    direction = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    order = torch.argsort(emb.double() @ direction, stable=True)
+    fold = torch.empty(len(emb), dtype=torch.long)
+    for c in labels.unique():
+        members = order[labels[order] == c]
+        fold[members] = torch.arange(len(members)) % 2
+    return fold
+
+
+def cross_fitted_relative_mahalanobis(emb: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[N] each training text's `relative_mahalanobis` under a detector fitted on the other half of the task's
+    texts (`halves`), over the classes present there: scores of texts the detector has not seen (in-sample
+    scores are far too optimistic in 384-d). A half-size detector is the weaker one, so a percentile of these
+    scores rejects fewer new texts than it says, the fewer texts per class the fewer: with a handful per
+    class the test rejects nothing. A text whose other half is empty (a task of one text per class) scores -inf."""
+    fold = halves(emb, labels)
+    out = torch.full((len(emb),), float("-inf"), dtype=torch.float64)
+    for f in (0, 1):
+        fit, held = fold != f, fold == f
+        if fit.any() and held.any():
+            present, local = labels[fit].unique(return_inverse=True)
+            stats = class_statistics(emb[fit], local, len(present))
+            head = relative_mahalanobis_head(*stats, torch.bincount(local, minlength=len(present)))
+            out[held] = relative_mahalanobis(emb[held], head)
+    return out
+
+
+def rmd_threshold(own: torch.Tensor, percentile: float) -> float:
+    """The `percentile` of cross-fitted scores `own`, over the finite ones; -inf (never rejects) if none is."""
+    own = own[torch.isfinite(own)]
+    return torch.quantile(own, percentile / 100).item() if own.numel() else float("-inf")
+
+
 class LDARouter(PrototypeRouter):
     """Streaming LDA over the frozen embeddings (as SLDA, Hayes and Kanan, CVPR-W 2020): per task the class
     means, the within-class scatter and its count; the covariance is pooled over every learned task and shrunk
     (Ledoit-Wolf), so the decision between tasks sees how all of them spread. A text goes to the task of its
     best class by LDA logit. Whether it belongs to any learned task at all is the prototype test of
-    `PrototypeRouter` (that task's best prototype cosine against that task's threshold)."""
+    `PrototypeRouter` (that task's best prototype cosine against that task's threshold) and, with
+    `rmd_percentile`, also that task's relative Mahalanobis test: its `relative_mahalanobis` score against
+    the `rmd_percentile` of its training texts' cross-fitted scores (both must pass). The detector comes from
+    the statistics LDA keeps plus the texts per class (`class_counts`), so it costs C floats per task."""
 
-    def __init__(self, *, percentile: float, negative_quantile: float | None = None):
+    def __init__(
+        self,
+        *,
+        percentile: float,
+        negative_quantile: float | None = None,
+        rmd_percentile: float | None = None,
+    ):
         super().__init__(percentile=percentile, negative_quantile=negative_quantile)
+        self.rmd_percentile = rmd_percentile
         self.means: list[torch.Tensor] = []
         self.scatters: list[torch.Tensor] = []
         self.counts: list[int] = []
         self.fourths: list[float] = []
+        self.class_counts: list[torch.Tensor] = []
+        self.rmd_thresholds: list[float] = []
         self._head: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None
+        self._rmd: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def add_task(
         self, train_emb: torch.Tensor, *, labels: torch.Tensor, negatives: torch.Tensor | None = None
@@ -259,6 +341,17 @@ class LDARouter(PrototypeRouter):
         self.counts.append(count)
         self.fourths.append(fourth)
         self._head = None
+        if self.rmd_percentile is not None:
+            own = cross_fitted_relative_mahalanobis(train_emb, labels)
+            self.class_counts.append(torch.bincount(labels, minlength=means.shape[0]).float())
+            self.rmd_thresholds.append(rmd_threshold(own, self.rmd_percentile))
+
+    def rmd_scores(self, emb: torch.Tensor, task: int) -> torch.Tensor:
+        """[Q] task `task`'s relative Mahalanobis scores of frozen embeddings `emb` [Q, D] (detector cached)."""
+        if task not in self._rmd:
+            stats = (self.means[task], self.scatters[task], self.counts[task], self.fourths[task])
+            self._rmd[task] = relative_mahalanobis_head(*stats, self.class_counts[task])
+        return relative_mahalanobis(emb, self._rmd[task])
 
     def head(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """LDA weights [C, D] and biases [C] over every learned class, and each class's task (cached)."""
@@ -278,7 +371,8 @@ class LDARouter(PrototypeRouter):
         self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True
     ) -> torch.Tensor:
         """Route [Q]: the task of the best LDA class among `tasks` (default all), or `FROZEN` when
-        `open_set` and that task's best prototype cosine is below its threshold."""
+        `open_set` and that task's best prototype cosine is below its threshold or, with `rmd_percentile`, its
+        relative Mahalanobis score below its `rmd_thresholds` entry."""
         tasks = list(range(len(self))) if tasks is None else list(tasks)
         if not tasks:
             return torch.full((emb.shape[0],), FROZEN, dtype=torch.long)
@@ -289,18 +383,35 @@ class LDARouter(PrototypeRouter):
         if not open_set:
             return picked
         proto = self.scores(emb, tasks).gather(1, best[:, None])[:, 0]
-        thresholds = torch.tensor(self.thresholds, dtype=emb.dtype)[picked]
-        return torch.where(proto >= thresholds, picked, torch.full_like(picked, FROZEN))
+        accepted = proto >= torch.tensor(self.thresholds, dtype=emb.dtype)[picked]
+        if self.rmd_percentile is not None:
+            for t in picked.unique().tolist():
+                rows = picked == t
+                accepted[rows] &= self.rmd_scores(emb[rows], t) >= self.rmd_thresholds[t]
+        return torch.where(accepted, picked, torch.full_like(picked, FROZEN))
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "means": list(self.means), "scatters": list(self.scatters),
-                "counts": list(self.counts), "fourths": list(self.fourths)}  # fmt: skip
+        state = {**super().state_dict(), "means": list(self.means), "scatters": list(self.scatters),
+                 "counts": list(self.counts), "fourths": list(self.fourths)}  # fmt: skip
+        if self.rmd_percentile is not None:
+            state |= {"class_counts": list(self.class_counts), "rmd_thresholds": list(self.rmd_thresholds)}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.means, self.scatters = list(state["means"]), list(state["scatters"])
         self.counts, self.fourths = [int(c) for c in state["counts"]], [float(f) for f in state["fourths"]]
-        self._head = None
+        if self.rmd_percentile is not None:
+            if len(state.get("rmd_thresholds", [])) != len(self.thresholds) or len(
+                state["class_counts"]
+            ) != len(self.thresholds):
+                raise EcruError(
+                    "this router state lacks the relative Mahalanobis test for some of its tasks (saved before "
+                    "rmd_percentile); fix: start the run again (delete its checkpoint folder)"
+                )
+            self.class_counts = list(state["class_counts"])
+            self.rmd_thresholds = [float(t) for t in state["rmd_thresholds"]]
+        self._head, self._rmd = None, {}
 
 
 class Router(_Routing):

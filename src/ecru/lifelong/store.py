@@ -10,7 +10,8 @@ Layout (all written atomically; `store.json` is the commit point):
 - `tasks/<folder>/`: one standard peft LoRA adapter (`adapter_config.json`, `adapter_model.safetensors`),
   the task's router state (`router.safetensors`: its class prototypes and threshold; with the LDA router also
   its class means, within-class scatter, count and fourth moment sum; with `routed-lora` also its adapter
-  prototypes, the class means through the task's own adapter) and `labels.json`
+  prototypes, the class means through the task's own adapter, and its relative Mahalanobis test's texts per
+  class and threshold) and `labels.json`
   (the labels as written and the names the zero-shot head embeds, `ecru.lifelong.userdata.label_name`).
 
 Relearning a task writes a new folder, then swaps `store.json` to it, then deletes the old folder: a reader
@@ -296,9 +297,15 @@ def _new_method(model_record: dict[str, str], cfg, train=None):
     return RoutedAdapters(METHOD, load_encoder(model_record), train or TrainConfig(progress=False), cfg)
 
 
-ROUTER_FILE_KEYS = {"thresholds": "threshold", "scatters": "scatter", "counts": "count", "fourths": "fourth"}
+ROUTER_FILE_KEYS = {
+    "thresholds": "threshold",
+    "scatters": "scatter",
+    "counts": "count",
+    "fourths": "fourth",
+    "rmd_thresholds": "rmd_threshold",
+}
 """The router state's per-task lists -> their one-task names in `router.safetensors` (prototypes and, for the
-LDA router, means keep their names)."""
+LDA router, means and class_counts keep their names)."""
 
 
 ADAPTER_PROTOTYPES = ("adapter_prototypes", "adapter_counts")
@@ -310,7 +317,7 @@ the number of those texts."""
 def _router_state(tensors: dict[str, Any]) -> dict[str, list]:
     """One task's router state, as the method's `state_dict` holds it, from its `router.safetensors`."""
     back = {v: k for k, v in ROUTER_FILE_KEYS.items()}
-    scalar = {"threshold": float, "count": int, "fourth": float}
+    scalar = {"threshold": float, "count": int, "fourth": float, "rmd_threshold": float}
     return {back.get(k, k): [scalar[k](v) if k in scalar else v] for k, v in tensors.items()}
 
 

@@ -105,7 +105,12 @@ class RoutedConfig:
     """0: a text below its best task's threshold goes to the frozen model. > 0 (with a `margin`): it still
     goes to its best task, but every learned label loses this much: the route's choice stands when every
     candidate is learned, and an unlearned candidate (an unseen task's, a held-out dataset's) wins otherwise. The price: a learned task's text that
-    its router rejects (about `percentile`% of them) loses its label when unlearned labels are candidates."""
+    its router rejects (about `percentile`% of them, more with `rmd_percentile`) loses its label when unlearned
+    labels are candidates."""
+    rmd_percentile: float | None = None
+    """With router="lda": a text routed to task t must also pass t's relative Mahalanobis test (the frozen
+    embedding's background distance minus its nearest-class distance, from the LDA statistics; Ren et al.,
+    2021) at this percentile of t's training texts' cross-fitted scores; None: the prototype test alone."""
     negative_quantile: float | None = None
     """If set, a task's threshold may go down to this quantile of the reference sentences' scores (texts of
     no task: CLINC out-of-scope queries, Wikipedia), so more of its own texts reach its adapter."""
@@ -141,6 +146,10 @@ class RoutedConfig:
             )
         if not self.lda_weight >= 0:
             raise EcruError(f"lda_weight must be >= 0; got {self.lda_weight}")
+        if self.rmd_percentile is not None and not (self.router == "lda" and 0 <= self.rmd_percentile <= 100):
+            raise EcruError(
+                f"rmd_percentile needs router='lda' and a value in [0, 100]; got {self.rmd_percentile}"
+            )
         if self.lda_weight > 0 and self.router != "lda":
             raise EcruError("lda_weight needs router='lda' (the discriminant it adds)")
         if not (self.adapter_prototype_weight >= 0 and self.adapter_prototype_support > 0):
@@ -527,11 +536,16 @@ class RoutedAdapters:
 def _make_router(cfg: RoutedConfig) -> TaskRouter:
     if cfg.router == "knn":
         return Router(k=cfg.knn, percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
-    kind = LDARouter if cfg.router == "lda" else PrototypeRouter
-    return kind(percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
+    if cfg.router == "lda":
+        return LDARouter(percentile=cfg.percentile, negative_quantile=cfg.negative_quantile,
+                         rmd_percentile=cfg.rmd_percentile)  # fmt: skip
+    return PrototypeRouter(percentile=cfg.percentile, negative_quantile=cfg.negative_quantile)
 
 
 def _router_args(router: TaskRouter) -> dict[str, Any]:
+    if isinstance(router, LDARouter):
+        return {"percentile": router.percentile, "negative_quantile": router.negative_quantile,
+                "rmd_percentile": router.rmd_percentile}  # fmt: skip
     if isinstance(router, PrototypeRouter):
         return {"percentile": router.percentile, "negative_quantile": router.negative_quantile}
     return {"k": router.k, "percentile": router.percentile, "negative_quantile": router.negative_quantile}
