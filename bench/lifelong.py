@@ -99,8 +99,46 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="copy these methods' results from an earlier JSON of the same stream and runs instead of running "
         "them (marked reused_from; a target against a reused method never counts as met)",
     )
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="instead of running: join the (seed, order) runs of several JSONs of this script (same stream and "
+        "training, one process each) into --json, with the targets over all of them",
+    )
     p.add_argument("--json", type=Path, required=True, help="output JSON; the PNGs are written beside it")
     return p.parse_args(argv)
+
+
+SAME_RUN_CONFIG = ("stream", "epochs", "batch_size", "lr", "label_smoothing", "scale", "full")
+"""What the JSONs joined by `--combine` must share."""
+
+
+def combine(paths: list[Path]) -> dict:
+    """One result from several runs' JSONs (`--combine`): each method's runs joined, then aggregated."""
+    files = [json.loads(p.read_text()) for p in paths]
+    first = files[0]["config"]
+    for p, f in zip(paths[1:], files[1:], strict=True):
+        differs = [k for k in SAME_RUN_CONFIG if f["config"].get(k) != first.get(k)]
+        if differs:
+            sys.exit(
+                f"--combine: {p} differs from {paths[0]} in {differs}; join runs of one configuration only"
+            )
+    names = [n for n in files[0]["methods"] if all(n in f["methods"] for f in files)]
+    per_method = {n: [r for f in files for r in f["methods"][n]["runs"]] for n in names}
+    pairs = [(r["seed"], r["order"]) for r in per_method[names[0]]]
+    if len(set(pairs)) != len(pairs):
+        sys.exit(f"--combine: (seed, order) runs {pairs} repeat; join different runs")
+    methods = {n: aggregate(r) for n, r in per_method.items()}
+    config = {**first, "runs": pairs, "combined_from": [str(p) for p in paths],
+              "command": " ".join(["python", *sys.argv])}  # fmt: skip
+    return {
+        "config": config,
+        "targets": check_targets(methods, full=bool(first.get("full"))),
+        "methods": methods,
+    }
 
 
 def stream_kwargs(args) -> dict:
@@ -340,6 +378,14 @@ def main(argv=None) -> int:
         print_table(methods)
         print_targets(check_targets(methods, full=out["config"].get("full", False)))
         print("wrote", *plot_all(methods, args.json))
+        return 0
+    if args.combine:
+        out = combine(args.combine)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+        print_table(out["methods"])
+        print_targets(out["targets"])
+        print("wrote", args.json, *plot_all(out["methods"], args.json))
         return 0
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     names = [n.strip() for n in args.methods.split(",")]

@@ -84,6 +84,33 @@ def test_a_reused_baseline_is_reported_but_never_meets_a_target(bench, tmp_path)
         bench.reused(f"{old}:zscl", {**stream, "tasks": 3}, pairs)
 
 
+def test_combine_joins_one_process_per_run_and_checks_targets_over_all(bench, tmp_path):
+    import json
+
+    def full(r):
+        return r | {"R": [[1.0]], "R0": [1.0], "R_agnostic": [[1.0]], "R0_agnostic": [1.0],
+                    "heldout": [1.0], "heldout_agnostic": [1.0]}  # fmt: skip
+
+    config = {"stream": {"tasks": 10}, "epochs": 2, "batch_size": 32, "lr": 1e-4, "full": True}
+    paths = []
+    for s in range(3):  # one file per (seed, order) run, as three processes write them
+        methods = {"routed-lora": bench.aggregate([full(run(s, last=95, cpu=10))]),
+                   "zscl": bench.aggregate([full(run(s, last=90, cpu=40))])}  # fmt: skip
+        paths.append(tmp_path / f"run{s}.json")
+        paths[-1].write_text(json.dumps({"config": config | {"runs": [[s, s]]}, "methods": methods}))
+    out = bench.combine(paths)
+    assert out["config"]["runs"] == [(0, 0), (1, 1), (2, 2)]
+    t = out["targets"]
+    assert t["cpu_over_zscl_cpu"]["runs"] == [0.25] * 3 and t["cpu_over_zscl_cpu"]["met"]
+    assert t["agnostic_last_minus_zscl"]["mean"] == 5.0
+    with pytest.raises(SystemExit, match="repeat"):
+        bench.combine([paths[0], paths[0]])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"config": config | {"lr": 2e-5}, "methods": {}}))
+    with pytest.raises(SystemExit, match="differs"):
+        bench.combine([paths[0], other])
+
+
 def test_aggregate_keeps_both_protocols_and_leaves_unrecorded_costs_empty(bench):
     runs = [run(0, last=90.0), run(1, last=80.0)]
     for r, rss in zip(runs, (500.0, None), strict=True):
