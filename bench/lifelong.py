@@ -116,9 +116,19 @@ SAME_RUN_CONFIG = ("stream", "epochs", "batch_size", "lr", "label_smoothing", "s
 """What the JSONs joined by `--combine` must share."""
 
 
+def _results_file(path: Path) -> dict:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        sys.exit(f"--combine: cannot read {path} ({exc}); give JSON files this script wrote with --json")
+    if not isinstance(out, dict) or not {"config", "methods"} <= set(out):
+        sys.exit(f"--combine: {path} is not a result of this script (no config and methods)")
+    return out
+
+
 def combine(paths: list[Path]) -> dict:
     """One result from several runs' JSONs (`--combine`): each method's runs joined, then aggregated."""
-    files = [json.loads(p.read_text()) for p in paths]
+    files = [_results_file(p) for p in paths]
     first = files[0]["config"]
     for p, f in zip(paths[1:], files[1:], strict=True):
         differs = [k for k in SAME_RUN_CONFIG if f["config"].get(k) != first.get(k)]

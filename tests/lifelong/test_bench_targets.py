@@ -109,6 +109,11 @@ def test_combine_joins_one_process_per_run_and_checks_targets_over_all(bench, tm
     other.write_text(json.dumps({"config": config | {"lr": 2e-5}, "methods": {}}))
     with pytest.raises(SystemExit, match="differs"):
         bench.combine([paths[0], other])
+    with pytest.raises(SystemExit, match="cannot read"):
+        bench.combine([tmp_path / "nope.json"])
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(SystemExit, match="not a result"):
+        bench.combine([tmp_path / "list.json"])
 
 
 def test_aggregate_keeps_both_protocols_and_leaves_unrecorded_costs_empty(bench):
