@@ -87,6 +87,10 @@ class Scored:
         self.task_cols = [[col[n] for n in names] for names in ev.task_names]
         self.held = [col[n] for n in ev.heldout_names]
         self.S, self.gold = emb["eval"] @ emb["names"].T, torch.tensor([col[g] for g in ev.gold])
+        self.rows = [slice(self.sp[j], self.sp[j + 1]) for j in range(self.T)]
+        # the frozen model on each task among its own labels: the transfer baseline, the same for every rule
+        self.r0 = [self.accuracy(torch.tensor(c)[self.S[r][:, c].argmax(-1)], r)
+                   for c, r in zip(self.task_cols, self.rows, strict=True)]  # fmt: skip
 
     def answers(self, router: LDARouter, rows: slice, own: list[int]) -> torch.Tensor:
         """Answers of the texts `rows` among the router's learned labels plus `own` (their own label set)."""
@@ -101,12 +105,7 @@ class Scored:
 
 def run_rule(sc: Scored, percentile: float, rmd: float | None) -> dict:
     """The rule's task-agnostic transfer retention and Banking77 change, and the shares it rejects."""
-    T, sp, router = sc.T, sc.sp, LDARouter(percentile=percentile, rmd_percentile=rmd)
-    rows = [slice(sp[j], sp[j + 1]) for j in range(T)]
-    r0 = [
-        sc.accuracy(torch.tensor(c)[sc.S[r][:, c].argmax(-1)], r)
-        for c, r in zip(sc.task_cols, rows, strict=True)
-    ]
+    T, sp, rows, router = sc.T, sc.sp, sc.rows, LDARouter(percentile=percentile, rmd_percentile=rmd)
     transfer, fit_s = [[] for _ in range(T)], 0.0
     for k in range(1, T + 1):
         start = time.process_time()
@@ -114,7 +113,7 @@ def run_rule(sc: Scored, percentile: float, rmd: float | None) -> dict:
         fit_s += time.process_time() - start
         for j in range(k, T):  # texts of tasks not learned yet, among the learned labels and their own
             transfer[j].append(sc.accuracy(sc.answers(router, rows[j], sc.task_cols[j]), rows[j]))
-    retention = sum(sum(t) / len(t) for t in transfer[1:]) / (T - 1) - sum(r0[1:]) / (T - 1)
+    retention = sum(sum(t) / len(t) for t in transfer[1:]) / (T - 1) - sum(sc.r0[1:]) / (T - 1)
     learned_rows = slice(0, sp[T])
     kept = sc.answers(router, learned_rows, sc.held)
     owner = torch.full((len(sc.ev.names),), -1)

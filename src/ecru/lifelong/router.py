@@ -231,9 +231,14 @@ def pooled_lda_head(
     """LDA weights [C, D] and biases [C] (float64) over every task's classes (`means` concatenated in order)
     from the tasks' `class_statistics`: the scatter pooled over tasks, shrunk (`ledoit_wolf`), plus `RIDGE` on
     the diagonal (texts repeated verbatim have no spread), then `lda_head`."""
-    cov = ledoit_wolf(sum(s.double() for s in scatters), sum(counts), sum(fourths))
-    cov = cov + RIDGE * torch.eye(cov.shape[0], dtype=cov.dtype)
+    cov = shrunk_covariance(sum(s.double() for s in scatters), sum(counts), sum(fourths))
     return lda_head(torch.cat(list(means)).double(), cov)
+
+
+def shrunk_covariance(scatter: torch.Tensor, n: int, fourth: float) -> torch.Tensor:
+    """`ledoit_wolf` of a float64 scatter plus `RIDGE` on the diagonal: always invertible."""
+    cov = ledoit_wolf(scatter, n, fourth)
+    return cov + RIDGE * torch.eye(cov.shape[0], dtype=cov.dtype)
 
 
 def relative_mahalanobis_head(
@@ -244,8 +249,7 @@ def relative_mahalanobis_head(
     (`ledoit_wolf` + `RIDGE`), and the task's background Gaussian: the mean [1, D] of its texts with the
     precision of the within-class plus between-class covariance (float64)."""
     means, counts = means.double(), counts.double()
-    eye = torch.eye(means.shape[1], dtype=torch.float64)
-    within = ledoit_wolf(scatter.double(), n, fourth) + RIDGE * eye
+    within = shrunk_covariance(scatter.double(), n, fourth)
     centre = (counts[:, None] * means).sum(0, keepdim=True) / counts.sum()
     spread = means - centre
     between = (spread.T * counts) @ spread / counts.sum()
@@ -402,9 +406,7 @@ class LDARouter(PrototypeRouter):
         self.means, self.scatters = list(state["means"]), list(state["scatters"])
         self.counts, self.fourths = [int(c) for c in state["counts"]], [float(f) for f in state["fourths"]]
         if self.rmd_percentile is not None:
-            if len(state.get("rmd_thresholds", [])) != len(self.thresholds) or len(
-                state["class_counts"]
-            ) != len(self.thresholds):
+            if any(len(state.get(k, [])) != len(self.thresholds) for k in ("class_counts", "rmd_thresholds")):
                 raise EcruError(
                     "this router state lacks the relative Mahalanobis test for some of its tasks (saved before "
                     "rmd_percentile); fix: start the run again (delete its checkpoint folder)"
