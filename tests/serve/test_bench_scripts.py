@@ -157,3 +157,26 @@ def test_label_summary_and_greedy_agreement_by_hand(tmp_path):
     assert (s["prompts"], s["samples"], s["median_greedy"], s["median_label"]) == (3, 4, 20, 64)
     assert s["greedy_at_cap"] == pytest.approx(1 / 3) and s["label_at_cap"] == pytest.approx(2 / 3)
     assert labels.greedy_agreement(a, b) == {"shared_prompts": 2, "greedy_equal": 1}
+
+
+def test_serve_self_predict_scores_both_readouts_of_one_adapter():
+    from ecru.serve.self_predict import SelfLoRAConfig
+
+    bench = load_bench_script("serve_self_predict")
+
+    class Stub:  # the greedy readout ties two prompts, the expected one ranks them
+        config = SelfLoRAConfig()
+
+        def predict(self, prompts):
+            if self.config.readout == "greedy":
+                return [50.0, 150.0, 150.0, 200.0]
+            return [40.0, 60.0, 140.0, 160.0]
+
+    out = bench.scores(
+        Stub(), ["a", "b", "c", "d"], [10, 20, 30, 40], ["one-word", "email", "email", "story"]
+    )
+    assert set(out) == {"greedy", "expected"}
+    assert out["expected"]["spearman"] == pytest.approx(1.0) and out["greedy"]["spearman"] < 1.0
+    assert out["expected"]["spearman_held_out_forms"] == pytest.approx(1.0)  # "email" is a test-only form
+    assert out["greedy"]["spearman_held_out_forms"] is None  # one number for both: no ranking
+    assert out["expected"]["mae"] == pytest.approx((30 + 40 + 110 + 120) / 4)

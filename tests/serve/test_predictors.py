@@ -101,3 +101,46 @@ def test_self_lora_learns_its_answer_and_disables_for_generation(tokenizer):
     # with the adapter on, the same query path reads the tuned answer
     pia = PiAPredictor(predictor.model, tokenizer, cap=256, default=77.0)
     assert pia.predict(["an unseen question"]) == [150.0] and pia.parsed == 1
+
+
+def test_bucket_log_probs_match_scoring_each_answer_whole(tokenizer):
+    from ecru.models import tiny_llama
+    from ecru.serve.prompts import encode_chat
+    from ecru.serve.self_predict import QUERY, bucket_log_probs, buckets
+
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, seed=1).eval()
+    prompts = ["a short one", "a somewhat longer prompt than the first", "mid length prompt"]
+    values = buckets(bucket=50, cap=256)
+    assert values == [50, 100, 150, 200, 250, 256]
+    got = bucket_log_probs(model, tokenizer, prompts, values, batch_size=2)  # a batch of 2, then of 1
+    for row, ids in enumerate(encode_chat(tokenizer, [QUERY.format(prompt=p) for p in prompts])):
+        for col, v in enumerate(values):  # one unpadded sequence per answer, no cache
+            answer = tokenizer.encode(str(v), add_special_tokens=False) + [tokenizer.eos_token_id]
+            with torch.no_grad():
+                logp = model(input_ids=torch.tensor([ids + answer])).logits[0].log_softmax(-1)
+            want = sum(logp[len(ids) - 1 + j, t] for j, t in enumerate(answer))
+            torch.testing.assert_close(got[row, col], want, rtol=0, atol=1e-4)
+
+
+def test_expected_readout_reads_the_learned_bucket(tokenizer):
+    from ecru.models import tiny_llama
+
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, seed=0)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(25)
+    every_linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    config = SelfLoRAConfig(lr=2e-2, epochs=6, batch_size=4, dropout=0.0, target_modules=every_linear,
+                            readout="expected")  # fmt: skip
+    predictor = SelfLoRAPredictor(model, tokenizer, config=config)
+    seen = []  # after_epoch runs in eval mode, once per epoch
+    predictor.fit(
+        [f"question number {i}" for i in range(8)],
+        [140.0] * 8,
+        progress=False,
+        after_epoch=lambda e: seen.append((e, predictor.model.training)),
+    )  # bucket 150; fmt: skip
+    assert seen == [(e, False) for e in range(1, 7)] and predictor.model.training is False
+    got = predictor.predict(["an unseen question", "another one"])
+    assert all(abs(x - 150) < 5 for x in got), got  # nearly all the probability on "150"
+    with pytest.raises(ValueError, match="readout must be one of greedy, expected"):
+        SelfLoRAConfig(readout="mean")

@@ -154,3 +154,15 @@ def test_order_takes_cb_and_any_other_policies_each_once(tmp_path):
     for bad in ("cb-sjf", "cb,cb", "cb,fifo"):
         with pytest.raises(SystemExit):
             real.parse(["--json", out, "--order", bad])
+
+
+def test_read_split_gives_greedy_lengths_and_the_longest_of_samples(bench, tmp_path):
+    path = tmp_path / "labels.jsonl"
+    path.write_text(
+        '{"prompt": "a", "lengths": [30, 80, 20, 300]}\n{"prompt": "b", "lengths": [9, 4, 7, 5]}\n'
+    )
+    assert bench.read_split(path, 10, 256) == (["a", "b"], [30, 9], [30, 9])
+    assert bench.read_split(path, 10, 256, samples=4) == (["a", "b"], [30, 9], [256, 9])  # capped at 256
+    with pytest.raises(SystemExit, match="fewer than 4 answer lengths"):
+        path.write_text('{"prompt": "a", "lengths": [30]}\n')
+        bench.read_split(path, 10, 256, samples=4)

@@ -12,7 +12,7 @@ import contextlib
 import math
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,9 @@ QUERY = (
     "{prompt}\n\nDon't output the response for the above instruction. Instead, you need to predict the number "
     "of tokens in your response. Output one number only."
 )
+
+
+READOUTS = ("greedy", "expected")
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,14 @@ class SelfLoRAConfig:
     """Global max_new_tokens: labels and predictions never exceed it."""
     seed: int = 0
     """Seed of the adapter init and the example order."""
+    readout: str = "greedy"
+    """How a prediction is read: "greedy", the number the model generates (the paper); "expected", the mean of
+    the bucket numbers weighed by the model's probability of each (`bucket_log_probs`), one forward per prompt
+    and continuous, so prompts the model puts in the same bucket are still ranked."""
 
     def __post_init__(self):
+        if self.readout not in READOUTS:
+            raise ValueError(f"readout must be one of {', '.join(READOUTS)}; got {self.readout!r}")
         if (
             min(self.rank, self.alpha, self.epochs, self.batch_size, self.bucket, self.cap) < 1
             or self.lr <= 0
@@ -63,6 +72,11 @@ class SelfLoRAConfig:
 def bucket_label(length: float, *, bucket: int, cap: int) -> int:
     """Round up to a multiple of `bucket`, then clip to `cap`."""
     return min(cap, max(bucket, bucket * math.ceil(length / bucket)))
+
+
+def buckets(*, bucket: int, cap: int) -> list[int]:
+    """Every value `bucket_label` can give: the multiples of `bucket` below `cap`, then `cap`."""
+    return sorted({bucket_label(v, bucket=bucket, cap=cap) for v in range(1, cap + 1)})
 
 
 def parse_length(text: str, *, cap: int) -> float | None:
@@ -93,6 +107,48 @@ def stated_lengths(
         texts = tokenizer.batch_decode(result.tokens, skip_special_tokens=True)
         out += [parse_length(t, cap=cap) for t in texts]
     return out
+
+
+@torch.no_grad()
+def bucket_log_probs(
+    model, tokenizer, prompts: Sequence[str], values: Sequence[int], *, batch_size: int = 32
+) -> torch.Tensor:
+    """[N, len(values)] log-probability that the model, asked `QUERY`, answers each value (its digits then
+    EOS). One prefill of the query per prompt; its KV cache is repeated for the values' few tokens."""
+    from transformers import DynamicCache
+
+    from ecru.serve.engine import left_pad, positions
+    from ecru.serve.prompts import encode_chat
+
+    eos = tokenizer.eos_token_id
+    answers = [tokenizer.encode(str(v), add_special_tokens=False) + [eos] for v in values]
+    width = max(len(a) for a in answers)
+    tail = torch.tensor([a + [eos] * (width - len(a)) for a in answers])  # [C, width]; the pad is never read
+    ids = encode_chat(tokenizer, [QUERY.format(prompt=p) for p in prompts])
+    out = []
+    for i in range(0, len(ids), batch_size):
+        x, mask = left_pad(ids[i : i + batch_size], tokenizer.pad_token_id or 0)
+        cache = DynamicCache()
+        first = model(input_ids=x, attention_mask=mask, position_ids=positions(mask), past_key_values=cache,
+                      use_cache=True, logits_to_keep=1).logits[:, -1].log_softmax(-1)  # fmt: skip
+        cache.batch_repeat_interleave(len(answers))  # row b * C + c: prompt b, value c
+        mask = torch.cat([mask.repeat_interleave(len(answers), 0), torch.ones(len(x) * len(answers), width,
+                          dtype=mask.dtype)], dim=1)  # fmt: skip
+        rest = model(input_ids=tail.repeat(len(x), 1), attention_mask=mask, position_ids=positions(mask)[:, -width:],
+                     past_key_values=cache, use_cache=True).logits.log_softmax(-1)  # fmt: skip
+        out.append(
+            torch.stack(
+                [_answer_log_prob(first, rest[c :: len(answers)], a) for c, a in enumerate(answers)], 1
+            )
+        )
+    return torch.cat(out)
+
+
+def _answer_log_prob(first: torch.Tensor, rest: torch.Tensor, answer: list[int]) -> torch.Tensor:
+    """[B] log p(answer): its first token from `first` [B, V], token j > 0 from `rest` [B, width, V] at j - 1."""
+    tokens = torch.tensor(answer)
+    later = rest[:, : len(answer) - 1].gather(-1, tokens[1:].expand(len(rest), -1)[..., None]).squeeze(-1)
+    return first[:, answer[0]] + later.sum(-1)
 
 
 class PiAPredictor:
@@ -151,9 +207,15 @@ class SelfLoRAPredictor:
         return out
 
     def fit(
-        self, prompts: Sequence[str], labels: Sequence[float], *, progress: bool = True
+        self,
+        prompts: Sequence[str],
+        labels: Sequence[float],
+        *,
+        progress: bool = True,
+        after_epoch: Callable[[int], None] | None = None,
     ) -> SelfLoRAPredictor:
-        """Teacher-forced cross-entropy on the answer tokens only, AdamW on the LoRA weights."""
+        """Teacher-forced cross-entropy on the answer tokens only, AdamW on the LoRA weights. `after_epoch(e)`
+        is called after epoch e (1-based) in eval mode: to score the adapter as it trains."""
         from tqdm.auto import tqdm
 
         examples = self._examples(prompts, labels)
@@ -164,7 +226,7 @@ class SelfLoRAPredictor:
         steps = self.config.epochs * math.ceil(len(examples) / self.config.batch_size)
         bar = tqdm(total=steps, desc="self-lora tuning", unit="step", disable=not progress)
         self.model.train()
-        for _ in range(self.config.epochs):
+        for epoch in range(1, self.config.epochs + 1):
             order = torch.randperm(len(examples), generator=gen).tolist()
             for i in range(0, len(order), self.config.batch_size):
                 loss = self._loss([examples[j] for j in order[i : i + self.config.batch_size]])
@@ -173,6 +235,10 @@ class SelfLoRAPredictor:
                 opt.step()
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.3f}")
+            if after_epoch is not None:
+                self.model.eval()
+                after_epoch(epoch)
+                self.model.train()
         bar.close()
         self.model.eval()
         return self
@@ -190,6 +256,12 @@ class SelfLoRAPredictor:
         return self.model(input_ids=x, attention_mask=mask, labels=target).loss
 
     def predict(self, prompts: Sequence[str], *, batch_size: int = 32) -> list[float]:
+        """Each prompt's predicted length, read as `config.readout` says."""
+        if self.config.readout == "expected":
+            values = buckets(bucket=self.config.bucket, cap=self.config.cap)
+            probs = bucket_log_probs(self.model, self.tokenizer, prompts, values, batch_size=batch_size)
+            probs = probs.softmax(-1)  # renormalised over the bucket numbers
+            return (probs @ torch.tensor(values, dtype=probs.dtype)).tolist()
         out = stated_lengths(self.model, self.tokenizer, prompts, cap=self.config.cap, batch_size=batch_size)
         return [self.default if x is None else x for x in out]
 
