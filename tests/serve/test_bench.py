@@ -31,3 +31,26 @@ def test_summary_is_median_of_paired_ratios_not_ratio_of_medians():
 def test_repeats_must_be_positive():
     with pytest.raises(EcruError, match="repeats"):
         BenchConfig(model="tiny", repeats=0)
+
+
+def test_lora_readout_is_validated_and_shares_the_tuned_adapter(tmp_path, monkeypatch):
+    from ecru.serve import bench
+    from ecru.serve.models import load_model
+    from ecru.serve.self_predict import SelfLoRAPredictor
+
+    with pytest.raises(EcruError, match="lora-readout"):
+        BenchConfig(model="tiny", lora_readout="mean")
+    monkeypatch.setenv("ECRU_CACHE", str(tmp_path))
+    prompts, labels = ["one question", "another question"], [40.0, 180.0]
+    model, tok = load_model("tiny")
+    greedy = bench._self_lora(model, tok, BenchConfig(model="tiny", lora_epochs=1), prompts, labels)
+    assert greedy.config.readout == "greedy" and len(list((tmp_path / "serve").iterdir())) == 1
+
+    def refit(*args, **kwargs):
+        raise AssertionError("the adapter tuned for the greedy readout should be reused")
+
+    monkeypatch.setattr(SelfLoRAPredictor, "fit", refit)
+    model, tok = load_model("tiny")
+    config = BenchConfig(model="tiny", lora_epochs=1, lora_readout="expected")
+    expected = bench._self_lora(model, tok, config, prompts, labels)
+    assert expected.config.readout == "expected" and len(expected.predict(["a third question"])) == 1

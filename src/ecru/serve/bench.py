@@ -15,6 +15,7 @@ median over repetitions of samples/s divided by the same repetition's FCFS sampl
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -57,6 +58,8 @@ class BenchConfig:
     """cb-sjf aging, priority tokens per decode step waited."""
     lora_epochs: int = 2
     """Epochs of self-lora tuning (the paper: 3; each SmolLM2 step costs seconds on a CPU)."""
+    lora_readout: str = "greedy"
+    """How self-lora's prediction is read (`SelfLoRAConfig.readout`): "greedy" (the paper's) or "expected"."""
     repeats: int = 1
     """Repetitions of every policy, in a rotated order (medians and paired ratios to fcfs reported)."""
     resume_failures: bool = False
@@ -68,6 +71,8 @@ class BenchConfig:
             raise EcruError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
         if self.predictor not in PREDICTORS:
             raise EcruError(f"unknown predictor {self.predictor!r}; choose from {', '.join(PREDICTORS)}")
+        if self.lora_readout not in ("greedy", "expected"):
+            raise EcruError(f"unknown --lora-readout {self.lora_readout!r}; choose greedy or expected")
         if min(self.n, self.max_new_tokens, self.batch_size, self.train_n, self.repeats) < 1:
             raise EcruError("--n, --max-new-tokens, --batch-size, --train-n and --repeats must be >= 1")
 
@@ -119,8 +124,9 @@ def _self_lora(model, tokenizer, config: BenchConfig, prompts, labels):
     from ecru.models import cache_dir
     from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
 
-    lora = SelfLoRAConfig(cap=config.max_new_tokens, epochs=config.lora_epochs)
-    key = hashlib.sha256(json.dumps([config.model, repr(lora), prompts, labels]).encode()).hexdigest()[:12]
+    lora = SelfLoRAConfig(cap=config.max_new_tokens, epochs=config.lora_epochs, readout=config.lora_readout)
+    tuning = dataclasses.replace(lora, readout="greedy")  # the readout does not change the adapter: one cache
+    key = hashlib.sha256(json.dumps([config.model, repr(tuning), prompts, labels]).encode()).hexdigest()[:12]
     path = cache_dir() / "serve" / f"self-lora-{config.model}-{key}"
     if (path / "adapter_config.json").is_file():
         predictor = SelfLoRAPredictor(model, tokenizer, config=lora, adapter_path=path)

@@ -399,6 +399,7 @@ def _bench(args: argparse.Namespace) -> int:
         train_n=args.train_n,
         aging=args.aging,
         lora_epochs=args.lora_epochs,
+        lora_readout=args.lora_readout,
         repeats=args.repeats,
         resume_failures=args.resume_failures,
     )
@@ -534,6 +535,12 @@ def _configure_bench(sub) -> None:
         "--aging", type=non_negative_float, default=DEFAULT_AGING, help="cb-sjf priority tokens per step"
     )
     bench.add_argument("--lora-epochs", type=positive_int, default=2, help="self-lora tuning epochs")
+    bench.add_argument(
+        "--lora-readout",
+        choices=("greedy", "expected"),
+        default="greedy",
+        help="self-lora's prediction: the number it generates (the paper's) or its expected bucket",
+    )
     _add_resume_flag(bench)
     bench.add_argument(
         "--repeats",
