@@ -3,13 +3,16 @@ and scored on the mixed workload's unseen test prompts, with both readouts of `S
 "greedy" (the number it generates, the paper's) and "expected" (bucket numbers weighed by its probabilities).
 
 Labels are the committed ones (`bench/serve_workload.py` made them): the longest of `--samples` answers per
-train prompt, the test prompts' greedy lengths as the truth. Selection: the last `--val` train prompts are
-held out, an adapter is tuned on the rest for `--epochs` epochs at each `--lrs` value and scored on them
-after every epoch (Spearman, each readout). The best (lr, epochs, readout) by validation Spearman is then
-tuned on every train prompt and scored once on the test prompts, both readouts, prediction time measured.
-Results are written after each step (atomically) and a rerun with the same `--json` skips the lrs done.
+train prompt; the test prompts' greedy lengths are the truth. Selection: the last `--val` train prompts are
+held out, an adapter is tuned on the rest for `--epochs` epochs at each `--lrs` value and scored after every
+epoch, both readouts, against those prompts' labels (the max of `--samples`, what the adapter learns). Each
+readout's best (lr, epochs) by validation Spearman is then tuned on every train prompt and scored once on
+the test prompts (both readouts of that adapter are recorded). The JSON is rewritten after each learning
+rate and each test fit; a rerun with the same `--json` and the same settings skips what is done (other
+settings are refused).
 
-    OMP_NUM_THREADS=2 python bench/serve_self_predict.py --json bench/results/serve_self_predict_max4.json
+    OMP_NUM_THREADS=2 python bench/serve_self_predict.py --lrs 5e-4,2e-4 --epochs 2 \
+        --json bench/results/serve_self_predict_max4.json
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -55,6 +59,7 @@ def scores(predictor, prompts, lengths, forms) -> dict:
             else None,
             **length_metrics(pred, lengths),
             "predict_s": time.perf_counter() - t0,
+            "distinct_predictions": len({round(x, 3) for x in pred}),
         }
     return out
 
@@ -63,6 +68,37 @@ def untuned(*, lr: float, epochs: int, cap: int) -> SelfLoRAPredictor:
     """A fresh SmolLM2 with a new length adapter (the adapter wraps the model it is given)."""
     model, tok = load_model("smollm2")
     return SelfLoRAPredictor(model, tok, config=SelfLoRAConfig(lr=lr, epochs=epochs, cap=cap))
+
+
+def best_per_readout(validation: dict, lrs: list[float]) -> dict[str, dict]:
+    """Each readout's (lr, epochs) with the highest validation Spearman among `lrs` (None counts lowest)."""
+    points = [(lr, e, v) for lr, curve in validation.items() if float(lr) in lrs for e, v in curve.items()]
+    rank = lambda x: -math.inf if x is None else x  # noqa: E731
+    out = {}
+    for r in READOUTS:
+        lr, e, v = max(points, key=lambda t: rank(t[2][r]["spearman"]))
+        out[r] = {"lr": float(lr), "epochs": int(e), "validation_spearman": v[r]["spearman"]}
+    return out
+
+
+def show(values: dict) -> str:
+    return ", ".join(f"{k} {'-' if x is None else f'{x:.3f}'}" for k, x in values.items())
+
+
+def load_splits(args) -> tuple[list, list, list, dict]:
+    """(fit, val, test) as (prompt, length) pairs and each prompt's instruction form; refuses bad sizes."""
+    w = build_mixed_workload(WorkloadConfig())
+    form = {p.prompt: p.form for p in w["train"] + w["test"]}
+    train = [
+        (r.prompt, min(args.cap, max(r.lengths[: args.samples]))) for r in read_labels(args.train_labels)
+    ]
+    test = [(r.prompt, min(args.cap, r.greedy)) for r in read_labels(args.test_labels)][: args.test]
+    train = train[: args.train]
+    if not 0 < args.val < len(train) or not test:
+        raise SystemExit(
+            f"need 0 < --val < train prompts ({len(train)}) and test prompts ({len(test)} found)"
+        )
+    return train[: -args.val], train[-args.val :], test, form
 
 
 def main(argv=None) -> None:
@@ -79,45 +115,62 @@ def main(argv=None) -> None:
     ap.add_argument("--json", required=True)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    w = build_mixed_workload(WorkloadConfig())
-    form = {p.prompt: p.form for p in w["train"] + w["test"]}
-    train = [(r.prompt, max(r.lengths[: args.samples])) for r in read_labels(args.train_labels)][: args.train]
-    test = [(r.prompt, r.greedy) for r in read_labels(args.test_labels)][: args.test]
-    fit, val = train[: -args.val], train[-args.val :]
+    fit, val, test, form = load_splits(args)
+    lrs = [float(x) for x in args.lrs.split(",")]
+    settings = {k: getattr(args, k) for k in ("train_labels", "test_labels", "train", "test", "samples", "val",
+                                               "epochs", "cap")}  # fmt: skip
+    settings |= {k: str(Path(v).name) for k, v in settings.items() if k.endswith("_labels")}
     path = Path(args.json)
-    out = json.loads(path.read_text()) if path.is_file() else {}
+    out = json.loads(path.read_text()) if path.is_file() else {"settings": settings}
+    if out.get("settings") != settings:
+        raise SystemExit(
+            f"{path} holds results for other settings ({out.get('settings')}): give another --json"
+        )
     out.update(command="python bench/serve_self_predict.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               train_prompts=len(train), val_prompts=len(val), test_prompts=len(test), labels=(
-               f"train: the longest of {args.samples} sampled answers; test: the greedy answer's length"))  # fmt: skip
+               train_prompts=len(fit) + len(val), val_prompts=len(val), test_prompts=len(test), labels=(
+               f"fit and validation: the longest of {args.samples} sampled answers; test: the greedy answer's "
+               "length"))  # fmt: skip
     out.setdefault("validation", {})
-    for lr in [float(x) for x in args.lrs.split(",")]:
-        if str(lr) in out["validation"]:
-            continue
-        curve, predictor = {}, untuned(lr=lr, epochs=args.epochs, cap=args.cap)
-
-        def evaluate(epoch, curve=curve, predictor=predictor, lr=lr):
-            curve[str(epoch)] = scores(
-                predictor, [p for p, _ in val], [y for _, y in val], [form[p] for p, _ in val]
+    for lr in lrs:
+        if str(lr) not in out["validation"]:
+            out["validation"][str(lr)] = validation_curve(
+                fit, val, form, lr=lr, epochs=args.epochs, cap=args.cap
             )
-            print(
-                f"lr {lr} epoch {epoch}: "
-                + ", ".join(f"{r} {v['spearman']:.3f}" for r, v in curve[str(epoch)].items())
-            )
+            write(path, out)
+    out["chosen"] = best_per_readout(out["validation"], lrs)
+    out.setdefault("test", {})
+    for readout, chosen in out["chosen"].items():
+        print(f"chosen on validation for the {readout} readout: lr {chosen['lr']}, {chosen['epochs']} epochs")
+        done = out["test"].get(readout, {})
+        if (done.get("lr"), done.get("epochs")) != (chosen["lr"], chosen["epochs"]):
+            out["test"][readout] = scored_on_test(fit + val, test, form, lr=chosen["lr"], epochs=chosen["epochs"],
+                                               cap=args.cap)  # fmt: skip
+            write(path, out)
+        print(f"test, {readout} readout: " + show(out["test"][readout]["metrics"][readout]))
 
-        predictor.fit([p for p, _ in fit], [y for _, y in fit], after_epoch=evaluate)
-        out["validation"][str(lr)] = curve
-        write(path, out)
-    best = max(((lr, e, r, v[r]["spearman"]) for lr, c in out["validation"].items() for e, v in c.items()
-                for r in READOUTS), key=lambda t: t[3])  # fmt: skip
-    lr, epochs, readout, _ = best
-    out["chosen"] = {"lr": float(lr), "epochs": int(epochs), "readout": readout}
-    print(f"chosen on validation: lr {lr}, {epochs} epochs, readout {readout}")
-    final = untuned(lr=float(lr), epochs=int(epochs), cap=args.cap)
+
+def validation_curve(fit, val, form, *, lr: float, epochs: int, cap: int) -> dict:
+    """{epoch: scores on `val`} of one adapter tuned on `fit` at `lr`."""
+    curve, predictor = {}, untuned(lr=lr, epochs=epochs, cap=cap)
+
+    def evaluate(epoch):
+        curve[str(epoch)] = scores(
+            predictor, [p for p, _ in val], [y for _, y in val], [form[p] for p, _ in val]
+        )
+        print(f"lr {lr} epoch {epoch}: " + show({r: v["spearman"] for r, v in curve[str(epoch)].items()}))
+
+    predictor.fit([p for p, _ in fit], [y for _, y in fit], after_epoch=evaluate)
+    return curve
+
+
+def scored_on_test(train, test, form, *, lr: float, epochs: int, cap: int) -> dict:
+    """An adapter tuned on every train prompt, scored on `test` with both readouts; its tuning seconds."""
+    start = time.perf_counter()
+    final = untuned(lr=lr, epochs=epochs, cap=cap)
     final.fit([p for p, _ in train], [y for _, y in train])
-    out["test"] = scores(final, [p for p, _ in test], [y for _, y in test], [form[p] for p, _ in test])
-    for r, v in out["test"].items():
-        print(f"test, {r}: " + ", ".join(f"{k} {x:.3f}" for k, x in v.items() if x is not None))
-    write(path, out)
+    fit_s = time.perf_counter() - start
+    metrics = scores(final, [p for p, _ in test], [y for _, y in test], [form[p] for p, _ in test])
+    return {"lr": lr, "epochs": epochs, "fit_s": fit_s, "metrics": metrics}
 
 
 if __name__ == "__main__":

@@ -180,3 +180,17 @@ def test_serve_self_predict_scores_both_readouts_of_one_adapter():
     assert out["expected"]["spearman_held_out_forms"] == pytest.approx(1.0)  # "email" is a test-only form
     assert out["greedy"]["spearman_held_out_forms"] is None  # one number for both: no ranking
     assert out["expected"]["mae"] == pytest.approx((30 + 40 + 110 + 120) / 4)
+
+
+def test_serve_self_predict_chooses_per_readout_among_the_asked_lrs():
+    bench = load_bench_script("serve_self_predict")
+    point = lambda g, e: {"greedy": {"spearman": g}, "expected": {"spearman": e}}  # noqa: E731
+    validation = {
+        "0.0005": {"1": point(0.70, 0.74), "2": point(None, 0.77)},  # greedy: one number for all at epoch 2
+        "0.0002": {"1": point(0.66, 0.71), "2": point(0.64, 0.75)},
+        "0.001": {"1": point(0.90, 0.90)},  # not among --lrs: ignored
+    }
+    chosen = bench.best_per_readout(validation, [5e-4, 2e-4])
+    assert chosen["greedy"] == {"lr": 5e-4, "epochs": 1, "validation_spearman": 0.70}
+    assert chosen["expected"] == {"lr": 5e-4, "epochs": 2, "validation_spearman": 0.77}
+    assert bench.show({"spearman": None, "mae": 3.14159}) == "spearman -, mae 3.142"

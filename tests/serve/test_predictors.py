@@ -109,6 +109,9 @@ def test_bucket_log_probs_match_scoring_each_answer_whole(tokenizer):
     from ecru.serve.self_predict import QUERY, bucket_log_probs, buckets
 
     model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, seed=1).eval()
+    with torch.no_grad():  # larger weights: peaked attention, so a wrong position or mask shows
+        for p in model.parameters():
+            p.mul_(8)
     prompts = ["a short one", "a somewhat longer prompt than the first", "mid length prompt"]
     values = buckets(bucket=50, cap=256)
     assert values == [50, 100, 150, 200, 250, 256]
@@ -120,6 +123,11 @@ def test_bucket_log_probs_match_scoring_each_answer_whole(tokenizer):
                 logp = model(input_ids=torch.tensor([ids + answer])).logits[0].log_softmax(-1)
             want = sum(logp[len(ids) - 1 + j, t] for j, t in enumerate(answer))
             torch.testing.assert_close(got[row, col], want, rtol=0, atol=1e-4)
+            with torch.no_grad():  # the answer one position further from the query (a padding-sized slip)
+                pos = list(range(len(ids))) + list(range(len(ids) + 1, len(ids) + 1 + len(answer)))
+                shifted = model(input_ids=torch.tensor([ids + answer]), position_ids=torch.tensor([pos]))
+            logp = shifted.logits[0].log_softmax(-1)
+            assert abs(sum(logp[len(ids) - 1 + j, t] for j, t in enumerate(answer)) - want) > 1e-2
 
 
 def test_expected_readout_reads_the_learned_bucket(tokenizer):

@@ -54,8 +54,9 @@ class SelfLoRAConfig:
     """Seed of the adapter init and the example order."""
     readout: str = "greedy"
     """How a prediction is read: "greedy", the number the model generates (the paper); "expected", the mean of
-    the bucket numbers weighed by the model's probability of each (`bucket_log_probs`), one forward per prompt
-    and continuous, so prompts the model puts in the same bucket are still ranked."""
+    the bucket numbers weighed by the model's probability of each (`bucket_log_probs`: a prefill of the query,
+    then one forward of every bucket's few tokens on its cache), continuous, so prompts the model puts in the
+    same bucket are still ranked."""
 
     def __post_init__(self):
         if self.readout not in READOUTS:
@@ -114,7 +115,8 @@ def bucket_log_probs(
     model, tokenizer, prompts: Sequence[str], values: Sequence[int], *, batch_size: int = 32
 ) -> torch.Tensor:
     """[N, len(values)] log-probability that the model, asked `QUERY`, answers each value (its digits then
-    EOS). One prefill of the query per prompt; its KV cache is repeated for the values' few tokens."""
+    EOS). One prefill of the query per prompt; its KV cache is repeated for the values' few tokens (so a batch
+    holds len(values) copies of it), and their log-probabilities are taken in float32."""
     from transformers import DynamicCache
 
     from ecru.serve.engine import left_pad, positions
@@ -123,30 +125,32 @@ def bucket_log_probs(
     eos = tokenizer.eos_token_id
     answers = [tokenizer.encode(str(v), add_special_tokens=False) + [eos] for v in values]
     width = max(len(a) for a in answers)
-    tail = torch.tensor([a + [eos] * (width - len(a)) for a in answers])  # [C, width]; the pad is never read
+    device = next(model.parameters()).device
+    padded = [a + [eos] * (width - len(a)) for a in answers]  # the EOS after a shorter answer is never read
+    tail = torch.tensor(padded, device=device)
     ids = encode_chat(tokenizer, [QUERY.format(prompt=p) for p in prompts])
     out = []
     for i in range(0, len(ids), batch_size):
-        x, mask = left_pad(ids[i : i + batch_size], tokenizer.pad_token_id or 0)
-        cache = DynamicCache()
+        x, mask = (t.to(device) for t in left_pad(ids[i : i + batch_size], tokenizer.pad_token_id or 0))
+        cache = DynamicCache(config=model.config)
         first = model(input_ids=x, attention_mask=mask, position_ids=positions(mask), past_key_values=cache,
-                      use_cache=True, logits_to_keep=1).logits[:, -1].log_softmax(-1)  # fmt: skip
+                      use_cache=True, logits_to_keep=1).logits[:, -1].float().log_softmax(-1)  # fmt: skip
         cache.batch_repeat_interleave(len(answers))  # row b * C + c: prompt b, value c
-        mask = torch.cat([mask.repeat_interleave(len(answers), 0), torch.ones(len(x) * len(answers), width,
+        mask = torch.cat([mask.repeat_interleave(len(answers), 0), torch.ones(len(x) * len(answers), width, device=device,
                           dtype=mask.dtype)], dim=1)  # fmt: skip
         rest = model(input_ids=tail.repeat(len(x), 1), attention_mask=mask, position_ids=positions(mask)[:, -width:],
-                     past_key_values=cache, use_cache=True).logits.log_softmax(-1)  # fmt: skip
+                     past_key_values=cache, use_cache=True).logits.float().log_softmax(-1)  # fmt: skip
         out.append(
             torch.stack(
                 [_answer_log_prob(first, rest[c :: len(answers)], a) for c, a in enumerate(answers)], 1
             )
         )
-    return torch.cat(out)
+    return torch.cat(out).cpu()
 
 
 def _answer_log_prob(first: torch.Tensor, rest: torch.Tensor, answer: list[int]) -> torch.Tensor:
     """[B] log p(answer): its first token from `first` [B, V], token j > 0 from `rest` [B, width, V] at j - 1."""
-    tokens = torch.tensor(answer)
+    tokens = torch.tensor(answer, device=rest.device)
     later = rest[:, : len(answer) - 1].gather(-1, tokens[1:].expand(len(rest), -1)[..., None]).squeeze(-1)
     return first[:, answer[0]] + later.sum(-1)
 
