@@ -94,6 +94,9 @@ def load_splits(args) -> tuple[list, list, list, dict]:
     ]
     test = [(r.prompt, min(args.cap, r.greedy)) for r in read_labels(args.test_labels)][: args.test]
     train = train[: args.train]
+    for name, rows in ((args.train_labels, train), (args.test_labels, test)):
+        if not rows:
+            raise SystemExit(f"{name}: no labels (a missing or empty file): give a labels JSONL")
     if not 0 < args.val < len(train) or not test:
         raise SystemExit(
             f"need 0 < --val < train prompts ({len(train)}) and test prompts ({len(test)} found)"
