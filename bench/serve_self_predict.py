@@ -21,44 +21,36 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from ecru.cliargs import atomic_write_json
 from ecru.serve import length_metrics
 from ecru.serve.labels import read_labels
 from ecru.serve.models import load_model
-from ecru.serve.predictors import spearman
+from ecru.serve.predictors import spearman, timed_predict
 from ecru.serve.self_predict import READOUTS, SelfLoRAConfig, SelfLoRAPredictor
 from ecru.serve.workload import HELD_OUT_FORMS, WorkloadConfig, build_mixed_workload
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def write(path: Path, out: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(out, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def scores(predictor, prompts, lengths, forms) -> dict:
     """Per readout: Spearman (all, held-out forms), Acc-50, Acc-100, MAE, predict seconds."""
-    out = {}
+    out, held = {}, [i for i, f in enumerate(forms) if f in HELD_OUT_FORMS]
     for readout in READOUTS:
         predictor.config = dataclasses.replace(predictor.config, readout=readout)
-        t0 = time.perf_counter()
-        pred = predictor.predict(prompts)
-        held = [i for i, f in enumerate(forms) if f in HELD_OUT_FORMS]
+        pred, predict_s = timed_predict(predictor, prompts)
         out[readout] = {
             "spearman": spearman(pred, lengths),
             "spearman_held_out_forms": spearman([pred[i] for i in held], [lengths[i] for i in held])
             if held
             else None,
             **length_metrics(pred, lengths),
-            "predict_s": time.perf_counter() - t0,
+            "predict_s": predict_s,
             "distinct_predictions": len({round(x, 3) for x in pred}),
         }
     return out
@@ -139,7 +131,7 @@ def main(argv=None) -> None:
             out["validation"][str(lr)] = validation_curve(
                 fit, val, form, lr=lr, epochs=args.epochs, cap=args.cap
             )
-            write(path, out)
+            atomic_write_json(path, out)
     out["chosen"] = best_per_readout(out["validation"], lrs)
     out.setdefault("test", {})
     for readout, chosen in out["chosen"].items():
@@ -148,7 +140,7 @@ def main(argv=None) -> None:
         if (done.get("lr"), done.get("epochs")) != (chosen["lr"], chosen["epochs"]):
             out["test"][readout] = scored_on_test(fit + val, test, form, lr=chosen["lr"], epochs=chosen["epochs"],
                                                cap=args.cap)  # fmt: skip
-            write(path, out)
+            atomic_write_json(path, out)
         print(f"test, {readout} readout: " + show(out["test"][readout]["metrics"][readout]))
 
 
