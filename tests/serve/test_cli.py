@@ -167,3 +167,24 @@ def test_prompt_files_refuse_null_and_empty_prompts(tmp_path):
         (tmp_path / "p.jsonl").write_text('{"prompt": "fine"}\n' + bad + "\n")
         with pytest.raises(EcruError, match=r"p.jsonl:2: .*non-empty string"):
             read_jsonl_prompts(tmp_path / "p.jsonl")
+
+
+def test_instruction_prompts_are_the_workload_s_and_its_labels_are_the_default(tmp_path):
+    from ecru.serve.bench import REPO_INSTRUCTION_LABELS, REPO_LABELS, BenchConfig, labels_path
+    from ecru.serve.prompts import load_prompts
+    from ecru.serve.workload import build_mixed_workload
+
+    def committed(name: str) -> set[str]:
+        return {json.loads(line)["prompt"] for line in REPO_LABELS.with_name(name).read_text().splitlines()}
+
+    # the instruction workload in its own order: its first 240 test prompts are the ones
+    # bench/serve_workload.py --test 240 labelled (the labels file is in labelling order), and so on
+    got = load_prompts("instructions", n=240, split="test")
+    assert got == [p.prompt for p in build_mixed_workload()["test"][:240]]
+    assert set(got) == committed("serve_workload_labels_test.jsonl")
+    assert set(load_prompts("instructions", n=1000, split="train")) == committed(REPO_INSTRUCTION_LABELS.name)
+    assert not set(load_prompts("mixed", n=50)) & set(got)  # "mixed" stays the CLINC/Banking queries
+    assert labels_path(BenchConfig(prompts="instructions")) == REPO_INSTRUCTION_LABELS
+    assert labels_path(BenchConfig(prompts="mixed")) == REPO_LABELS
+    mine = tmp_path / "mine.jsonl"
+    assert labels_path(BenchConfig(prompts="instructions", labels=str(mine))) == mine

@@ -29,6 +29,8 @@ from ecru.serve.runner import POLICIES
 PREDICTORS = ("self-lora", "probe", "minilm", "oracle", "constant")
 # SmolLM2's labels committed with the repository (rebuilt by `ecru serve label`, see bench/results/)
 REPO_LABELS = Path(__file__).resolve().parents[3] / "bench" / "results" / "serve_labels_smollm2.jsonl"
+REPO_INSTRUCTION_LABELS = REPO_LABELS.with_name("serve_workload_labels_train.jsonl")
+"""Greedy SmolLM2 labels (cap 256) of the instruction workload's first 1,000 train prompts."""
 NEEDS_PREDICTION = ("sorted", "fcr", "fcr+vbs", "fcr+vbs+bins", "cb-sjf", "cb-ljf", "cb-kv")
 
 
@@ -39,7 +41,8 @@ class BenchConfig:
     model: str = "smollm2"
     """smollm2 or tiny."""
     prompts: str = "mixed"
-    """clinc, banking, mixed (test split, held out) or a JSONL file of {"prompt": ...}."""
+    """clinc, banking, mixed (CLINC and Banking77 queries), instructions (the instruction workload): their test
+    split, held out; or a JSONL file of {"prompt": ...}."""
     n: int = 256
     """Number of prompts served."""
     max_new_tokens: int = 256
@@ -82,9 +85,12 @@ def labels_path(config: BenchConfig) -> Path:
 
     if config.labels:
         return Path(config.labels)
-    if config.model == "smollm2" and config.max_new_tokens <= 256 and REPO_LABELS.is_file():
-        return REPO_LABELS
-    return cache_dir() / "serve" / f"labels-{config.model}-cap{config.max_new_tokens}.jsonl"
+    instructions = config.prompts == "instructions"
+    repo = REPO_INSTRUCTION_LABELS if instructions else REPO_LABELS
+    if config.model == "smollm2" and config.max_new_tokens <= 256 and repo.is_file():
+        return repo
+    tail = "-instructions" if instructions else ""
+    return cache_dir() / "serve" / f"labels-{config.model}-cap{config.max_new_tokens}{tail}.jsonl"
 
 
 def train_labels(model, tokenizer, config: BenchConfig) -> tuple[list[str], list[float]]:
@@ -95,7 +101,8 @@ def train_labels(model, tokenizer, config: BenchConfig) -> tuple[list[str], list
     path = labels_path(config)
     have = [r for r in read_labels(path) if r.max_new_tokens >= config.max_new_tokens]
     if len(have) < config.train_n:
-        prompts = load_prompts("mixed", n=config.train_n, split="train")
+        source = "instructions" if config.prompts == "instructions" else "mixed"
+        prompts = load_prompts(source, n=config.train_n, split="train")
         print(f"labelling {config.train_n} train prompts into {path} (cached for later runs)")
         have = label_prompts(
             model, tokenizer, prompts, out=path, samples=1, max_new_tokens=config.max_new_tokens

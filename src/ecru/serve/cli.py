@@ -477,7 +477,9 @@ def _configure_simulate(sub) -> None:
 def _configure_label(sub) -> None:
     lab = sub.add_parser("label", help="record the model's own response lengths (max of k samples), cached")
     lab.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="model to label with")
-    lab.add_argument("--prompts", default="mixed", help="clinc, banking, mixed or a JSONL file")
+    lab.add_argument(
+        "--prompts", default="mixed", help="clinc, banking, mixed, instructions (bundled) or a JSONL file"
+    )
     lab.add_argument("--split", choices=("train", "test"), default="train", help="bundled dataset split")
     lab.add_argument("--n", type=positive_int, default=256, help="prompts to label")
     lab.add_argument(
@@ -508,7 +510,10 @@ def _configure_bench(sub) -> None:
     bench = sub.add_parser("bench", help="run the scheduling policies for real on held-out prompts")
     bench.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="model to serve")
     bench.add_argument(
-        "--prompts", default="mixed", help="clinc, banking, mixed (test split) or a JSONL file"
+        "--prompts",
+        default="mixed",
+        help="test split of clinc, banking, mixed (CLINC and Banking77 queries interleaved) or instructions "
+        "(the instruction workload, lengths that follow the request; docs/serve.md), or a JSONL file",
     )
     bench.add_argument("--n", type=positive_int, default=256, help="prompts served")
     bench.add_argument("--max-new-tokens", type=positive_int, default=256, help="global cap on answer tokens")

@@ -1,4 +1,5 @@
-"""Prompt sources (bundled CLINC150 / Banking77 queries or a JSONL file) and chat-template encoding."""
+"""Prompt sources (bundled CLINC150 / Banking77 queries, the instruction workload, or a JSONL file) and
+chat-template encoding."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ from pathlib import Path
 
 from ecru.errors import EcruError
 
-SOURCES = ("clinc", "banking", "mixed")
+SOURCES = ("clinc", "banking", "mixed", "instructions")
+"""Bundled prompts: CLINC150 or Banking77 queries, both interleaved ("mixed"), or "instructions": the
+instruction workload (`ecru.serve.workload.build_mixed_workload`: 14 request forms over wiki sentences and
+queries, lengths that follow the request), in its own order."""
 
 
 def _bundled(name: str, split: str) -> list[str]:
     from ecru.datasets import load_banking77, load_clinc
+
+    if name == "instructions":
+        from ecru.serve.workload import build_mixed_workload
+
+        return [p.prompt for p in build_mixed_workload()[split]]
 
     clinc = lambda: [e.text for e in load_clinc()[split]]  # noqa: E731
     banking = lambda: [e.text for e in load_banking77()[split]]  # noqa: E731
@@ -28,7 +37,7 @@ def read_jsonl_prompts(path: str | Path) -> list[str]:
     """`{"prompt": "..."}` per line."""
     path = Path(path)
     if not path.is_file():
-        raise EcruError(f"prompt file {path} not found; give clinc, banking, mixed or a JSONL path")
+        raise EcruError(f"prompt file {path} not found; give {', '.join(SOURCES)} or a JSONL path")
     out = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -47,11 +56,13 @@ def load_prompts(source: str, *, n: int | None = None, split: str = "test", seed
     """`n` prompts from a bundled source (shuffled with `seed`, so any n is a fixed sample) or a file.
 
     A file's prompts keep their order; bundled sources use the `split` ("train" or "test") so that a
-    predictor trained on train-split labels is evaluated on held-out test queries.
+    predictor trained on train-split labels is evaluated on held-out test queries. "instructions" keeps the
+    workload's own (random) order: its first n test prompts are those `bench/serve_workload.py --test n` uses.
     """
     if source in SOURCES:
         texts = _bundled(source, split)
-        random.Random(seed).shuffle(texts)
+        if source != "instructions":
+            random.Random(seed).shuffle(texts)
     else:
         texts = read_jsonl_prompts(source)
     if n is not None:
