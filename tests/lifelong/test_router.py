@@ -236,7 +236,7 @@ def test_margin_lets_the_frozen_model_veto_a_route(routed):
     frozen = load_minilm()
     F = frozen.encode(texts) @ frozen.encode(labels).T
     own = torch.tensor([n in banking for n in labels])
-    for margin in (0.0, 0.1):
+    for margin in (0.0, 0.1, -0.05):
         enc = _variant(method, margin=margin)
         routes = enc.routes(texts)
         lead = F[:, own].max(-1).values + margin - F[:, ~own].max(-1).values
@@ -284,6 +284,8 @@ def test_rejected_texts_prefer_unlearned_labels_and_routes_never_pick_another_ta
     assert not in_cards[routes == 0].any() and not (pred[routes == 1] < len(banking)).any()
     with pytest.raises(EcruError, match="margin"):
         RoutedConfig(reject_penalty=1.0)
+    with pytest.raises(EcruError, match="margin"):
+        RoutedConfig(margin=-1.5)
 
 
 def test_ledoit_wolf_matches_sklearn_on_centred_samples():
@@ -576,7 +578,7 @@ def _same_unlearned_answers(sc, router, method, ev) -> int:
     """Banking77 among the learned labels and its own: whether a text gets an unlearned label, and which, is
     exactly the method's; returns how many do."""
     r = slice(sc.sp[sc.T], len(ev.texts))
-    got = sc.answers(router, r, sc.held)
+    got = sc.answers(router, r, sc.held, method.cfg.margin)
     learned = torch.tensor(sorted({c for cols in sc.task_cols for c in cols}))
     candidates = sorted(set(learned.tolist()) | set(sc.held))
     scores = method.encoder().scores(ev.texts[r], [ev.names[c] for c in candidates])

@@ -76,14 +76,18 @@ ROUTED: dict[str, RoutedConfig] = {
     # which only rejects more (silent with few texts per label); on 3 full-size VALIDATION streams
     # (bench/lifelong_open_set.py) transfer retention -0.53 -> -0.32, Banking77 change -1.66 -> -1.17, learned
     # texts kept among their own labels with Banking77's as candidates 79.6 -> 78.4 (a stricter prototype test
-    # alone, percentile 12: -0.51, -1.56, 77.9)
+    # alone, percentile 12: -0.51, -1.56, 77.9). The margin (issue 17): -0.05, an unlearned label within 0.05
+    # cosine of the routed task's best name wins; on the same VALIDATION streams transfer retention -0.32 ->
+    # -0.22, Banking77 change -1.17 -> -0.44, kept 78.4 -> 74.2: the largest `kept` among the margins 0 to -0.06
+    # whose validation figures clear -1 by the largest validation-to-test drops the earlier rules showed (0.54
+    # Banking77 points, 0.43 transfer points)
     "routed-lora": RoutedConfig(
         router="lda",
         lda_weight=0.05,
         adapter_prototype_weight=1.5,
         percentile=10.0,
         rmd_percentile=5.0,
-        margin=0.0,
+        margin=-0.05,
         reject_penalty=2.0,
     ),
     # per-task LoRA adapters routed by per-class prototypes of the frozen embeddings (task-agnostic; the default

@@ -5,13 +5,14 @@
 - The frozen bottom layers' outputs are cached per text (`FrozenPrefix`): training and evaluation run only
   the adapted top layers.
 - At inference a text goes through the adapter of the learned task it most resembles, or through the frozen
-  model when it resembles none (`ecru.lifelong.router`): by default the nearest class prototype of each task
-  with a calibrated threshold per task. The route depends on the text alone, never on the labels it is
-  classified among (task-agnostic).
+  model when it resembles none (`ecru.lifelong.router`): by default linear discriminant analysis over the
+  frozen embeddings, with a prototype and a relative Mahalanobis test per task for "none". The route depends
+  on the text alone, never on the labels it is classified among (task-agnostic).
 - The decision is task then class (`RoutedEncoder.scores`): a text routed to task t is scored by t's adapter
-  against t's labels; every other label gets the frozen model's score minus `OFFSET`, so it only wins when
-  none of t's labels is a candidate; a text routed to the frozen model is scored by the frozen model against
-  every label. A label's score never depends on the other candidates, so one score matrix answers every
+  against t's labels; other learned tasks' labels get the frozen model's score minus `OFFSET`, so they only
+  win when none of t's labels is a candidate; with a `margin`, labels no task learned keep their frozen score
+  and win when the frozen model prefers them to t's names by more than the margin allows; a text routed to
+  the frozen model is scored by the frozen model against every label. A label's score never depends on the other candidates, so one score matrix answers every
   candidate set.
 - Intent names are the classifier's weights and stay frozen (`frozen_labels`): the adapters learn to map
   texts onto the pretrained model's name embeddings, so a name never depends on where it is routed."""
@@ -96,11 +97,13 @@ class RoutedConfig:
     adapter_prototype_support: float = 8.0
     """Training texts at which a label's adapter prototype gets half of `adapter_prototype_weight`."""
     margin: float | None = None
-    """None: a text routed to task t takes one of t's labels whenever one is a candidate. A number m: only if
-    the frozen model's best score for any of t's labels plus m reaches its best score for the candidates no
-    task learned (the frozen model vetoes a route when an unlearned label fits the text clearly better);
-    else the frozen model decides among the unlearned candidates. Other learned tasks' labels lose to t's
-    either way (the router chose between learned tasks)."""
+    """None: a text routed to task t takes one of t's labels whenever one is a candidate. A number m >= -1 (a
+    cosine difference): only if the frozen model's best score for any of t's labels plus m reaches
+    its best score for the candidates no task learned; else the frozen model decides among the unlearned
+    candidates. m = 0: the frozen model vetoes a route when it prefers an unlearned label; m < 0: also when
+    an unlearned label comes within |m| of t's best (unlearned label sets keep more of their texts, learned
+    tasks lose more of theirs to close unlearned names). Other learned tasks' labels lose to t's either way
+    (the router chose between learned tasks)."""
     reject_penalty: float = 0.0
     """0: a text below its best task's threshold goes to the frozen model. > 0 (with a `margin`): it still
     goes to its best task, but every learned label loses this much: the route's choice stands when every
@@ -159,8 +162,8 @@ class RoutedConfig:
             raise EcruError(f"reject_penalty must be >= 0; got {self.reject_penalty}")
         if self.reject_penalty > 0 and self.margin is None:
             raise EcruError("reject_penalty needs a margin (the rule that lets an unlearned label win)")
-        if self.margin is not None and not self.margin >= 0:
-            raise EcruError(f"margin must be >= 0 or None; got {self.margin}")
+        if self.margin is not None and not self.margin >= -1:
+            raise EcruError(f"margin must be >= -1 (a cosine difference) or None; got {self.margin}")
         if self.router not in ("prototypes", "knn", "lda"):
             raise EcruError(f"router must be 'prototypes', 'knn' or 'lda'; got {self.router!r}")
         if self.negative_quantile is not None and not 0 < self.negative_quantile <= 1:
@@ -168,8 +171,8 @@ class RoutedConfig:
 
 
 OFFSET = 2.0
-"""Subtracted from the frozen score of a label foreign to the routed task: cosines lie in [-1, 1], so the
-routed task's own labels always win when any of them is a candidate."""
+"""Subtracted from the frozen score of a label foreign to the routed task (plus |margin| when the margin is
+negative): cosines lie in [-1, 1], so the routed task's best label always beats another learned task's."""
 MEMO_ITEMS = 32_768
 """Embeddings an encoder keeps (least recently used first out): predicting a long file stays bounded."""
 
@@ -282,7 +285,7 @@ class RoutedEncoder:
         # other learned tasks' labels: the router already chose between learned tasks
         learned = {n for names_t in self.m.names for n in names_t}
         other = torch.tensor([label in learned for label in labels], dtype=torch.bool) & ~own
-        block[:, other] -= OFFSET
+        block[:, other] -= OFFSET - min(self.m.cfg.margin, 0.0)
         # the task's best label scores as the frozen model's best cosine to any of the task's names (+ margin),
         # on the same scale as the unlearned candidates' frozen cosines; the others trail it by their blend gap
         best = (frozen @ name_emb.T).max(-1, keepdim=True).values
