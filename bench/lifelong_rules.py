@@ -202,7 +202,7 @@ def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight
         block = s[rows].clone()
         other = learned.clone()
         other[own] = False
-        block[:, other] -= OFFSET
+        block[:, other] -= OFFSET - min(margin, 0.0)  # as RoutedEncoder._task_then_class
         best = (c.F[rows] @ c.NE[own].T).max(-1, keepdim=True).values
         block[:, own] = best + margin + blend - blend.max(-1, keepdim=True).values
         block[:, learned] -= penalty * rejected[rows].float()[:, None]
