@@ -188,3 +188,12 @@ def test_instruction_prompts_are_the_workload_s_and_its_labels_are_the_default(t
     assert labels_path(BenchConfig(prompts="mixed")) == REPO_LABELS
     mine = tmp_path / "mine.jsonl"
     assert labels_path(BenchConfig(prompts="instructions", labels=str(mine))) == mine
+
+
+def test_a_misspelt_prompt_source_is_refused_before_any_model_loads(capsys, monkeypatch):
+    import ecru.serve.models
+
+    monkeypatch.setattr(ecru.serve.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["serve", "bench", "--model", "tiny", "--prompts", "instrutions", "--n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "instrutions not found" in err and "instructions" in err and len(err.strip().splitlines()) == 1
