@@ -337,6 +337,10 @@ def learning_curve(args) -> None:
     print(f"wrote {args.json}")
 
 
+CLINC_LABELS = "bench/results/serve_labels_smollm2.jsonl"
+"""Greedy SmolLM2 labels of CLINC/Banking train queries (the default workload of the earlier studies)."""
+
+
 def main() -> None:
     from ecru.serve import PlanConfig, TraceRequest, length_metrics, simulate, timed_predict
     from ecru.serve.bench import BenchConfig, build_predictor
@@ -345,7 +349,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", default="bench/results/serve_bench.json")
-    p.add_argument("--labels", default="bench/results/serve_labels_smollm2.jsonl")
+    p.add_argument("--labels", default=None, help="train labels (default: the bench JSON's own train labels)")
     p.add_argument("--predictors", default="constant,minilm,probe,self-lora")
     p.add_argument("--lora-epochs", type=int, default=2)
     p.add_argument("--json", default="bench/results/serve_predictors.json")
@@ -357,6 +361,8 @@ def main() -> None:
     )
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.cap_study or args.learning_curve:  # studies of the CLINC/Banking labels unless told otherwise
+        args.labels = args.labels or CLINC_LABELS
     if args.cap_study:
         return cap_study(args)
     if args.learning_curve:
@@ -371,10 +377,11 @@ def main() -> None:
     for name in args.predictors.split(","):
         config = BenchConfig(
             model=setup["model"],
+            prompts=setup["prompts"],
             n=setup["n"],
             max_new_tokens=setup["max_new_tokens"],
             predictor=name,
-            labels=args.labels,
+            labels=args.labels or setup.get("train_labels", CLINC_LABELS),
             lora_epochs=args.lora_epochs,
         )
         predictor = build_predictor(model, tok, config, dict(zip(texts, true, strict=True)))
