@@ -78,12 +78,9 @@ class BenchConfig:
             raise EcruError(f"unknown --lora-readout {self.lora_readout!r}; choose greedy or expected")
         if min(self.n, self.max_new_tokens, self.batch_size, self.train_n, self.repeats) < 1:
             raise EcruError("--n, --max-new-tokens, --batch-size, --train-n and --repeats must be >= 1")
-        from ecru.serve.prompts import SOURCES
+        from ecru.serve.prompts import check_source
 
-        if self.prompts not in SOURCES and not Path(self.prompts).is_file():  # before any model loads
-            raise EcruError(
-                f"prompt file {self.prompts} not found; give {', '.join(SOURCES)} or a JSONL path"
-            )
+        check_source(self.prompts)  # before any model loads
 
 
 def labels_path(config: BenchConfig) -> Path:

@@ -33,11 +33,16 @@ def _bundled(name: str, split: str) -> list[str]:
     return [t for pair in zip(clinc(), banking(), strict=False) for t in pair]  # mixed: interleaved
 
 
+def check_source(source: str | Path) -> None:
+    """A bundled source's name or an existing file; else one line saying which sources there are."""
+    if str(source) not in SOURCES and not Path(source).is_file():
+        raise EcruError(f"prompt file {source} not found; give {', '.join(SOURCES)} or a JSONL path")
+
+
 def read_jsonl_prompts(path: str | Path) -> list[str]:
     """`{"prompt": "..."}` per line."""
+    check_source(path)
     path = Path(path)
-    if not path.is_file():
-        raise EcruError(f"prompt file {path} not found; give {', '.join(SOURCES)} or a JSONL path")
     out = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():

@@ -12,8 +12,8 @@
   against t's labels; other learned tasks' labels get the frozen model's score minus `OFFSET`, so they only
   win when none of t's labels is a candidate; with a `margin`, labels no task learned keep their frozen score
   and win when the frozen model prefers them to t's names by more than the margin allows; a text routed to
-  the frozen model is scored by the frozen model against every label. A label's score never depends on the other candidates, so one score matrix answers every
-  candidate set.
+  the frozen model is scored by the frozen model against every label. A label's score never depends on the
+  other candidates, so one score matrix answers every candidate set.
 - Intent names are the classifier's weights and stay frozen (`frozen_labels`): the adapters learn to map
   texts onto the pretrained model's name embeddings, so a name never depends on where it is routed."""
 
