@@ -44,6 +44,7 @@ def simulate_measured(result: dict, *, cost_path: str | None) -> dict:
         batch_size=setup["batch_size"],
         max_new_tokens=setup["max_new_tokens"],
         resume=setup.get("resume_failures", False),  # older results: reruns from scratch
+        keep_kv=setup.get("keep_kv", False),
     )
     predict_s = result["predictor"]["predict_s"]
     # one scalar calibration: the cost model's shape, scaled so that fcfs takes its measured wall time

@@ -1,6 +1,7 @@
 import pytest
 
 from ecru.serve import GenerationConfig, generate_static, left_pad
+from ecru.serve.engine import resume_static
 
 
 def test_reference_lengths_vary(reference, max_new):
@@ -42,6 +43,21 @@ def test_per_batch_cap_truncates_and_marks_unfinished(model, prompts, reference,
     assert result.steps == 5
     for ended, ref in zip(result.ended, reference, strict=True):
         assert ended == (len(ref) <= 5 and ref[-1] in gen.eos_token_ids)
+
+
+def test_kept_rows_resume_as_if_never_cut(model, prompts, reference, gen, max_new):
+    cut = generate_static(model, prompts, max_new_tokens=5, config=gen, keep_cut=True)
+    rows = [i for i, kv in enumerate(cut.kept) if kv is not None]
+    assert rows == [i for i, r in enumerate(reference) if len(r) > 5]  # cut, not ended: kept; the rest: None
+    for i in rows:  # the prompt and every token but the pending last one
+        assert cut.kept[i][0][0].shape[-2] == len(prompts[i]) + 5 - 1
+    pending = [cut.tokens[i][-1] for i in rows]
+    budgets = [max_new - 5] * len(rows)
+    more = resume_static(model, [cut.kept[i] for i in rows], pending, max_new_tokens=max_new, config=gen,
+                         budgets=budgets)  # fmt: skip
+    assert [cut.tokens[i] + t for i, t in zip(rows, more.tokens, strict=True)] == [reference[i] for i in rows]
+    assert more.prompt_slots == 0 and more.steps == max(len(reference[i]) - 5 for i in rows)
+    assert generate_static(model, prompts, max_new_tokens=5, config=gen).kept is None  # not asked: none kept
 
 
 def test_left_pad_right_aligns():

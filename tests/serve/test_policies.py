@@ -54,26 +54,51 @@ def test_fcr_reruns_underpredicted_rows_and_counts_wasted_attempt(model, prompts
     assert run.tokens == reference
 
 
+@pytest.mark.parametrize("keep_kv", [False, True])
 @pytest.mark.parametrize("policy", ["fcr", "fcr+vbs", "fcr+vbs+bins"])
 def test_resumed_fcr_reruns_serve_the_same_outputs_and_compute_fewer_slots(
-    model, prompts, reference, gen, policy
+    model, prompts, reference, gen, policy, keep_kv
 ):
     true = [len(r) for r in reference]
     predicted = [max(1, t // 3) for t in true]  # every row longer than 2 fails
     plan = PlanConfig(batch_size=4, max_new_tokens=24, bin_width=4)  # bins narrow enough to fail
     restart = run_policy(model, prompts, policy=policy, predicted=predicted, gen=gen, plan=plan)
-    resume = PlanConfig(batch_size=4, max_new_tokens=24, bin_width=4, resume=True)
+    resume = PlanConfig(batch_size=4, max_new_tokens=24, bin_width=4, resume=True, keep_kv=keep_kv)
     run = run_policy(model, prompts, policy=policy, predicted=predicted, gen=gen, plan=resume)
     assert run.tokens == reference and restart.tokens == reference
     assert run.failures == restart.failures > 0
     assert run.slots < restart.slots
 
 
-def test_a_resumed_rerun_cuts_each_row_at_its_own_budget(model, prompts, reference, gen):
+def test_kept_kv_reruns_prefill_nothing(model, prompts, reference, gen, monkeypatch):
+    import ecru.serve.runner as runner
+
+    prefilled = []  # the rows every generate_static call prefills
+    real = runner.generate_static
+    monkeypatch.setattr(
+        runner, "generate_static", lambda m, seqs, **kw: prefilled.append(len(seqs)) or real(m, seqs, **kw)
+    )
+    predicted = [max(1, len(t) // 3) for t in reference]
+    for keep_kv in (False, True):
+        prefilled.clear()
+        plan = PlanConfig(batch_size=4, max_new_tokens=24, resume=True, keep_kv=keep_kv)
+        run = run_policy(model, prompts, policy="fcr", predicted=predicted, gen=gen, plan=plan)
+        assert run.tokens == reference and run.failures > 0
+        # recomputed: the failed rows are prefilled a second time; kept: only the first attempts prefill
+        assert sum(prefilled) == len(prompts) + (0 if keep_kv else run.failures)
+
+
+def test_keep_kv_needs_resume():
+    with pytest.raises(ValueError, match="resume=True"):
+        PlanConfig(keep_kv=True)
+
+
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_a_resumed_rerun_cuts_each_row_at_its_own_budget(model, prompts, reference, gen, keep_kv):
     # rows cut at cap 2 and rows cut at cap 20 share a rerun batch: there rows that had 2 tokens may run up
     # to 22 more while rows that had 20 must stop after 4
     predicted = [2.0 if i % 2 else 20.0 for i in range(len(prompts))]
-    plan = PlanConfig(batch_size=4, max_new_tokens=24, resume=True)
+    plan = PlanConfig(batch_size=4, max_new_tokens=24, resume=True, keep_kv=keep_kv)
     first = plan_batches("fcr", predicted=predicted, prompt_lens=[len(p) for p in prompts], config=plan)
     failed = [(r, b.cap) for b in first for r in b.rows if len(reference[r]) > b.cap]
     reruns = [failed[k : k + 4] for k in range(0, len(failed), 4)]
@@ -83,12 +108,14 @@ def test_a_resumed_rerun_cuts_each_row_at_its_own_budget(model, prompts, referen
     assert run.tokens == reference and all(len(t) <= 24 for t in run.tokens)
 
 
-@pytest.mark.parametrize("resume", [False, True])
+@pytest.mark.parametrize("resume", ["restart", "resume", "keep"])
 @pytest.mark.parametrize("policy", ["fcr", "fcr+vbs", "fcr+vbs+bins"])
 def test_the_simulator_counts_the_runners_slots(model, prompts, reference, gen, policy, resume):
     true = [len(r) for r in reference]  # at the cap (24) a row's true length is unknown: 24 stands for >= 24
     for predicted in ([max(1, t // 3) for t in true], [2.0 if i % 2 else 20.0 for i in range(len(true))]):
-        plan = PlanConfig(batch_size=4, max_new_tokens=24, bin_width=4, resume=resume)
+        plan = PlanConfig(
+            batch_size=4, max_new_tokens=24, bin_width=4, resume=resume != "restart", keep_kv=resume == "keep"
+        )
         run = run_policy(model, prompts, policy=policy, predicted=predicted, gen=gen, plan=plan)
         trace = [TraceRequest(len(p), t, q) for p, t, q in zip(prompts, true, predicted, strict=True)]
         sim = simulate(trace, policy=policy, config=plan)

@@ -56,6 +56,11 @@ def test_resumed_reruns_prefill_what_failed_rows_had_and_run_only_the_rest():
     timed = simulate(trace, policy="fcr", config=config, cost=cost)
     # first attempts: prefills of 2 x 4, 2 x 4, 1 x 4 (one step each); reruns: 2 x 5 + 6 steps, 1 x 5 + 1 step
     assert timed.time_s == pytest.approx(8 + 8 + 4 + (10 + 6) + (5 + 1))
+    kept = PlanConfig(batch_size=2, max_new_tokens=10, resume=True, keep_kv=True)
+    timed_kept = simulate(trace, policy="fcr", config=kept, cost=cost)
+    # the same slots; the reruns' KV was kept: no prefill, each step a decode step (7 and 2)
+    assert timed_kept.padded_slots == r.padded_slots
+    assert timed_kept.time_s == pytest.approx(8 + 8 + 4 + 7 + 2)
 
 
 def test_a_resumed_row_stops_at_the_global_cap():

@@ -49,6 +49,7 @@ _LAZY: dict[str, str] = {
     "TraceRequest": "ecru.serve.simulator",
     "generate_continuous": "ecru.serve.continuous",
     "generate_static": "ecru.serve.engine",
+    "resume_static": "ecru.serve.engine",
     "is_failure": "ecru.serve.policies",
     "label_prompts": "ecru.serve.labels",
     "left_pad": "ecru.serve.engine",
@@ -81,7 +82,7 @@ if TYPE_CHECKING:  # static analysers see the real imports
         kv_budget_config,
     )
     from ecru.serve.cost import SMOLLM2_CPU, CostModel, measure_cost_model
-    from ecru.serve.engine import BatchResult, GenerationConfig, generate_static, left_pad
+    from ecru.serve.engine import BatchResult, GenerationConfig, generate_static, left_pad, resume_static
     from ecru.serve.labels import LengthLabel, label_prompts, read_labels
     from ecru.serve.models import ServedModel
     from ecru.serve.online import ONLINE_POLICIES, OnlineConfig, OnlineRequest, simulate_online
@@ -166,6 +167,7 @@ __all__ = [
     "TraceRequest",
     "generate_continuous",
     "generate_static",
+    "resume_static",
     "is_failure",
     "kv_budget_config",
     "label_prompts",

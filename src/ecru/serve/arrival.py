@@ -26,11 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ecru.serve.continuous import prefill_groups
-from ecru.serve.engine import new_cache
-from ecru.serve.kv_cache import right_aligned, row_kv
+from ecru.serve.kv_cache import row_kv, stack_rows
 
 
 def arrival_prefill_due(
@@ -103,11 +101,5 @@ class KeptKV:
         """Remove the rows of `keys` and stack them as a running batch's pieces: pending tokens [B], a
         left-padded attention mask [B, T] and a KV cache for `model`."""
         rows = [self.rows.pop(k) for k in keys]
-        width = max(r.length for r in rows)
-        mask = torch.stack(
-            [F.pad(torch.ones(r.length, dtype=torch.long), (width - r.length, 0)) for r in rows]
-        )
-        cache = new_cache(model)
-        for i in range(len(cache.layers)):
-            cache.update(*(right_aligned([r.kv[i][part] for r in rows], width) for part in (0, 1)), i)
+        mask, cache = stack_rows(model.config, [r.kv for r in rows])
         return torch.tensor([r.pending for r in rows]), mask, cache

@@ -67,6 +67,8 @@ class BenchConfig:
     """Repetitions of every policy, in a rotated order (medians and paired ratios to fcfs reported)."""
     resume_failures: bool = False
     """FCR reruns resume from the tokens a failed row had (`PlanConfig.resume`) instead of starting over."""
+    keep_kv: bool = False
+    """With `resume_failures`: a failed row's KV is kept for its rerun, no prefill (`PlanConfig.keep_kv`)."""
 
     def __post_init__(self):
         bad = [p for p in self.policies if p not in POLICIES]
@@ -81,6 +83,12 @@ class BenchConfig:
         from ecru.serve.prompts import check_source
 
         check_source(self.prompts)  # before any model loads
+        check_keep_kv(keep_kv=self.keep_kv, resume_failures=self.resume_failures)
+
+
+def check_keep_kv(*, keep_kv: bool, resume_failures: bool) -> None:
+    if keep_kv and not resume_failures:
+        raise EcruError("--keep-kv keeps the KV of the rows --resume-failures resumes: add --resume-failures")
 
 
 def labels_path(config: BenchConfig) -> Path:
@@ -187,7 +195,10 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     ids = encode_chat(tokenizer, texts)
     gen = GenerationConfig.for_tokenizer(tokenizer)
     plan = PlanConfig(
-        batch_size=config.batch_size, max_new_tokens=config.max_new_tokens, resume=config.resume_failures
+        batch_size=config.batch_size,
+        max_new_tokens=config.max_new_tokens,
+        resume=config.resume_failures,
+        keep_kv=config.keep_kv,
     )
 
     def run(policy, predicted, predict_s):
@@ -241,6 +252,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
             "repeats": config.repeats,
             "aging": config.aging,
             "resume_failures": config.resume_failures,
+            "keep_kv": config.keep_kv,
             "orders": orders,
             "train_labels": str(labels_path(config)),
             "true_lengths": true,

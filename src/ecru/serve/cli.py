@@ -293,11 +293,13 @@ def _configure_api_run(sub) -> None:
 # ---- simulate, label, bench, cost: the scheduling measurements ----------------------------------------
 def _simulate(args: argparse.Namespace) -> int:
     from ecru.cliargs import config_from
+    from ecru.serve.bench import check_keep_kv
     from ecru.serve.cost import SMOLLM2_CPU, CostModel
     from ecru.serve.policies import PlanConfig
     from ecru.serve.simulator import read_trace, simulate
 
     _out_file(args.json)
+    check_keep_kv(keep_kv=args.keep_kv, resume_failures=args.resume_failures)
     config = config_from(
         PlanConfig,
         batch_size=args.batch_size,
@@ -305,6 +307,7 @@ def _simulate(args: argparse.Namespace) -> int:
         token_budget=args.token_budget,
         max_batch_size=args.max_batch_size,
         resume=args.resume_failures,
+        keep_kv=args.keep_kv,
     )
     cost = CostModel.load(args.cost_model) if args.cost_model else SMOLLM2_CPU
     trace = read_trace(args.trace)
@@ -317,6 +320,7 @@ def _simulate(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "max_new_tokens": args.max_new_tokens,
         "resume_failures": args.resume_failures,
+        "keep_kv": args.keep_kv,
         "cost_model": cost.source,
     }
     _write_json(out, args.json)
@@ -402,6 +406,7 @@ def _bench(args: argparse.Namespace) -> int:
         lora_readout=args.lora_readout,
         repeats=args.repeats,
         resume_failures=args.resume_failures,
+        keep_kv=args.keep_kv,
     )
     _out_file(args.json)
     if args.labels:
@@ -503,6 +508,12 @@ def _add_resume_flag(parser) -> None:
         action="store_true",
         help="fcr*: a row cut at its predicted cap keeps its tokens and is resumed (prompt + them prefilled), "
         "not recomputed from scratch",
+    )
+    parser.add_argument(
+        "--keep-kv",
+        action="store_true",
+        help="with --resume-failures: a cut row keeps its KV cache in host memory and its rerun continues it "
+        "without a prefill",
     )
 
 

@@ -60,12 +60,13 @@ class CostModel:
         """
         if steps <= 0:
             return 0.0
-        decode = steps - 1
-        ctx_sum = decode * prompt_len + decode * (decode + 1) // 2
-        per_step = self.step_base + self.step_per_row * batch
-        return (
-            self.prefill_time(batch, prompt_len) + decode * per_step + self.step_per_row_ctx * batch * ctx_sum
-        )
+        return self.prefill_time(batch, prompt_len) + self.decode_time(batch, prompt_len, steps - 1)
+
+    def decode_time(self, batch: int, context: int, steps: int) -> float:
+        """`steps` decode steps of `batch` rows at contexts context + 1 .. context + steps (a resumed batch
+        whose KV was kept runs only these: its first step feeds each row's pending token)."""
+        ctx_sum = steps * context + steps * (steps + 1) // 2
+        return steps * (self.step_base + self.step_per_row * batch) + self.step_per_row_ctx * batch * ctx_sum
 
     def scaled(self, factor: float, *, source: str | None = None) -> CostModel:
         """Every coefficient times `factor`: the same shape on a machine `factor` times slower."""

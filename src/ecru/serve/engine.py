@@ -55,7 +55,10 @@ class BatchResult:
     slots: int
     """Token slots computed: rows x steps."""
     prompt_slots: int
-    """Prompt positions computed at prefill, padding included: rows x longest prompt."""
+    """Prompt positions computed at prefill, padding included: rows x longest prompt (0 for `resume_static`)."""
+    kept: list[list[tuple[torch.Tensor, torch.Tensor]] | None] | None = None
+    """With `keep_cut`: per row, the KV cache of a row cut at the last step without an EOS (`resume_static`
+    continues it), else None."""
 
     @property
     def useful(self) -> int:
@@ -147,21 +150,61 @@ def generate_static(
     max_new_tokens: int,
     config: GenerationConfig,
     budgets: Sequence[int] | None = None,
+    keep_cut: bool = False,
 ) -> BatchResult:
     """Generate for one static batch until every row has an EOS or its budget of tokens: `budgets` per row
-    (each within 1..max_new_tokens), or `max_new_tokens` for every row."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    budgets = [max_new_tokens] * len(prompts) if budgets is None else list(budgets)
-    if len(budgets) != len(prompts) or not all(1 <= b <= max_new_tokens for b in budgets):
-        raise ValueError(f"budgets must be one per prompt, each in 1..{max_new_tokens}, got {budgets}")
+    (each within 1..max_new_tokens), or `max_new_tokens` for every row. `keep_cut`: copy out the KV of the
+    rows cut at the last step (`BatchResult.kept`), for `resume_static`."""
+    budgets = _budgets(budgets, len(prompts), max_new_tokens)
     device = next(model.parameters()).device
     ids, mask = (t.to(device) for t in left_pad(prompts, config.pad_token_id))
-    eos = torch.tensor(config.eos_token_ids, device=device)
-    gen = torch.Generator(device=device).manual_seed(config.seed) if config.temperature > 0 else None
     cache = new_cache(model)
     logits = forward(model, ids, mask, cache)
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    return _decode(model, logits, mask, cache, budgets, max_new_tokens, config, int(ids.numel()), keep_cut)
+
+
+@torch.no_grad()
+def resume_static(
+    model,
+    kept: Sequence[list[tuple[torch.Tensor, torch.Tensor]]],
+    pending: Sequence[int],
+    *,
+    max_new_tokens: int,
+    config: GenerationConfig,
+    budgets: Sequence[int] | None = None,
+) -> BatchResult:
+    """`generate_static` for rows cut earlier whose KV was kept (`BatchResult.kept`): each row's cache and its
+    `pending` token (its last generated, not yet fed) continue without a prefill. Greedy, the tokens are the
+    ones an uninterrupted generation would have produced after `pending`."""
+    from ecru.serve.kv_cache import stack_rows
+
+    if len(kept) != len(pending):
+        raise ValueError(f"one pending token per kept row: {len(kept)} rows, {len(pending)} tokens")
+    budgets = _budgets(budgets, len(kept), max_new_tokens)
+    device = next(model.parameters()).device
+    mask, cache = stack_rows(model.config, kept)
+    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1).to(device)
+    logits = forward(model, torch.tensor(list(pending), device=device)[:, None], mask, cache)
+    return _decode(model, logits, mask, cache, budgets, max_new_tokens, config, 0, False)
+
+
+def _budgets(budgets: Sequence[int] | None, rows: int, max_new_tokens: int) -> list[int]:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    budgets = [max_new_tokens] * rows if budgets is None else list(budgets)
+    if len(budgets) != rows or not all(1 <= b <= max_new_tokens for b in budgets):
+        raise ValueError(f"budgets must be one per prompt, each in 1..{max_new_tokens}, got {budgets}")
+    return budgets
+
+
+def _decode(
+    model, logits, mask, cache, budgets, max_new_tokens, config, prompt_slots, keep_cut
+) -> BatchResult:
+    """The decode loop of a static batch from its first logits; every row stops at an EOS or its budget."""
+    device = logits.device
+    eos = torch.tensor(config.eos_token_ids, device=device)
+    gen = torch.Generator(device=device).manual_seed(config.seed) if config.temperature > 0 else None
+    done = torch.zeros(len(budgets), dtype=torch.bool, device=device)
     ended, limit = done.clone(), torch.tensor(budgets, device=device)
     columns = []
     for step in range(max_new_tokens):
@@ -177,10 +220,24 @@ def generate_static(
         logits = forward(model, tok[:, None], mask, cache)
     table = torch.stack(columns, dim=1).tolist()
     tokens = [[t for t in row if t >= 0] for row in table]
+    steps = len(columns)
     return BatchResult(
         tokens=tokens,
         ended=ended.tolist(),
-        steps=len(columns),
-        slots=len(prompts) * len(columns),
-        prompt_slots=int(ids.numel()),
+        steps=steps,
+        slots=len(budgets) * steps,
+        prompt_slots=prompt_slots,
+        kept=_kept(cache, mask, tokens, ended.tolist(), steps) if keep_cut else None,
     )
+
+
+def _kept(cache, mask, tokens, ended, steps) -> list:
+    """The KV of each row cut at the last step (no EOS, `steps` tokens): every cached position it holds, its
+    last token excepted (not fed); None for the other rows."""
+    from ecru.serve.kv_cache import row_kv
+
+    held = mask.sum(-1).tolist()  # a row live to the last step has no padding after its prompt
+    return [
+        row_kv(cache, r, held[r]) if not e and len(t) == steps else None
+        for r, (t, e) in enumerate(zip(tokens, ended, strict=True))
+    ]

@@ -13,7 +13,10 @@ batches merge (`batch_select_indices`, padding, concatenation); the layer notice
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -81,3 +84,17 @@ def right_aligned(parts: list[torch.Tensor | None], width: int) -> torch.Tensor:
         if part is not None and part.shape[-2]:
             out[r, :, width - part.shape[-2] :] = part
     return out
+
+
+def stack_rows(
+    config, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]]]
+) -> tuple[torch.Tensor, HeadroomCache]:
+    """One left-padded batch from rows of cached KV (each `row_kv`'s output, no padding): its attention mask
+    [B, T] and a cache for a model of `config` holding every row right-aligned."""
+    lengths = [row[0][0].shape[-2] for row in rows]
+    width = max(lengths)
+    mask = torch.stack([F.pad(torch.ones(n, dtype=torch.long), (width - n, 0)) for n in lengths])
+    cache = HeadroomCache(config)
+    for i in range(len(cache.layers)):
+        cache.update(*(right_aligned([row[i][part] for row in rows], width) for part in (0, 1)), i)
+    return mask, cache

@@ -55,6 +55,10 @@ class PlanConfig:
     """FCR reruns: False recomputes a failed row from scratch (the paper); True keeps the tokens it generated
     before its cap and recomputes only their KV, prefilling prompt + those tokens, then generates the rest
     (vLLM's preemption by recomputation)."""
+    keep_kv: bool = False
+    """With `resume`: a failed row's KV cache stays in (host) memory until its rerun, which continues it
+    without a prefill, as a preempted row swapped out and back in; the memory it holds meanwhile is its
+    prompt plus the tokens it had."""
 
     def __post_init__(self):
         if self.batch_size < 1 or self.max_new_tokens < 1:
@@ -67,6 +71,8 @@ class PlanConfig:
             raise ValueError(f"bin_width must be >= 1, got {self.bin_width}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 (or None), got {self.max_batch_size}")
+        if self.keep_kv and not self.resume:
+            raise ValueError("keep_kv keeps the KV of resumed rows: set resume=True as well")
 
 
 def _chunks(order: Sequence[int], size: int) -> list[tuple[int, ...]]:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ecru.serve.continuous import ContinuousConfig, generate_continuous, kv_budget_config
-from ecru.serve.engine import GenerationConfig, generate_static
+from ecru.serve.engine import GenerationConfig, generate_static, resume_static
 from ecru.serve.policies import STATIC_POLICIES, PlanConfig, plan_batches, rerun_batches
 from ecru.serve.queues import CONTINUOUS_POLICIES, DEFAULT_AGING, make_queue
 
@@ -64,21 +64,20 @@ def run_static(
     progress: bool = False,
 ) -> PolicyRun:
     """Execute a static policy's plan, then FCR reruns of the rows cut at a predicted cap (from scratch, or
-    resumed from the tokens they had with `plan.resume`)."""
+    resumed from the tokens they had with `plan.resume`, their KV kept with `plan.keep_kv`)."""
     from tqdm.auto import tqdm
 
     batches = plan_batches(policy, predicted=predicted, prompt_lens=[len(p) for p in prompts], config=plan)
     tokens, finish = [None] * len(prompts), [0.0] * len(prompts)
-    slots, failed, partial, start = 0, [], {}, time.perf_counter()
+    slots, failed, partial, kept, start = 0, [], {}, {}, time.perf_counter()
     bar = tqdm(total=len(prompts), desc=policy, unit="req", disable=not progress, leave=False)
     while batches:
         batch = batches.pop(0)
         had = [partial.get(r, []) if batch.rerun else [] for r in batch.rows]
-        used, rows = _generate(model, prompts, batch, had, plan=plan, gen=gen)
+        used, rows = _generate(model, prompts, batch, had, [kept.pop(r, None) for r in batch.rows], plan, gen)
         slots += used
-        _collect(
-            batch, rows, plan, tokens, finish, failed, partial, now=predict_s + time.perf_counter() - start
-        )
+        now = predict_s + time.perf_counter() - start
+        _collect(batch, rows, plan, tokens, finish, failed, partial, kept, now=now)
         bar.update(sum(tokens[r] is not None for r in batch.rows))
         if not batches and not batch.rerun and failed:
             generated = {r: len(partial[r]) for r in failed} if plan.resume else None
@@ -89,27 +88,40 @@ def run_static(
     return PolicyRun(policy, tokens, finish, predict_s + time.perf_counter() - start, slots, len(failed))
 
 
-def _generate(model, prompts, batch, had, *, plan: PlanConfig, gen: GenerationConfig):
-    """One batch: the token slots it computed, and each row's answer (the tokens it `had`, then the new ones,
-    each row stopping at an EOS or at its own budget, max_new_tokens in all) with whether it ended with an EOS.
-    A batch capped at 0 (every prediction 0) computes nothing."""
+def _generate(model, prompts, batch, had, kv, plan: PlanConfig, gen: GenerationConfig):
+    """One batch: the token slots it computed, and per row its answer (the tokens it `had`, then the new ones,
+    each row stopping at an EOS or at its own budget, max_new_tokens in all), whether it ended with an EOS
+    and, with `plan.keep_kv`, the KV of a row cut at the cap. A rerun whose rows all have their KV (`kv`)
+    continues them without a prefill. A batch capped at 0 (every prediction 0) computes nothing."""
     if batch.cap == 0:
-        return 0, [(h, False) for h in had]
-    result = generate_static(
-        model, [list(prompts[r]) + h for r, h in zip(batch.rows, had, strict=True)], max_new_tokens=batch.cap,
-        config=gen, budgets=[min(batch.cap, plan.max_new_tokens - len(h)) for h in had],
-    )  # fmt: skip
-    return result.slots, [(h + t, e) for h, t, e in zip(had, result.tokens, result.ended, strict=True)]
+        return 0, [(h, False, None) for h in had]
+    budgets = [min(batch.cap, plan.max_new_tokens - len(h)) for h in had]
+    if batch.rerun and all(v is not None for v in kv):
+        result = resume_static(model, kv, [h[-1] for h in had], max_new_tokens=batch.cap, config=gen,
+                               budgets=budgets)  # fmt: skip
+    else:
+        seqs = [list(prompts[r]) + h for r, h in zip(batch.rows, had, strict=True)]
+        keep = plan.keep_kv and not batch.rerun
+        result = generate_static(
+            model, seqs, max_new_tokens=batch.cap, config=gen, budgets=budgets, keep_cut=keep
+        )
+    kept = result.kept or [None] * len(had)
+    return result.slots, [
+        (h + t, e, k) for h, t, e, k in zip(had, result.tokens, result.ended, kept, strict=True)
+    ]
 
 
 def _collect(
-    batch, rows, plan: PlanConfig, tokens, finish, failed: list[int], partial: dict, *, now: float
+    batch, rows, plan: PlanConfig, tokens, finish, failed: list[int], partial: dict, kept: dict, *, now: float
 ) -> None:
-    """Store the rows a batch completed; collect the rows cut at a predicted cap (failures) and their tokens."""
-    for r, (toks, ended) in zip(batch.rows, rows, strict=True):
+    """Store the rows a batch completed; collect the rows cut at a predicted cap (failures), their tokens
+    and, with `plan.keep_kv`, their KV."""
+    for r, (toks, ended, kv) in zip(batch.rows, rows, strict=True):
         if not batch.rerun and batch.cap < plan.max_new_tokens and not ended:
             failed.append(r)  # cut at the predicted cap: rerun later, from scratch or resumed
             partial[r] = toks
+            if kv is not None:
+                kept[r] = kv
         else:
             tokens[r], finish[r] = toks, now
 

@@ -4,8 +4,9 @@ Trace JSONL, one request per line: {"prompt_len": int, "output_len": int, "predi
 Static policies (`simulate`): each batch runs min(cap, longest output_len in it) steps and computes
 rows x steps token slots (first attempts and FCR reruns alike). A resumed rerun (`PlanConfig.resume`)
 prefills each row's prompt plus the tokens it had and runs until its longest row is done, each row
-stopping at its answer's end or its own budget, max_new_tokens in all. A request's useful tokens,
-min(output_len, max_new_tokens), count once, on the run that completes it.
+stopping at its answer's end or its own budget, max_new_tokens in all; with `PlanConfig.keep_kv` it has no
+prefill, only its decode steps. A request's useful tokens, min(output_len, max_new_tokens), count once, on
+the run that completes it.
 Continuous batching (`simulate_continuous`): the admission rule of `generate_continuous`, step by step,
 with the same queue objects, so its admission order, decode steps, prefills and slots are the runner's.
 """
@@ -132,7 +133,10 @@ def simulate(
     while queue:
         batch = queue.pop(0)
         steps, prompt, failed = run_batch(batch, trace, config.max_new_tokens, generated)
-        clock += cost.batch_time(len(batch.rows), prompt, steps)
+        if batch.rerun and config.keep_kv:  # the rows' KV was kept: no prefill, prompt - 1 positions cached
+            clock += cost.decode_time(len(batch.rows), prompt - 1, steps)
+        else:
+            clock += cost.batch_time(len(batch.rows), prompt, steps)
         slots += len(batch.rows) * steps
         steps_total += steps
         failures += failed
