@@ -61,6 +61,12 @@ def test_resumed_reruns_prefill_what_failed_rows_had_and_run_only_the_rest():
     # the same slots; the reruns' KV was kept: no prefill, each step a decode step (7 and 2)
     assert timed_kept.padded_slots == r.padded_slots
     assert timed_kept.time_s == pytest.approx(8 + 8 + 4 + 7 + 2)
+    # the contexts: [1, 2] holds 4 + 1 - 1 = 4 positions, its 7 steps run at contexts 5..11, [3] at 5..6
+    context = CostModel(0.0, 0.0, 1.0, 0.0, 0.0)  # a row-position of context costs 1 s per decode step
+    ctx_kept = simulate(
+        trace, policy="fcr", config=kept, cost=context
+    ).time_s  # first attempts: prefills only
+    assert ctx_kept == pytest.approx(2 * sum(range(5, 12)) + 1 * sum(range(5, 7)))
 
 
 def test_a_resumed_row_stops_at_the_global_cap():
@@ -356,3 +362,13 @@ def test_cli_simulate_resume_failures(tmp_path):
     out = json.loads((tmp_path / "o.json").read_text())
     # as fcr above (35 slots), but B resumes from its 4 tokens: 10 - 4 = 6 rerun steps instead of 10
     assert out["padded_slots"] == 31 and out["failure_ratio"] == 0.2 and out["useful_tokens"] == USEFUL
+    assert main([*args, "--keep-kv"]) == 0  # the same slots; only the rerun's modelled time changes
+    kept = json.loads((tmp_path / "o.json").read_text())
+    assert kept["padded_slots"] == 31 and kept["keep_kv"] and kept["time_s"] < out["time_s"]
+
+
+def test_cli_keep_kv_needs_resume_failures(tmp_path, capsys):
+    write_trace(tmp_path / "t.jsonl", ROWS)
+    args = ["serve", "simulate", "--trace", str(tmp_path / "t.jsonl"), "--policy", "fcr", "--keep-kv"]
+    assert main([*args, "--json", str(tmp_path / "o.json")]) == 2
+    assert "add --resume-failures" in capsys.readouterr().err and not (tmp_path / "o.json").exists()

@@ -512,7 +512,7 @@ def _add_resume_flag(parser) -> None:
     parser.add_argument(
         "--keep-kv",
         action="store_true",
-        help="with --resume-failures: a cut row keeps its KV cache in host memory and its rerun continues it "
+        help="with --resume-failures: a cut row keeps its KV cache in memory and its rerun continues it "
         "without a prefill",
     )
 

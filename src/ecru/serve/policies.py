@@ -56,9 +56,9 @@ class PlanConfig:
     before its cap and recomputes only their KV, prefilling prompt + those tokens, then generates the rest
     (vLLM's preemption by recomputation)."""
     keep_kv: bool = False
-    """With `resume`: a failed row's KV cache stays in (host) memory until its rerun, which continues it
-    without a prefill, as a preempted row swapped out and back in; the memory it holds meanwhile is its
-    prompt plus the tokens it had."""
+    """With `resume`: a failed row's KV cache stays in memory (a copy on the model's device) until its rerun,
+    which continues it without a prefill; the memory it holds meanwhile, its prompt plus the tokens it had,
+    is beyond the batches' token budget."""
 
     def __post_init__(self):
         if self.batch_size < 1 or self.max_new_tokens < 1:

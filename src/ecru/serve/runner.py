@@ -101,7 +101,7 @@ def _generate(model, prompts, batch, had, kv, plan: PlanConfig, gen: GenerationC
                                budgets=budgets)  # fmt: skip
     else:
         seqs = [list(prompts[r]) + h for r, h in zip(batch.rows, had, strict=True)]
-        keep = plan.keep_kv and not batch.rerun
+        keep = plan.keep_kv and not batch.rerun and batch.cap < plan.max_new_tokens  # FCR cuts only
         result = generate_static(
             model, seqs, max_new_tokens=batch.cap, config=gen, budgets=budgets, keep_cut=keep
         )

@@ -133,7 +133,8 @@ def simulate(
     while queue:
         batch = queue.pop(0)
         steps, prompt, failed = run_batch(batch, trace, config.max_new_tokens, generated)
-        if batch.rerun and config.keep_kv:  # the rows' KV was kept: no prefill, prompt - 1 positions cached
+        if batch.rerun and config.keep_kv and all(generated.get(r, 0) for r in batch.rows):
+            # every row's KV was kept (a row cut at cap 0 has none): no prefill, prompt - 1 positions cached
             clock += cost.decode_time(len(batch.rows), prompt - 1, steps)
         else:
             clock += cost.batch_time(len(batch.rows), prompt, steps)
