@@ -7,8 +7,9 @@ cb, cb-sjf with aging 0.1 and cb-sjf with the FCFS deadline at each --slacks val
 (re-prediction, preemption with the default margin) with the deadline at each --slacks value, its
 preempted rows either prefilled again (`preempt_mode` recompute) or keeping their KV (keep, the engine's
 cb-srpt default); latency ratios to cb per seed, their mean and standard deviation.
---cost-from replays with another JSON's cost model (for instance a run on a faster machine), all else
-unchanged. No model runs: seconds.
+--cost-from replays with another JSON's cost model (for instance a run on a faster machine, or with
+--cost-key engine_cost_model the one bench/serve_online_real.py fitted on the real engine's steps), all
+else unchanged. No model runs: seconds.
 
     python bench/serve_online_seeds.py --json bench/results/serve_online_seeds.json
 """
@@ -67,13 +68,19 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--cost-from", type=existing_file, default=None, help="take the cost model from this JSON"
     )
+    ap.add_argument("--cost-key", default="cost_model",
+                    help="the cost model's key in --cost-from (bench/serve_online_real.py also writes "
+                    "engine_cost_model, fitted on the engine's own steps)")  # fmt: skip
     ap.add_argument("--seeds", type=positive_int, default=6, help="arrival draws (seeds 0 .. N-1)")
     ap.add_argument("--slacks", default="0.1,0.15,0.2", help="comma-separated fcfs_slack values")
     args = ap.parse_args(argv)
     out_path = prepare_out_file(args.json, flag="--json")
     data = json.loads(Path(args.source).read_text())
     cost_source = json.loads(Path(args.cost_from).read_text()) if args.cost_from else data
-    cost = CostModel(**cost_source["cost_model"])
+    try:
+        cost = CostModel(**cost_source[args.cost_key])
+    except (KeyError, TypeError, AttributeError):
+        ap.error(f"--cost-key: no cost model {args.cost_key!r} in {args.cost_from or args.source}")
     slacks = [float(s) for s in args.slacks.split(",")]
     predict_s = data["predictors"]["minilm"]["predict_s_per_request"]
     repredict_s = data["predictors"]["remaining-probe"]["predict_s_per_row"]
@@ -88,7 +95,7 @@ def main(argv=None) -> None:
               f" p99 x cb {r['p99_x_cb_mean']:.3f} (max {r['p99_x_cb_max']:.3f})")  # fmt: skip
     atomic_write_json(out_path, {
         "command": "python bench/serve_online_seeds.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "source": str(args.source), "cost_model_from": str(args.cost_from or args.source),
+        "source": str(args.source), "cost_model_from": str(args.cost_from or args.source), "cost_key": args.cost_key,
         "cost_model": cost.__dict__, "load": 1.2, "requests": 3000, "predictor": "minilm",
         "predict_s_per_request": predict_s, "repredict_s_per_row": repredict_s, "seeds": args.seeds,
         "names": "cb-sjf unless named; cb-srpt: re-prediction, preemption (margin 64), preempt_mode as named",

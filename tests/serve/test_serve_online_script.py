@@ -1,9 +1,13 @@
 """bench/serve_online.py's helpers: arrivals, resampling, re-prediction metrics, static and online tables."""
 
+import json
+import os
+import time
+
 import pytest
 import torch
 
-from ecru.serve.cost import CostModel
+from ecru.serve.cost import SMOLLM2_CPU, CostModel, StepWork
 from ecru.serve.online import OnlineConfig
 from tests.bench_scripts import load_bench_script
 
@@ -129,6 +133,8 @@ def test_real_engine_serves_a_poisson_trace_alike_under_every_policy():
         r = real.serve_real(served, ids, texts, arrivals, ByLength(), probe, config, 8)
         assert 0 < r["mean_latency_s"] <= r["p99_latency_s"] <= r["max_latency_s"] < r["wall_s"] + 1e-9, name
         assert bool(probe.seen) == (policy == "cb-srpt")  # re-predicted while generating, only there
+        work = sum((w for w, _ in r["steps"]), StepWork())  # every engine forward, in the steps it ran in
+        assert work.decode_steps == r["decode_steps"] and work.prefills == r["prefill_forwards"] > 0
         outputs.append(r["outputs"])
     assert len(outputs) == 4 and all(o == outputs[0] for o in outputs)  # greedy: admission changes no answer
 
@@ -166,3 +172,45 @@ def test_read_split_gives_greedy_lengths_and_the_longest_of_samples(bench, tmp_p
     with pytest.raises(SystemExit, match="fewer than 4 answer lengths"):
         path.write_text('{"prompt": "a", "lengths": [30]}\n')
         bench.read_split(path, 10, 256, samples=4)
+
+
+def test_concurrent_runs_each_item_in_its_own_process_in_order(tmp_path):
+    real = load_bench_script("serve_online_real")
+    got = real.concurrently(lambda x: (x * 2, os.getpid()), [3, 1, 2])
+    assert [g[0] for g in got] == [6, 2, 4]
+    assert len({g[1] for g in got}) == 3 and os.getpid() not in {g[1] for g in got}
+    with pytest.raises(SystemExit, match="ZeroDivisionError"):
+        real.concurrently(lambda x: 1 / x, [1, 0])
+    slow = real.concurrently(lambda x: time.sleep(x) or x, [0.3, 0.0])  # results in order, not as they come
+    assert slow == [0.3, 0.0]
+    out = str(tmp_path / "r.json")
+    both = ["--json", out, "--concurrent", "--order", "cb,cb-srpt[fcfs-slack]"]
+    assert real.parse([*both, "--rate-from", "engine"])[0].concurrent
+    for bad in (["--rate-from", "engine", "--mirror"], []):  # mirrored, or loaded against the simulator
+        with pytest.raises(SystemExit):
+            real.parse(both + bad)
+
+
+def test_seeds_refuses_a_cost_key_the_json_lacks(tmp_path, capsys):
+    seeds = load_bench_script("serve_online_seeds")
+    source = tmp_path / "online.json"
+    out = tmp_path / "seeds.json"
+    source.write_text(json.dumps({"cost_model": SMOLLM2_CPU.__dict__, "engine_cost": {"steps": 3}}))
+    for key in ("engine_cost_model", "engine_cost"):  # absent, or not a cost model
+        with pytest.raises(SystemExit):
+            seeds.main(["--json", str(out), "--from", str(source), "--cost-key", key])
+        assert f"no cost model '{key}'" in capsys.readouterr().err and not out.exists()
+
+
+def test_summary_lists_each_rounds_ratios_and_their_median():
+    real = load_bench_script("serve_online_real")
+
+    def side(mean: float, p99: float) -> dict:
+        return {"mean_latency_x_cb": mean, "p99_latency_x_cb": p99}
+
+    rounds = [{"real": {"x": side(m, p)}, "simulated_engine_cost": {"x": side(m + 0.1, p + 0.1)}}
+              for m, p in ((0.7, 1.3), (0.9, 1.1), (0.8, 1.2))]  # fmt: skip
+    s = real.summary(rounds, ["x"])["x"]
+    assert s["real_mean_x_cb"] == [0.7, 0.9, 0.8] and s["real_mean_x_cb_median"] == 0.8
+    assert s["real_p99_x_cb_median"] == 1.2
+    assert s["simulated_engine_cost_mean_x_cb_median"] == pytest.approx(0.9)

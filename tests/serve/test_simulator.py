@@ -1,8 +1,10 @@
 """Simulator accounting on small traces computed by hand, and through `ecru serve simulate`."""
 
 import json
+from dataclasses import astuple
 
 import pytest
+import torch
 
 from ecru.cli import main
 from ecru.serve import SMOLLM2_CPU, CostModel, PlanConfig, TraceRequest, simulate
@@ -168,6 +170,69 @@ def test_measure_cost_model_on_tiny_model(model):
         model, batches=(1, 4), contexts=(8, 32), prompt_lens=(4, 16), reps=2, source="tiny"
     )
     assert cost.source == "tiny" and cost.step_time(4, 32) > 0 and cost.prefill_time(4, 16) > 0
+
+
+def test_fit_cost_model_recovers_known_coefficients_and_keeps_them_non_negative():
+    from ecru.serve import StepWork, fit_cost_model
+
+    truth = CostModel(0.05, 0.002, 2e-5, 0.07, 0.003)
+    work = [StepWork.of_forward(b, 1, ctx) for b in (1, 3, 16, 40) for ctx in (20, 90, 300)]
+    work += [StepWork.of_forward(b, p, p) for b in (1, 5) for p in (12, 70)]
+    work += [work[0] + work[-1], work[5] + work[6] + work[7]]  # steps running several forwards
+    fitted = fit_cost_model(work, [truth.time(w) for w in work], source="synthetic")
+    for got, want in zip(astuple(fitted)[:5], astuple(truth)[:5], strict=True):
+        assert got == pytest.approx(want, rel=1e-9)
+    # times falling with batch size: unconstrained least squares would give a negative per-row cost
+    falling = [StepWork.of_forward(b, 1, 11) for b in (1, 2, 4)] + [StepWork.of_forward(1, 5, 5)]
+    fitted = fit_cost_model(falling, [0.3, 0.2, 0.1, 0.5], source="falling")
+    assert min(astuple(fitted)[:5]) >= 0 and fitted.step_per_row == 0.0
+    with pytest.raises(ValueError, match="as many timings"):
+        fit_cost_model(falling, [0.1], source="short")
+
+
+def test_step_work_charges_a_forward_as_the_simulators_do():
+    from ecru.serve import StepWork
+
+    decode, prefill = (
+        StepWork.of_forward(4, 1, 33),
+        StepWork.of_forward(3, 7, 20),
+    )  # 13 cached prefix positions
+    assert decode == StepWork(decode_steps=1, decode_rows=4, decode_row_ctx=4 * 33)
+    assert prefill == StepWork(prefills=1, prefill_tokens=3 * 20)
+    assert SMOLLM2_CPU.time(decode + prefill) == pytest.approx(
+        SMOLLM2_CPU.step_time(4, 33) + SMOLLM2_CPU.prefill_time(3, 20), rel=1e-12
+    )
+
+
+def test_recorded_forwards_of_a_static_batch_cost_what_the_simulator_charges(model, gen):
+    from ecru.serve import StepWork, generate_static, record_forwards
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (9, 5, 7)]
+    with record_forwards(model) as seen:
+        result = generate_static(model, prompts, max_new_tokens=12, config=gen)
+    steps = max(len(t) for t in result.tokens)
+    assert steps > 1 and len(seen) == steps  # one prefill, then a decode step per further token
+    assert SMOLLM2_CPU.time(sum(seen, StepWork())) == pytest.approx(
+        SMOLLM2_CPU.batch_time(3, 9, steps), rel=1e-12
+    )
+
+
+def test_record_forwards_sees_every_engine_forward_and_only_within_the_block(model, prompts, gen):
+    from ecru.serve import EngineConfig, RequestEngine, SamplingParams, StepWork, record_forwards
+
+    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                           config=EngineConfig(max_new_tokens=6, max_batch_size=3))  # fmt: skip
+    with record_forwards(model) as seen:
+        engine.generate(prompts[:5], SamplingParams(max_tokens=6))
+    total = sum(seen, StepWork())
+    assert total.decode_steps == engine.stats.decode_steps > 0
+    assert total.prefills == engine.stats.prefill_forwards > 0
+    # stats.tokens: one per decoded row per step, one per prompt prefilled
+    assert total.decode_rows == engine.stats.tokens - 5
+    n = len(seen)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2))
+    assert len(seen) == n  # the hook is gone after the block
 
 
 def test_fcr_zero_prediction_runs_nothing_and_fails_every_nonempty_row():

@@ -55,6 +55,9 @@ _LAZY: dict[str, str] = {
     "left_pad": "ecru.serve.engine",
     "length_metrics": "ecru.serve.predictors",
     "measure_cost_model": "ecru.serve.cost",
+    "fit_cost_model": "ecru.serve.cost",
+    "record_forwards": "ecru.serve.cost",
+    "StepWork": "ecru.serve.cost",
     "plan_batches": "ecru.serve.policies",
     "read_labels": "ecru.serve.labels",
     "read_trace": "ecru.serve.simulator",
@@ -81,7 +84,14 @@ if TYPE_CHECKING:  # static analysers see the real imports
         generate_continuous,
         kv_budget_config,
     )
-    from ecru.serve.cost import SMOLLM2_CPU, CostModel, measure_cost_model
+    from ecru.serve.cost import (
+        SMOLLM2_CPU,
+        CostModel,
+        StepWork,
+        fit_cost_model,
+        measure_cost_model,
+        record_forwards,
+    )
     from ecru.serve.engine import BatchResult, GenerationConfig, generate_static, left_pad, resume_static
     from ecru.serve.labels import LengthLabel, label_prompts, read_labels
     from ecru.serve.models import ServedModel
@@ -174,6 +184,9 @@ __all__ = [
     "left_pad",
     "length_metrics",
     "measure_cost_model",
+    "fit_cost_model",
+    "record_forwards",
+    "StepWork",
     "plan_batches",
     "read_labels",
     "read_trace",

@@ -4,18 +4,58 @@ Decode step: t = step_base + step_per_row * B + step_per_row_ctx * B * context.
 Prefill:     t = prefill_base + prefill_per_token * B * padded_prompt_len.
 A static batch of B rows, prompts padded to P, running S >= 1 steps costs one prefill (which yields the
 first token) and S - 1 decode steps at contexts P + 1 .. P + S - 1; a batch of 0 steps costs nothing.
+
+Two ways to fit it, both by non-negative least squares on the five coefficients' multipliers (`StepWork`):
+`measure_cost_model` times forwards of random tokens at a grid of shapes; `fit_cost_model` takes what a
+real serving run computed and how long it took, interval by interval (`record_forwards` catches each
+forward's shape), so the simulator can be charged what the engine's steps really cost, overheads
+included.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ecru.errors import EcruError
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What some forwards computed, as the multipliers of `CostModel`'s five coefficients."""
+
+    decode_steps: int = 0
+    """Forwards computing one position per row."""
+    decode_rows: int = 0
+    """Rows summed over the decode steps."""
+    decode_row_ctx: int = 0
+    """Rows x positions attended (the padded cache width, the new position included) summed over the
+    decode steps: the `context` of `CostModel.step_time`, as the simulators charge it."""
+    prefills: int = 0
+    """Forwards computing more than one position per row."""
+    prefill_tokens: int = 0
+    """Rows x padded positions summed over the prefill forwards."""
+
+    @classmethod
+    def of_forward(cls, batch: int, new: int, width: int) -> StepWork:
+        """One forward of `batch` rows computing `new` positions each, `width` positions in all (cached
+        ones included). One new position per row is a decode step, whatever the engine calls it (a prefill
+        of a one-token prompt, or one left after a prefix-cache hit, costs what a decode step does); more
+        is a prefill, charged over all `width` positions as the simulators charge one (so a cached prefix
+        is priced into the fitted prefill coefficient)."""
+        if new == 1:
+            return cls(1, batch, batch * width)
+        return cls(prefills=1, prefill_tokens=batch * width)
+
+    def __add__(self, other: StepWork) -> StepWork:
+        return StepWork(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass(frozen=True)
@@ -68,6 +108,10 @@ class CostModel:
         ctx_sum = steps * context + steps * (steps + 1) // 2
         return steps * (self.step_base + self.step_per_row * batch) + self.step_per_row_ctx * batch * ctx_sum
 
+    def time(self, work: StepWork) -> float:
+        """Seconds `work` costs."""
+        return float(np.dot(astuple(self)[:5], astuple(work)))
+
     def scaled(self, factor: float, *, source: str | None = None) -> CostModel:
         """Every coefficient times `factor`: the same shape on a machine `factor` times slower."""
         if factor <= 0:
@@ -103,6 +147,33 @@ def _time(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def fit_cost_model(work: Sequence[StepWork], seconds: Sequence[float], *, source: str) -> CostModel:
+    """The coefficients (each >= 0) that best predict `seconds[i]` from `work[i]`, least squares."""
+    from scipy.optimize import nnls
+
+    if len(work) != len(seconds) or not work:
+        raise ValueError(f"need as many timings as work items, at least one: {len(work)} vs {len(seconds)}")
+    coef, _ = nnls(np.array([astuple(w) for w in work], dtype=np.float64), np.asarray(seconds, np.float64))
+    return CostModel(*(float(c) for c in coef), source=source)
+
+
+@contextmanager
+def record_forwards(model: torch.nn.Module) -> Iterator[list[StepWork]]:
+    """Within the block, every forward of `model` appends its `StepWork.of_forward` (from its `input_ids` and
+    `attention_mask`) to the yielded list; call patterns are untouched."""
+    seen: list[StepWork] = []
+
+    def hook(module, args, kwargs):
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        seen.append(StepWork.of_forward(ids.shape[0], ids.shape[1], mask.shape[1]))
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
 @torch.no_grad()
 def measure_cost_model(
     model,
@@ -117,7 +188,7 @@ def measure_cost_model(
     from ecru.serve.engine import forward, new_cache
 
     vocab = model.config.vocab_size
-    step_rows, step_t, pre_rows, pre_t = [], [], [], []
+    work, seconds = [], []
     for b in batches:
         for ctx in contexts:
             cache = new_cache(model)
@@ -130,18 +201,12 @@ def measure_cost_model(
                 forward(model, tok, mask1, cache)
                 cache.crop(-1)  # drop the step just cached: every repetition runs at context ctx
 
-            step_t.append(_time(step, reps))
-            step_rows.append([1.0, b, b * ctx])
+            seconds.append(_time(step, reps))
+            work.append(StepWork.of_forward(b, 1, ctx + 1))
         for p in prompt_lens:
             ids, mask = torch.randint(vocab, (b, p)), torch.ones(b, p, dtype=torch.long)
-            pre_t.append(_time(lambda ids=ids, mask=mask: forward(model, ids, mask, new_cache(model)), reps))
-            pre_rows.append([1.0, b * p])
-    step_coef = torch.linalg.lstsq(
-        torch.tensor(step_rows, dtype=torch.float64), torch.tensor(step_t, dtype=torch.float64)[:, None]
-    ).solution.flatten()
-    pre_coef = torch.linalg.lstsq(
-        torch.tensor(pre_rows, dtype=torch.float64), torch.tensor(pre_t, dtype=torch.float64)[:, None]
-    ).solution.flatten()
-    a, b, c = (max(0.0, float(v)) for v in step_coef)
-    p0, p1 = (max(0.0, float(v)) for v in pre_coef)
-    return CostModel(a, b, c, p0, p1, source=source or f"measured, {torch.get_num_threads()} thread(s)")
+            seconds.append(
+                _time(lambda ids=ids, mask=mask: forward(model, ids, mask, new_cache(model)), reps)
+            )
+            work.append(StepWork.of_forward(b, p, p))
+    return fit_cost_model(work, seconds, source=source or f"measured, {torch.get_num_threads()} thread(s)")
