@@ -24,9 +24,12 @@ MiniLM predicts inside `add_request`, on the serving clock. Each round's trace (
 lengths, the labels' greedy lengths, the same predictions and their measured time, the probe's
 re-predictions on the cached greedy test answers) is then replayed through the online simulator
 (`ecru.serve.online`), twice: charged by the cost model measured on random tokens before the runs
-(`simulated`), and by one fitted on every engine step of the round, each step's forwards
+(`simulated`), by one fitted on every engine step of the round, each step's forwards
 (`record_forwards`) against its seconds, engine overheads included (`simulated_engine_cost`;
-`engine_cost` gives its in-sample error). `engine_cost_model`, fitted on every round's steps, is what
+`engine_cost` gives its in-sample error), and each policy by the one fitted on its own run's steps
+(`simulated_own_cost`: overheads only one policy has, such as cb-srpt's KV copies, stay with it). MiniLM's
+time is charged as `add_request` pays it, one text per call (each run's `predict_s_per_request` is what it
+paid). `engine_cost_model`, fitted on every round's steps, is what
 `bench/serve_online_seeds.py --cost-from ... --cost-key engine_cost_model` replays on 3,000 requests. The
 engine keeps its default prefix cache; the simulator does not model it, the fitted prefill coefficient
 prices it in.
@@ -101,9 +104,17 @@ def serve_real(served, ids, texts, arrivals, predictor, probe, config: EngineCon
     remaining = probe if config.policy == "cb-srpt" else None
     engine = RequestEngine(served.model, eos_token_ids=served.eos_token_ids, pad_token_id=served.pad_token_id,
                            config=config, tokenizer=served.tokenizer, remaining=remaining)  # fmt: skip
-    if config.policy != "cb":  # predicted in add_request, on the serving clock
+    predict_s = []  # each prediction's seconds, in add_request, on the serving clock
+    if config.policy != "cb":
         text_of = {tuple(i): t for i, t in zip(ids, texts, strict=True)}
-        engine.predict = lambda prompt, params: predictor.predict([text_of[tuple(prompt)]])[0]
+
+        def predict(prompt, params) -> float:
+            start = time.perf_counter()
+            out = predictor.predict([text_of[tuple(prompt)]])[0]
+            predict_s.append(time.perf_counter() - start)
+            return out
+
+        engine.predict = predict
     params, reqs, steps, start = SamplingParams(max_tokens=cap), [], [], time.perf_counter()
     with (
         tqdm(total=len(ids), desc=config.policy, file=sys.stderr) as bar,
@@ -113,6 +124,7 @@ def serve_real(served, ids, texts, arrivals, predictor, probe, config: EngineCon
             now = time.perf_counter() - start
             while len(reqs) < len(ids) and arrivals[len(reqs)] <= now:
                 reqs.append(engine.add_request(ids[len(reqs)], params))
+            engine.upcoming = len(ids) - len(reqs)  # admission waits for refill_min rows, as the simulator's
             if engine.has_unfinished():
                 seen, t = len(fwd), time.perf_counter()
                 bar.update(len(engine.step()))
@@ -126,6 +138,7 @@ def serve_real(served, ids, texts, arrivals, predictor, probe, config: EngineCon
             "decode_steps": engine.stats.decode_steps, "busy_s_per_decode_step": busy / engine.stats.decode_steps,
             "preemptions": engine.stats.preemptions, "peak_kv_tokens": engine.stats.peak_kv_tokens,
             "prefill_forwards": engine.stats.prefill_forwards, "latencies_s": lat,
+            "predict_s_per_request": statistics.fmean(predict_s) if predict_s else 0.0,
             "engine_cost": engine_cost([steps], f"{config.policy}: this run's engine steps"),
             "outputs": [r.output for r in reqs], "steps": steps}  # fmt: skip
 
@@ -153,6 +166,14 @@ def cached_answers(path: Path) -> dict[str, list[int]]:
     """bench/serve_online.py's cached greedy answers: prompt -> answer tokens."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {r["prompt"]: r["tokens"] for r in rows}
+
+
+def predict_one_by_one(predictor, texts: list[str]) -> tuple[list[float], float]:
+    """MiniLM's predictions and its seconds per request, one text per call, as `add_request` pays them."""
+    predicted, start = [], time.perf_counter()
+    for text in texts:
+        predicted += predictor.predict([text])
+    return predicted, (time.perf_counter() - start) / len(texts)
 
 
 def remaining_probe(served, texts: list[str], cap: int):
@@ -337,14 +358,16 @@ def run_round(served, ids, texts, trace, predictors, cost, base, args) -> tuple[
     for run, run_steps in zip(done_runs, steps, strict=True):
         run["predicted_over_busy_in_sample"] = explained(fitted, run_steps)
     real = {name: merged(rs) for name, rs in runs.items()}
-    simulated = replay(trace, args, base, cost, (predict_s, repredict_s))
-    on_engine = replay(  # the probe's time is in the engine steps the model was fitted on: not charged again
-        trace, args, dataclasses.replace(base, token_s=fitted.step_time(16, 200)), fitted, (predict_s, 0.0)
-    )
-    for r in (real, simulated, on_engine):
+    simulated = replay(trace, args, base, dict.fromkeys(args.order, cost), (predict_s, repredict_s))
+    # the probe's time is in the engine steps the models were fitted on: not charged again
+    on_engine = replay(trace, args, base, dict.fromkeys(args.order, fitted), (predict_s, 0.0))
+    own = {name: CostModel(**real[name]["engine_cost"]["cost_model"]) for name in args.order}
+    on_own = replay(trace, args, base, own, (predict_s, 0.0))
+    for r in (real, simulated, on_engine, on_own):
         ratios(r)
     outputs = {name: r.pop("outputs") for name, r in real.items()}
-    return {"real": real, "simulated": simulated, "simulated_engine_cost": on_engine, "engine_cost": engine,
+    return {"real": real, "simulated": simulated, "simulated_engine_cost": on_engine,
+            "simulated_own_cost": on_own, "engine_cost": engine,
             "greedy_outputs_equal_across_policies": all(o == outputs["cb"] for o in outputs.values()),
             "answer_tokens_equal_labels": [len(o) for o in outputs["cb"]] == [r.output_len for r in trace],
             }, steps  # fmt: skip
@@ -355,23 +378,23 @@ def summary(rounds: list[dict], order: list[str]) -> dict:
     cost model, and their medians."""
     out = {}
     for name in order:
-        cols = {f"{src}_{k}_x_cb": [r[key][name][f"{k}_latency_x_cb"] for r in rounds]
-                for src, key in (("real", "real"), ("simulated_engine_cost", "simulated_engine_cost"))
-                for k in ("mean", "p99")}  # fmt: skip
+        cols = {f"{src}_{k}_x_cb": [r[src][name][f"{k}_latency_x_cb"] for r in rounds]
+                for src in ("real", "simulated_engine_cost", "simulated_own_cost") for k in ("mean", "p99")}  # fmt: skip
         out[name] = cols | {f"{k}_median": statistics.median(v) for k, v in cols.items()}
     return out
 
 
-def replay(trace, args, base: OnlineConfig, cost: CostModel, charged: tuple[float, float]) -> dict:
-    """Each policy of args.order on the simulator; `charged`: MiniLM's seconds per request, the probe's
-    per row."""
+def replay(trace, args, base: OnlineConfig, costs: dict, charged: tuple[float, float]) -> dict:
+    """Each policy of args.order on the simulator, charged `costs[name]` per step; `charged`: MiniLM's
+    seconds per request, the probe's per row."""
     out, table = {}, policies(args.slack)
     for name in args.order:
         policy, overrides, sim_only = table[name]
+        cost = costs[name]
         extra = {"predict_s": charged[0]} if policy != "cb" else {}
         extra |= {"repredict_s": charged[1]} if policy == "cb-srpt" else {}
-        sim = simulate_online(trace, policy=policy, cost=cost,
-                              config=dataclasses.replace(base, **overrides, **sim_only, **extra))  # fmt: skip
+        config = dataclasses.replace(base, **overrides, **sim_only, **extra, token_s=cost.step_time(16, 200))
+        sim = simulate_online(trace, policy=policy, cost=cost, config=config)
         out[name] = sim.to_json() | {"latencies_s": sim.latencies}  # per request, as the real runs'
         print(f"{name}: simulated {sim.mean_latency_s:.1f} / {sim.p99_latency_s:.1f} ({cost.source})",
               file=sys.stderr)  # fmt: skip
@@ -391,9 +414,7 @@ def main(argv=None) -> None:
     served = ServedModel.load("smollm2")
     ids = encode_chat(served.tokenizer, texts)
     predictor = MiniLMPredictor(cap=args.cap).fit(train, y_train)
-    t0 = time.perf_counter()
-    predicted = predictor.predict(texts)
-    predict_s = (time.perf_counter() - t0) / len(texts)
+    predicted, predict_s = predict_one_by_one(predictor, texts)
     print("fitting the remaining-length probe ...", file=sys.stderr)
     probe, traj, repredict_s = remaining_probe(served, texts, args.cap)
     print("measuring the cost model ...", file=sys.stderr)
@@ -420,14 +441,16 @@ def main(argv=None) -> None:
         "policies one after another, or side by side, one process on one thread each (concurrent); latency "
         "from the scheduled arrival to the last token; each round's trace replayed through the online "
         "simulator with the cost model measured in this run before the policies ran (simulated) and with the "
-        "one fitted on the round's own engine steps (simulated_engine_cost), MiniLM's measured time per "
-        "request charged; engine_cost_model: fitted on every round's steps",
+        "one fitted on the round's own engine steps (simulated_engine_cost) or on each policy's own steps "
+        "(simulated_own_cost), MiniLM's time per request measured one text per call charged; engine_cost_model: "
+        "fitted on every round's steps",
         "packed_layers": len(packed_layers(served.model)),
         "requests": len(trace), "load": args.load, "rate_from": args.rate_from, "capacity_requests_per_s": capacity,
         "arrival_rate_per_s": args.load * capacity, "repeats": args.repeats,
         "fcfs_slack": args.slack, "order": args.order, "mirror": args.mirror, "concurrent": args.concurrent,
         "predicted": predicted, "true_lengths": lengths,
-        "predictor": {"name": "minilm", "train_labels": len(train), "predict_s_per_request": predict_s},
+        "predictor": {"name": "minilm", "train_labels": len(train), "predict_s_per_request": predict_s,
+                      "measured": "one text per call, as add_request pays it"},
         "remaining_probe": {"train_answers": TRAIN_ANSWERS, "repredict_every": REPREDICT_EVERY,
                             "predict_s_per_row": repredict_s},
         "cost_model": cost.__dict__, "engine_cost": engine, "engine_cost_model": engine["cost_model"],

@@ -218,7 +218,8 @@ def test_a_preempted_row_that_keeps_its_kv_rejoins_without_a_prefill():
     assert runs["recompute"].latencies[0] == pytest.approx(plain.latencies[0] + 10 + 2 + 10 - 1)
     # the kept KV is memory: the long row's prompt and tokens wait beside the short request's running row
     assert runs["recompute"].peak_kv_tokens == 100 + 2  # the short request's widest step
-    # preempted after its 4th token (re-predicted every 4), its prompt and 4 tokens beside that step
+    # re-predicted in the step that reads its 4th token and emits its 5th, then preempted: its prompt and 4
+    # cached tokens (the 5th is pending) beside that step
     assert runs["keep"].peak_kv_tokens == 100 + 2 + 4 + 4
     with pytest.raises(ValueError, match="preempt_mode"):
         OnlineConfig(preempt_mode="swap")

@@ -134,6 +134,7 @@ def test_real_engine_serves_a_poisson_trace_alike_under_every_policy():
         assert 0 < r["mean_latency_s"] <= r["p99_latency_s"] <= r["max_latency_s"] < r["wall_s"] + 1e-9, name
         assert bool(probe.seen) == (policy == "cb-srpt")  # re-predicted while generating, only there
         work = sum((w for w, _ in r["steps"]), StepWork())  # every engine forward, in the steps it ran in
+        assert (r["predict_s_per_request"] > 0) == (policy != "cb")  # timed as add_request pays it
         assert work.decode_steps == r["decode_steps"] and work.prefills == r["prefill_forwards"] > 0
         outputs.append(r["outputs"])
     assert len(outputs) == 4 and all(o == outputs[0] for o in outputs)  # greedy: admission changes no answer
@@ -208,9 +209,11 @@ def test_summary_lists_each_rounds_ratios_and_their_median():
     def side(mean: float, p99: float) -> dict:
         return {"mean_latency_x_cb": mean, "p99_latency_x_cb": p99}
 
-    rounds = [{"real": {"x": side(m, p)}, "simulated_engine_cost": {"x": side(m + 0.1, p + 0.1)}}
+    rounds = [{"real": {"x": side(m, p)}, "simulated_engine_cost": {"x": side(m + 0.1, p + 0.1)},
+               "simulated_own_cost": {"x": side(m + 0.2, p)}}
               for m, p in ((0.7, 1.3), (0.9, 1.1), (0.8, 1.2))]  # fmt: skip
     s = real.summary(rounds, ["x"])["x"]
     assert s["real_mean_x_cb"] == [0.7, 0.9, 0.8] and s["real_mean_x_cb_median"] == 0.8
     assert s["real_p99_x_cb_median"] == 1.2
     assert s["simulated_engine_cost_mean_x_cb_median"] == pytest.approx(0.9)
+    assert s["simulated_own_cost_mean_x_cb_median"] == pytest.approx(1.0)

@@ -247,11 +247,11 @@ class _Continuous:
         if self.policy == "cb":
             return self.enqueued[i]
         a = self.config.aging / self.config.token_s
-        return self.estimate[i] - a * self.waited[i] + a * self.enqueued[i]
+        return self._remaining(i) - a * self.waited[i] + a * self.enqueued[i]
 
     def _running_key(self, i: int) -> float:
-        """A running row's key now: its remaining estimate less the aging it earned while it waited."""
-        return self.estimate[i] - self.config.aging / self.config.token_s * self.waited[i]
+        """A running row's key now: its predicted remaining tokens less the aging it earned while it waited."""
+        return self._remaining(i) - self.config.aging / self.config.token_s * self.waited[i]
 
     def _push(self, i: int) -> None:
         self.enqueued[i] = self.clock
@@ -281,9 +281,10 @@ class _Continuous:
         return i
 
     def _remaining(self, i: int) -> float:
-        """Predicted tokens left: the estimate less what the row generated since it was made."""
-        est = min(self.estimate[i], self.config.max_new_tokens)
-        return max(0.0, est - (self.done[i] - self.since[i]))
+        """Predicted tokens left: the estimate less what the row generated since it was made, at most what the
+        cap leaves (the engine caps a row's predicted length, tokens so far included, at its max_tokens)."""
+        left = self.estimate[i] - (self.done[i] - self.since[i])
+        return max(0.0, min(left, self.config.max_new_tokens - self.done[i]))  # the answer ends at the cap
 
     def _overdue(self) -> tuple[float, int, int] | None:
         """With `fcfs_slack`, the heap entry of the longest-waiting request if it has waited (1 + slack) x
@@ -309,7 +310,7 @@ class _Continuous:
     def run(self) -> OnlineResult:
         cfg, trace = self.config, self.trace
         pending = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
-        pos, predicts = 0, self.policy in ("cb-sjf", "cb-srpt")
+        pos, predicts, swapped = 0, self.policy in ("cb-sjf", "cb-srpt"), False
         on_arrival = cfg.prefill_at_arrival  # cb too: the engine prefills on arrival whatever the order
         while pos < len(pending) or self.heap or self.running or self.arrived:
             if not self.heap and not self.running and not self.arrived:
@@ -322,10 +323,11 @@ class _Continuous:
                     self._push(pending[pos])
                 pos += 1
             self._prefill_arrivals()
-            swapped = self._maybe_preempt()
-            self._admit(upcoming=len(pending) - pos, force=swapped > 0)
+            self._admit(upcoming=len(pending) - pos, force=swapped)
+            swapped = False
             if self.running:
                 self._step()
+                swapped = self._maybe_preempt() > 0  # rows freed for shorter requests: refilled at once
         tokens = sum(self.target)
         return _result(self.policy, trace, self.finish, tokens, self.clock, self.peak, self.preemptions)
 
@@ -393,11 +395,12 @@ class _Continuous:
         self.peak = max(self.peak, len(self.running) * width + self.kept_tokens)
         self.clock += self.cost.step_time(len(self.running), width)
         self.steps += 1
-        self._grow(self.running)
+        self._grow(self.running, decode=True)
         self.running = [i for i in self.running if self.done[i] < self.target[i]]
 
-    def _grow(self, rows) -> None:
-        """One more token for each row; finished rows record their time; re-prediction every k tokens."""
+    def _grow(self, rows, *, decode: bool = False) -> None:
+        """One more token for each row; finished rows record their time. cb-srpt re-predicts as the engine
+        does: in the decode step that reads the state after k, 2k, ... tokens (and emits the next one)."""
         k, repredicted = self.config.repredict_every, 0
         for i in rows:
             self.done[i] += 1
@@ -405,17 +408,22 @@ class _Continuous:
                 self.finish[i] = self.clock
             elif self.policy == "oracle-srpt":
                 self.estimate[i], self.since[i] = self.target[i] - self.done[i], self.done[i]
-            elif self.policy == "cb-srpt" and self.done[i] % k == 0:
-                step = self.done[i] // k
-                rem = self.trace[i].remaining
+            elif self.policy == "cb-srpt" and decode and self._repredicted(i):
+                step, rem = (self.done[i] - 1) // k, self.trace[i].remaining
                 if step < len(rem):
-                    self.estimate[i], self.since[i] = float(rem[step]), self.done[i]
+                    self.estimate[i], self.since[i] = float(rem[step]), self.done[i] - 1
                     repredicted += 1
         self.clock += repredicted * self.config.repredict_s
 
+    def _repredicted(self, i: int) -> bool:
+        """Whether running row i's remaining length was just predicted again: the decode step that made its
+        latest token read the state after a multiple of `repredict_every` tokens."""
+        return self.done[i] > 1 and (self.done[i] - 1) % self.config.repredict_every == 0
+
     def _maybe_preempt(self) -> int:
-        """SRPT with limited preemption: a full batch swaps up to `refill_min` rows, each the longest-
-        predicted running row against the next shortest waiting one, when the gap exceeds the margin."""
+        """SRPT with limited preemption, after a decode step as in the engine: a full batch swaps up to
+        `refill_min` of its just re-predicted rows, each the longest-predicted against the next shortest
+        waiting request, when the gap exceeds the margin."""
         cfg = self.config
         if not (cfg.preempt and self.policy in ("cb-srpt", "oracle-srpt") and self.heap):
             return 0
@@ -423,7 +431,7 @@ class _Continuous:
             return 0
         now = cfg.aging / cfg.token_s * self.clock
         waiting = [key - now for key, _, _ in heapq.nsmallest(cfg.refill_min, self.heap)]
-        ready = [i for i in self.running if self.done[i] % cfg.repredict_every == 0 and i not in self.overdue
+        ready = [i for i in self.running if self._repredicted(i) and i not in self.overdue
                  and not self._would_be_overdue(self.wait_steps[i])]  # fmt: skip
         victims = sorted(ready, key=self._running_key, reverse=True)
         swapped = [
@@ -431,9 +439,10 @@ class _Continuous:
         ]
         for v in swapped:
             self.running.remove(v)
+            self.estimate[v], self.since[v] = self._remaining(v), self.done[v]  # queued by what is left
             self._push(v)
-            if cfg.preempt_mode == "keep":
-                self._keep(v, self.trace[v].prompt_len + self.done[v])
+            if cfg.preempt_mode == "keep":  # its newest token is pending, not cached (as in the engine)
+                self._keep(v, self.trace[v].prompt_len + self.done[v] - 1)
         self._bound_kept()
         self.preemptions += len(swapped)
         return len(swapped)
