@@ -22,7 +22,14 @@ import statistics
 import sys
 from pathlib import Path
 
-from ecru.cliargs import ArgumentParser, atomic_write_json, existing_file, positive_int, prepare_out_file
+from ecru.cliargs import (
+    ArgumentParser,
+    atomic_write_json,
+    existing_file,
+    non_negative_float,
+    positive_int,
+    prepare_out_file,
+)
 from ecru.serve.cost import CostModel
 from ecru.serve.online import PREEMPT_MODES, OnlineConfig, poisson_arrivals, simulate_online
 from serve_online import build_trace, resample, saturated_capacity
@@ -71,6 +78,9 @@ def main(argv=None) -> None:
     ap.add_argument("--cost-key", default="cost_model",
                     help="the cost model's key in --cost-from (bench/serve_online_real.py also writes "
                     "engine_cost_model, fitted on the engine's own steps)")  # fmt: skip
+    ap.add_argument("--predict-s", type=non_negative_float, default=None,
+                    help="MiniLM's seconds per request to charge (default: the --from JSON's, measured in "
+                    "batches; the engine pays it one text per call, see serve_online_real.py's JSON)")  # fmt: skip
     ap.add_argument("--seeds", type=positive_int, default=6, help="arrival draws (seeds 0 .. N-1)")
     ap.add_argument("--slacks", default="0.1,0.15,0.2", help="comma-separated fcfs_slack values")
     args = ap.parse_args(argv)
@@ -82,7 +92,9 @@ def main(argv=None) -> None:
     except (KeyError, TypeError, AttributeError):
         ap.error(f"--cost-key: no cost model {args.cost_key!r} in {args.cost_from or args.source}")
     slacks = [float(s) for s in args.slacks.split(",")]
-    predict_s = data["predictors"]["minilm"]["predict_s_per_request"]
+    predict_s = (
+        data["predictors"]["minilm"]["predict_s_per_request"] if args.predict_s is None else args.predict_s
+    )
     repredict_s = data["predictors"]["remaining-probe"]["predict_s_per_row"]
     configs = {"aging 0.1": ("cb-sjf", {})}
     configs |= {f"fcfs_slack {s:g}": ("cb-sjf", {"aging": 0.0, "fcfs_slack": s}) for s in slacks}
