@@ -246,8 +246,8 @@ class _Continuous:
         """Key at enqueue, up to the term - aging x clock / token_s shared by every waiting request."""
         if self.policy == "cb":
             return self.enqueued[i]
-        a = self.config.aging / self.config.token_s
-        return self._remaining(i) - a * self.waited[i] + a * self.enqueued[i]
+        a = self.config.aging / self.config.token_s  # a preempted row's estimate is its remainder (as queued)
+        return self.estimate[i] - a * self.waited[i] + a * self.enqueued[i]
 
     def _running_key(self, i: int) -> float:
         """A running row's key now: its predicted remaining tokens less the aging it earned while it waited."""
