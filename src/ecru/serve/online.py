@@ -247,7 +247,7 @@ class _Continuous:
         if self.policy == "cb":
             return self.enqueued[i]
         a = self.config.aging / self.config.token_s  # a preempted row's estimate is its remainder (as queued)
-        return self.estimate[i] - a * self.waited[i] + a * self.enqueued[i]
+        return min(self.estimate[i], self.config.max_new_tokens) - a * self.waited[i] + a * self.enqueued[i]
 
     def _running_key(self, i: int) -> float:
         """A running row's key now: its predicted remaining tokens less the aging it earned while it waited."""
