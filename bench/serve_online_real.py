@@ -77,9 +77,9 @@ RESULTS = Path(__file__).parent / "results"
 TRAIN_ANSWERS = 480
 """Greedy train answers the remaining-length probe is fitted on (bench/serve_online.py's full run)."""
 REPREDICT_EVERY = 16
+"""cb-srpt: tokens between re-predictions, on the engine and in the simulator."""
 AS_RUN = {False: "", True: ", the policies side by side (one process on one thread each)"}
 """How the policies ran, for the fitted cost model's source (--concurrent shares the machine)."""
-"""cb-srpt: tokens between re-predictions, on the engine and in the simulator."""
 
 
 def read_labels(path: Path, cap: int) -> tuple[list[str], list[int]]:
@@ -375,7 +375,7 @@ def run_round(served, ids, texts, trace, predictors, cost, base, args) -> tuple[
 
 def summary(rounds: list[dict], order: list[str]) -> dict:
     """Per policy: mean and p99 latency over cb's in each round, real and replayed with the engine-fitted
-    cost model, and their medians."""
+    cost models (pooled, and each policy's own), and their medians."""
     out = {}
     for name in order:
         cols = {f"{src}_{k}_x_cb": [r[src][name][f"{k}_latency_x_cb"] for r in rounds]
