@@ -6,9 +6,11 @@ labels, cap 256); the per-step cost model is measured on this machine in this ru
 fitted on train prompts only and its measured prediction time is charged on the serving clock.
 
 - Prompt-only predictors (cb-sjf; cb-srpt before its first re-prediction): the constant median, a ridge
-  probe on SmolLM2's mean-pooled prompt states (`ProbePredictor`), MiniLM ridge (`MiniLMPredictor`), and
-  PiA, SmolLM2 untuned asked for its answer's length (`PiAPredictor`; the train median where it gives no
-  number).
+  probe on SmolLM2's mean-pooled prompt states (`ProbePredictor`), MiniLM ridge (`MiniLMPredictor`), ridge
+  on the mean of SmolLM2's own input-embedding rows over the prompt (`EmbeddingPredictor`, its penalty
+  chosen by 5-fold cross-validation on the train prompts; timed one request's token ids per call, as the
+  engine's `add_request` calls it), and PiA, SmolLM2 untuned asked for its answer's length
+  (`PiAPredictor`; the train median where it gives no number).
 - Re-prediction (cb-srpt): `RemainingProbe`, ridge on the running row's own last hidden state, trained
   teacher-forced on the train prompts' answers (cached in --answers-dir; generated if missing), scored on
   the test answers every --repredict-every tokens.
@@ -42,7 +44,7 @@ from pathlib import Path
 import torch
 
 from ecru.cliargs import ArgumentParser, atomic_write_json, positive_int, prepare_out_file
-from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
+from ecru.serve import EmbeddingPredictor, MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
 from ecru.serve.online import OnlineConfig, OnlineRequest, poisson_arrivals, simulate_online
 from ecru.serve.predictors import ConstantPredictor, ProbePredictor, ridge_fit, spearman, timed_predict
@@ -83,7 +85,17 @@ def prompt_predictors(model, tok, train, y_train, test, cap) -> dict[str, tuple[
         pred, s = timed_predict(p, test)
         out[name] = (pred, s / len(test))
     print(f"pia: {fitted['pia'].parsed} of {len(test)} answers held a number", file=sys.stderr)
+    embed = EmbeddingPredictor(model, tok, cap=cap).fit(train, y_train)
+    print(f"embed: lam {embed.lam} (out-of-fold Spearman {embed.cv})", file=sys.stderr)
+    out["embed"] = predict_ids_one_by_one(embed, encode_chat(tok, test))
     return out
+
+
+def predict_ids_one_by_one(predictor: EmbeddingPredictor, ids: list[list[int]]) -> tuple[list[float], float]:
+    """Predictions and seconds per request, one request's token ids per call, as the engine predicts."""
+    start = time.perf_counter()
+    pred = [predictor.engine_predict(i) for i in ids]
+    return pred, (time.perf_counter() - start) / len(ids)
 
 
 def fit_remaining(model, tok, prompts, answers, lengths, *, cap) -> tuple[RemainingProbe, float]:

@@ -12,7 +12,9 @@ latency runs from its scheduled arrival to its last token; `busy_s_per_decode_st
 machine's speed drifted between policies:
 
 - `cb`: first come first served, no predictor;
-- `cb-sjf`: shortest MiniLM-predicted answer first (ridge on the 1,000 train labels), aged 0.1 per step;
+- `cb-sjf`: shortest predicted answer first (--predictor: ridge on MiniLM's sentence embeddings, or on the
+  mean of SmolLM2's own input-embedding rows over the prompt, `EmbeddingPredictor`; fitted on the 1,000
+  train labels), aged 0.1 per step;
 - `cb-sjf[fcfs-slack]`: the same without aging, the longest-waiting request first once it has waited
   (1 + --slack) x the FCFS wait estimate (`EngineConfig.fcfs_slack`);
 - `cb-srpt[fcfs-slack]`: `cb-sjf[fcfs-slack]`, then every 16 tokens each running row's remaining length is
@@ -20,16 +22,16 @@ machine's speed drifted between policies:
   answers of bench/serve_online.py), and a full batch swaps its just re-predicted rows for waiting requests
   predicted 64 tokens shorter, the swapped rows' KV kept until they rejoin (`preempt_mode` keep).
 
-MiniLM predicts inside `add_request`, on the serving clock. Each round's trace (arrival times, prompt
+The prompt-only predictor predicts inside `add_request`, on the serving clock. Each round's trace (arrival times, prompt
 lengths, the labels' greedy lengths, the same predictions and their measured time, the probe's
 re-predictions on the cached greedy test answers) is then replayed through the online simulator
 (`ecru.serve.online`), twice: charged by the cost model measured on random tokens before the runs
 (`simulated`), by one fitted on every engine step of the round, each step's forwards
 (`record_forwards`) against its seconds, engine overheads included (`simulated_engine_cost`;
 `engine_cost` gives its in-sample error), and each policy by the one fitted on its own run's steps
-(`simulated_own_cost`: overheads only one policy has, such as cb-srpt's KV copies, stay with it). MiniLM's
-time is charged as `add_request` pays it, one text per call (each run's `predict_s_per_request` is what it
-paid). `engine_cost_model`, fitted on every round's steps, is what
+(`simulated_own_cost`: overheads only one policy has, such as cb-srpt's KV copies, stay with it). The
+predictor's time is charged as `add_request` pays it, one request per call (MiniLM reads the text, the
+embedding predictor the token ids; each run's `predict_s_per_request` is what it paid). `engine_cost_model`, fitted on every round's steps, is what
 `bench/serve_online_seeds.py --cost-from ... --cost-key engine_cost_model` replays on 3,000 requests. The
 engine keeps its default prefix cache; the simulator does not model it, the fitted prefill coefficient
 prices it in.
@@ -49,6 +51,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +66,7 @@ from ecru.cliargs import (
     positive_int,
     prepare_out_file,
 )
-from ecru.serve import MiniLMPredictor
+from ecru.serve import EmbeddingPredictor, MiniLMPredictor
 from ecru.serve.cost import CostModel, StepWork, fit_cost_model, measure_cost_model, record_forwards
 from ecru.serve.models import ServedModel
 from ecru.serve.online import OnlineConfig, OnlineRequest, poisson_arrivals, simulate_online
@@ -98,7 +101,7 @@ def policies(slack: float) -> dict[str, tuple[str, dict, dict]]:
     }
 
 
-def serve_real(served, ids, texts, arrivals, predictor, probe, config: EngineConfig, cap: int) -> dict:
+def serve_real(served, ids, arrivals, predict_one, probe, config: EngineConfig, cap: int) -> dict:
     """Serve the trace on the engine in wall-clock time; latencies from each scheduled arrival. `steps`:
     each engine step's work (`StepWork`, from its forwards) and seconds, for `fit_cost_model`."""
     remaining = probe if config.policy == "cb-srpt" else None
@@ -106,11 +109,10 @@ def serve_real(served, ids, texts, arrivals, predictor, probe, config: EngineCon
                            config=config, tokenizer=served.tokenizer, remaining=remaining)  # fmt: skip
     predict_s = []  # each prediction's seconds, in add_request, on the serving clock
     if config.policy != "cb":
-        text_of = {tuple(i): t for i, t in zip(ids, texts, strict=True)}
 
         def predict(prompt, params) -> float:
             start = time.perf_counter()
-            out = predictor.predict([text_of[tuple(prompt)]])[0]
+            out = predict_one(prompt)
             predict_s.append(time.perf_counter() - start)
             return out
 
@@ -168,12 +170,21 @@ def cached_answers(path: Path) -> dict[str, list[int]]:
     return {r["prompt"]: r["tokens"] for r in rows}
 
 
-def predict_one_by_one(predictor, texts: list[str]) -> tuple[list[float], float]:
-    """MiniLM's predictions and its seconds per request, one text per call, as `add_request` pays them."""
-    predicted, start = [], time.perf_counter()
-    for text in texts:
-        predicted += predictor.predict([text])
-    return predicted, (time.perf_counter() - start) / len(texts)
+def prompt_predictor(name: str, served, train, y_train, ids, texts, cap: int) -> Callable[[list[int]], float]:
+    """The engine's prediction of one request from its chat-templated ids, fitted on the train labels:
+    `EmbeddingPredictor` reads the ids themselves, MiniLM the request's text."""
+    if name == "embed":
+        return EmbeddingPredictor(served.model, served.tokenizer, cap=cap).fit(train, y_train).engine_predict
+    minilm = MiniLMPredictor(cap=cap).fit(train, y_train)
+    text_of = {tuple(i): t for i, t in zip(ids, texts, strict=True)}
+    return lambda prompt: minilm.predict([text_of[tuple(prompt)]])[0]
+
+
+def predict_one_by_one(predict_one, ids: list[list[int]]) -> tuple[list[float], float]:
+    """The predictions and their seconds per request, one request per call, as `add_request` pays them."""
+    start = time.perf_counter()
+    predicted = [predict_one(i) for i in ids]
+    return predicted, (time.perf_counter() - start) / len(ids)
 
 
 def remaining_probe(served, texts: list[str], cap: int):
@@ -241,6 +252,9 @@ def parse(argv) -> tuple:
                     help="run the policies of --order at the same time, one process on one thread each (the "
                     "engine's capacity for --rate-from engine measured likewise): a drift in the machine's "
                     "speed then weighs on all alike; needs one core per policy")  # fmt: skip
+    ap.add_argument("--predictor", choices=("minilm", "embed"), default="minilm",
+                    help="cb-sjf's and cb-srpt's prompt-only predictor: MiniLM ridge, or ridge on SmolLM2's own "
+                    "input embeddings (EmbeddingPredictor)")  # fmt: skip
     ap.add_argument("--repeats", type=positive_int, default=1,
                     help="rounds, each with its own Poisson arrival draw (seed + 1 + round)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -324,20 +338,20 @@ def engine_capacity(served, ids, cap: int) -> float:
     return len(ids) / (time.perf_counter() - start)
 
 
-def run_round(served, ids, texts, trace, predictors, cost, base, args) -> tuple[dict, list]:
+def run_round(served, ids, trace, predictors, cost, base, args) -> tuple[dict, list]:
     """Each policy on the real engine (args.order), then on the simulator, charged by the cost model
     measured before the runs and by the one fitted on this round's own engine steps; latency ratios to
-    cb's, and the steps themselves. `predictors`: (MiniLM, its seconds per request, the remaining probe,
-    its seconds per row)."""
+    cb's, and the steps themselves. `predictors`: (the prompt-only prediction of one request, its seconds
+    per request, the remaining probe, its seconds per row)."""
     runs, steps, table, arrivals = {}, [], policies(args.slack), [r.arrival_s for r in trace]
-    predictor, predict_s, probe, repredict_s = predictors
+    predict_one, predict_s, probe, repredict_s = predictors
 
     def serve(name: str) -> dict:
         policy, overrides, _ = table[name]
         config = EngineConfig(
             policy=policy, max_new_tokens=args.cap, repredict_every=REPREDICT_EVERY, **overrides
         )
-        return serve_real(served, ids, texts, arrivals, predictor, probe, config, args.cap)
+        return serve_real(served, ids, arrivals, predict_one, probe, config, args.cap)
 
     names = args.order + (args.order[::-1] if args.mirror else [])
     done = concurrently(serve, names) if args.concurrent else (serve(name) for name in names)
@@ -385,8 +399,8 @@ def summary(rounds: list[dict], order: list[str]) -> dict:
 
 
 def replay(trace, args, base: OnlineConfig, costs: dict, charged: tuple[float, float]) -> dict:
-    """Each policy of args.order on the simulator, charged `costs[name]` per step; `charged`: MiniLM's
-    seconds per request, the probe's per row."""
+    """Each policy of args.order on the simulator, charged `costs[name]` per step; `charged`: the prompt
+    predictor's seconds per request, the probe's per row."""
     out, table = {}, policies(args.slack)
     for name in args.order:
         policy, overrides, sim_only = table[name]
@@ -413,8 +427,8 @@ def main(argv=None) -> None:
     texts, lengths = [test[i] for i in picks], [y_test[i] for i in picks]
     served = ServedModel.load("smollm2")
     ids = encode_chat(served.tokenizer, texts)
-    predictor = MiniLMPredictor(cap=args.cap).fit(train, y_train)
-    predicted, predict_s = predict_one_by_one(predictor, texts)
+    predict_one = prompt_predictor(args.predictor, served, train, y_train, ids, texts, args.cap)
+    predicted, predict_s = predict_one_by_one(predict_one, ids)
     print("fitting the remaining-length probe ...", file=sys.stderr)
     probe, traj, repredict_s = remaining_probe(served, texts, args.cap)
     print("measuring the cost model ...", file=sys.stderr)
@@ -423,12 +437,12 @@ def main(argv=None) -> None:
         max_new_tokens=args.cap, repredict_every=REPREDICT_EVERY, token_s=cost.step_time(16, 200)
     )
     trace, capacity = timed_trace(ids, lengths, predicted, traj, cost, base, args, served)
-    predictors = (predictor, predict_s, probe, repredict_s)
+    predictors = (predict_one, predict_s, probe, repredict_s)
     rounds, steps = [], []
     for k in range(args.repeats):  # round k: arrivals drawn with seed + 1 + k
         arrivals = poisson_arrivals(len(trace), args.load * capacity, args.seed + 1 + k)
         trace = [dataclasses.replace(r, arrival_s=a) for r, a in zip(trace, arrivals, strict=True)]
-        done, round_steps = run_round(served, ids, texts, trace, predictors, cost, base, args)
+        done, round_steps = run_round(served, ids, trace, predictors, cost, base, args)
         rounds.append({"arrival_seed": args.seed + 1 + k} | done)
         steps += round_steps
     engine = engine_cost(
@@ -442,15 +456,16 @@ def main(argv=None) -> None:
         "from the scheduled arrival to the last token; each round's trace replayed through the online "
         "simulator with the cost model measured in this run before the policies ran (simulated) and with the "
         "one fitted on the round's own engine steps (simulated_engine_cost) or on each policy's own steps "
-        "(simulated_own_cost), MiniLM's time per request measured one text per call charged; engine_cost_model: "
+        "(simulated_own_cost), the prompt predictor's time per request measured one request per call charged; "
+        "engine_cost_model: "
         "fitted on every round's steps",
         "packed_layers": len(packed_layers(served.model)),
         "requests": len(trace), "load": args.load, "rate_from": args.rate_from, "capacity_requests_per_s": capacity,
         "arrival_rate_per_s": args.load * capacity, "repeats": args.repeats,
         "fcfs_slack": args.slack, "order": args.order, "mirror": args.mirror, "concurrent": args.concurrent,
         "predicted": predicted, "true_lengths": lengths,
-        "predictor": {"name": "minilm", "train_labels": len(train), "predict_s_per_request": predict_s,
-                      "measured": "one text per call, as add_request pays it"},
+        "predictor": {"name": args.predictor, "train_labels": len(train), "predict_s_per_request": predict_s,
+                      "measured": "one request per call, as add_request pays it"},
         "remaining_probe": {"train_answers": TRAIN_ANSWERS, "repredict_every": REPREDICT_EVERY,
                             "predict_s_per_row": repredict_s},
         "cost_model": cost.__dict__, "engine_cost": engine, "engine_cost_model": engine["cost_model"],

@@ -1,9 +1,9 @@
-"""How much bench/serve_online.py's load-1.2 results with MiniLM depend on the arrival draw.
+"""How much bench/serve_online.py's load-1.2 results with a prompt-only predictor depend on the arrival draw.
 
-Replays the measurements a serve_online JSON holds (true lengths, prompt lengths, MiniLM's predictions and
-its measured time, the remaining-length probe's re-predictions and their time, the cost model) through the
-online simulator for --seeds draws of the 3,000 resampled requests and their Poisson arrivals at load 1.2:
-cb, cb-sjf with aging 0.1 and cb-sjf with the FCFS deadline at each --slacks value, and cb-srpt
+Replays the measurements a serve_online JSON holds (true lengths, prompt lengths, a prompt-only predictor's
+predictions, --predictor, MiniLM's by default, and its measured time, the remaining-length probe's
+re-predictions and their time, the cost model) through the online simulator for --seeds draws of the 3,000
+resampled requests and their Poisson arrivals at load 1.2: cb, cb-sjf with aging 0.1 and cb-sjf with the FCFS deadline at each --slacks value, and cb-srpt
 (re-prediction, preemption with the default margin) with the deadline at each --slacks value, its
 preempted rows either prefilled again (`preempt_mode` recompute) or keeping their KV (keep, the engine's
 cb-srpt default); latency ratios to cb per seed, their mean and standard deviation.
@@ -37,11 +37,14 @@ from serve_online import build_trace, resample, saturated_capacity
 RESULTS = Path(__file__).parent / "results"
 
 
-def ratios_over_seeds(data: dict, cost: CostModel, predict_s: float, configs: dict, seeds: int) -> dict:
+def ratios_over_seeds(
+    data: dict, cost: CostModel, predict_s: float, configs: dict, seeds: int, predictor: str = "minilm"
+) -> dict:
     """name -> per-seed (mean, p99) latency over cb's, and their mean, std, min and max; `configs`: name ->
-    (policy, OnlineConfig overrides); cap and re-prediction interval as `data` (a serve_online JSON) ran."""
+    (policy, OnlineConfig overrides); cap and re-prediction interval as `data` (a serve_online JSON) ran;
+    the prompt-only predictions are `predictor`'s."""
     pp, run = data["per_prompt"], data["config"]
-    lens, plens, pred = pp["true_lengths"], pp["prompt_lens"], pp["predicted"]["minilm"]
+    lens, plens, pred = pp["true_lengths"], pp["prompt_lens"], pp["predicted"][predictor]
     traj = pp["remaining_trajectories"]
     base = OnlineConfig(max_new_tokens=run["max_new_tokens"], repredict_every=run["repredict_every"],
                         token_s=cost.step_time(16, 200))  # fmt: skip
@@ -78,9 +81,13 @@ def main(argv=None) -> None:
     ap.add_argument("--cost-key", default="cost_model",
                     help="the cost model's key in --cost-from (bench/serve_online_real.py also writes "
                     "engine_cost_model, fitted on the engine's own steps)")  # fmt: skip
+    ap.add_argument("--predictor", default="minilm",
+                    help="the prompt-only predictor whose predictions are replayed (a name in the --from JSON's "
+                    "predictors: minilm, embed, probe, ...)")  # fmt: skip
     ap.add_argument("--predict-s", type=non_negative_float, default=None,
-                    help="MiniLM's seconds per request to charge (default: the --from JSON's, measured in "
-                    "batches; the engine pays it one text per call, see serve_online_real.py's JSON)")  # fmt: skip
+                    help="the predictor's seconds per request to charge (default: the --from JSON's; its MiniLM "
+                    "was timed in batches, which the engine pays one text per call: see serve_online_real.py's "
+                    "JSON)")  # fmt: skip
     ap.add_argument("--seeds", type=positive_int, default=6, help="arrival draws (seeds 0 .. N-1)")
     ap.add_argument("--slacks", default="0.1,0.15,0.2", help="comma-separated fcfs_slack values")
     args = ap.parse_args(argv)
@@ -92,8 +99,13 @@ def main(argv=None) -> None:
     except (KeyError, TypeError, AttributeError):
         ap.error(f"--cost-key: no cost model {args.cost_key!r} in {args.cost_from or args.source}")
     slacks = [float(s) for s in args.slacks.split(",")]
+    if args.predictor not in data["per_prompt"]["predicted"]:
+        ap.error(f"--predictor: no predictions {args.predictor!r} in {args.source} (it has "
+                 f"{', '.join(data['per_prompt']['predicted'])})")  # fmt: skip
     predict_s = (
-        data["predictors"]["minilm"]["predict_s_per_request"] if args.predict_s is None else args.predict_s
+        data["predictors"][args.predictor]["predict_s_per_request"]
+        if args.predict_s is None
+        else args.predict_s
     )
     repredict_s = data["predictors"]["remaining-probe"]["predict_s_per_row"]
     configs = {"aging 0.1": ("cb-sjf", {})}
@@ -101,14 +113,14 @@ def main(argv=None) -> None:
     for mode in PREEMPT_MODES:
         srpt = {"repredict_s": repredict_s, "preempt": True, "preempt_mode": mode, "aging": 0.0}
         configs |= {f"cb-srpt {mode} fcfs_slack {s:g}": ("cb-srpt", srpt | {"fcfs_slack": s}) for s in slacks}
-    result = ratios_over_seeds(data, cost, predict_s, configs, args.seeds)
+    result = ratios_over_seeds(data, cost, predict_s, configs, args.seeds, args.predictor)
     for name, r in result.items():
         print(f"{name:>30}: mean x cb {r['mean_x_cb']:.3f} ± {r['mean_x_cb_std']:.3f} (max {r['mean_x_cb_max']:.3f}),"
               f" p99 x cb {r['p99_x_cb_mean']:.3f} (max {r['p99_x_cb_max']:.3f})")  # fmt: skip
     atomic_write_json(out_path, {
         "command": "python bench/serve_online_seeds.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "source": str(args.source), "cost_model_from": str(args.cost_from or args.source), "cost_key": args.cost_key,
-        "cost_model": cost.__dict__, "load": 1.2, "requests": 3000, "predictor": "minilm",
+        "cost_model": cost.__dict__, "load": 1.2, "requests": 3000, "predictor": args.predictor,
         "predict_s_per_request": predict_s, "repredict_s_per_row": repredict_s, "seeds": args.seeds,
         "names": "cb-sjf unless named; cb-srpt: re-prediction, preemption (margin 64), preempt_mode as named",
         "policies": result,

@@ -11,9 +11,11 @@ from ecru.serve import (
     SelfLoRAPredictor,
     generate_static,
     length_metrics,
+    ridge_cv,
     ridge_fit,
     timed_predict,
 )
+from ecru.serve.predictors import spearman
 from ecru.serve.self_predict import PiAPredictor, bucket_label, parse_length
 
 
@@ -152,3 +154,54 @@ def test_expected_readout_reads_the_learned_bucket(tokenizer):
     assert all(abs(x - 150) < 5 for x in got), got  # nearly all the probability on "150"
     with pytest.raises(ValueError, match="readout must be one of greedy, expected"):
         SelfLoRAConfig(readout="mean")
+
+
+def test_ridge_cv_is_the_out_of_fold_spearman_of_each_penalty():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(23, 6, generator=g)
+    y = x[:, 0] - x[:, 1] + 0.3 * torch.randn(23, generator=g)
+    scores = ridge_cv(x, y, (0.1, 100.0), folds=4, seed=3)
+    perm = torch.randperm(23, generator=torch.Generator().manual_seed(3)).tolist()
+    for lam in (0.1, 100.0):
+        oof = [0.0] * 23
+        for f in range(4):  # by hand: rows perm[f], perm[f + 4], ... held out
+            held = perm[f::4]
+            kept = [i for i in range(23) if i not in held]
+            w, b = ridge_fit(x[kept], y[kept], lam=lam)
+            for i in held:
+                oof[i] = float(x[i] @ w + b)
+        assert scores[lam] == pytest.approx(spearman(oof, y.tolist()))
+    assert scores[0.1] > 0.8
+
+
+def test_embedding_predictor_reads_the_models_own_embedding_rows(model):
+    from ecru.serve import EmbeddingPredictor
+
+    table = model.get_input_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(0)
+    ids = [
+        torch.randint(3, 64, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (80,), generator=g)
+    ]
+    truth = torch.randn(table.shape[1], generator=g)
+    labels = [float(40 + 20 * table[i].mean(0) @ truth) for i in ids]  # linear in the mean embedding
+    p = EmbeddingPredictor(model, None, cap=400).fit_ids(ids[:60], labels[:60])
+    assert p.lam == min(p.LAMS) and set(p.cv) == set(p.LAMS)  # noise-free: the least penalty wins
+    torch.testing.assert_close(p.id_features(ids[:2]), torch.stack([table[i].mean(0) for i in ids[:2]]))
+    got = p.predict_ids(ids[60:])
+    assert spearman(got, labels[60:]) > 0.95  # unseen prompts
+    assert p.engine_predict(ids[61], None) == pytest.approx(got[1])
+    with pytest.raises(ValueError, match="empty prompt"):
+        p.predict_ids([[]])
+    with pytest.raises(RuntimeError, match="not fitted"):
+        EmbeddingPredictor(model, None).predict_ids(ids[:1])
+
+
+def test_the_engine_queues_a_request_at_the_embedding_predictors_length(model, gen):
+    from ecru.serve import EmbeddingPredictor, EngineConfig, RequestEngine, SamplingParams
+
+    ids = [[5, 6, 7], [9, 9, 30, 41], [12], [50, 3, 3]]
+    p = EmbeddingPredictor(model, None, lam=1.0, cap=24).fit_ids(ids, [3.0, 20.0, 7.0, 15.0])
+    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                           config=EngineConfig(policy="cb-sjf", max_new_tokens=24), predict=p.engine_predict)  # fmt: skip
+    reqs = [engine.add_request(i, SamplingParams(max_tokens=24)) for i in ids]
+    assert [r.predicted for r in reqs] == pytest.approx(p.predict_ids(ids))

@@ -119,10 +119,6 @@ def test_real_engine_serves_a_poisson_trace_alike_under_every_policy():
     texts = ["hi", "tell me a story", "what time is it", "list five fruits", "why", "a b c"]
     ids = encode_chat(served.tokenizer, texts)
 
-    class ByLength:  # a stand-in predictor: longer text, longer answer
-        def predict(self, prompts):
-            return [float(len(p)) for p in prompts]
-
     arrivals = real.poisson_arrivals(len(texts), 50.0, seed=0)
     outputs = []
     for name, (policy, overrides, _) in real.policies(0.25).items():
@@ -130,7 +126,7 @@ def test_real_engine_serves_a_poisson_trace_alike_under_every_policy():
             policy=policy, max_new_tokens=8, max_batch_size=2, repredict_every=2, **overrides
         )
         probe = RunsLong()
-        r = real.serve_real(served, ids, texts, arrivals, ByLength(), probe, config, 8)
+        r = real.serve_real(served, ids, arrivals, lambda prompt: float(len(prompt)), probe, config, 8)
         assert 0 < r["mean_latency_s"] <= r["p99_latency_s"] <= r["max_latency_s"] < r["wall_s"] + 1e-9, name
         assert bool(probe.seen) == (policy == "cb-srpt")  # re-predicted while generating, only there
         work = sum((w for w, _ in r["steps"]), StepWork())  # every engine forward, in the steps it ran in
@@ -138,6 +134,23 @@ def test_real_engine_serves_a_poisson_trace_alike_under_every_policy():
         assert work.decode_steps == r["decode_steps"] and work.prefills == r["prefill_forwards"] > 0
         outputs.append(r["outputs"])
     assert len(outputs) == 4 and all(o == outputs[0] for o in outputs)  # greedy: admission changes no answer
+
+
+def test_the_embedding_predictor_reads_the_ids_the_engine_is_given():
+    real = load_bench_script("serve_online_real")
+    from ecru.serve import EmbeddingPredictor
+    from ecru.serve.models import ServedModel
+    from ecru.serve.prompts import encode_chat
+
+    served = ServedModel.load("tiny")
+    train, labels = ["hi", "tell me a story", "why", "list five fruits", "a b c"], [2.0, 8.0, 1.0, 6.0, 3.0]
+    test = ["what time is it", "write a poem"]
+    ids = encode_chat(served.tokenizer, test)
+    predict_one = real.prompt_predictor("embed", served, train, labels, ids, test, 8)
+    ref = EmbeddingPredictor(served.model, served.tokenizer, cap=8).fit(train, labels)
+    assert [predict_one(i) for i in ids] == ref.predict(test)  # ids as the engine has them = text templated
+    got, seconds = real.predict_one_by_one(predict_one, ids)
+    assert got == ref.predict(test) and seconds > 0
 
 
 def test_mirrored_runs_average_every_number_and_keep_each_run():
@@ -201,6 +214,17 @@ def test_seeds_refuses_a_cost_key_the_json_lacks(tmp_path, capsys):
         with pytest.raises(SystemExit):
             seeds.main(["--json", str(out), "--from", str(source), "--cost-key", key])
         assert f"no cost model '{key}'" in capsys.readouterr().err and not out.exists()
+
+
+def test_seeds_refuses_a_predictor_the_json_lacks(tmp_path, capsys):
+    seeds = load_bench_script("serve_online_seeds")
+    source = tmp_path / "online.json"
+    source.write_text(
+        json.dumps({"cost_model": SMOLLM2_CPU.__dict__, "per_prompt": {"predicted": {"minilm": []}}})
+    )
+    with pytest.raises(SystemExit):
+        seeds.main(["--json", str(tmp_path / "s.json"), "--from", str(source), "--predictor", "embed"])
+    assert "no predictions 'embed'" in capsys.readouterr().err
 
 
 def test_summary_lists_each_rounds_ratios_and_their_median():
