@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ecru.cli import main
+from ecru.serve.predictors import LENGTH_FILE, EmbeddingPredictor
 from ecru.serve.remaining import PROBE_FILE, RemainingProbe, model_key
 
 from .test_batch_run import answers, run, write_lines
@@ -35,6 +36,43 @@ def test_a_fitted_probe_is_saved_with_its_model_and_held_out_report(probe_dir, c
     assert held["answer_tokens"] > 0 and set(held) >= {"mae", "acc50", "spearman", "held_out_points"}
     t = torch.tensor([0, 4])
     assert probe.predict(torch.randn(2, 32), t).shape == (2,)
+
+
+def test_the_prompt_length_predictor_is_saved_beside_with_its_report(probe_dir, chat_model_dir):
+    from ecru.serve.models import ServedModel
+
+    served = ServedModel.load(str(chat_model_dir))
+    length = EmbeddingPredictor.load(probe_dir, served.model, served.tokenizer)
+    assert length.key == model_key(str(chat_model_dir)) and length.cap == 40 and length.lam in length.LAMS
+    held = json.loads((probe_dir / "probe.json").read_text())["length_predictor_held_out"]
+    assert held["prompts"] == len(PROMPTS) and held["held_out_prompts"] == 3
+    assert set(held) >= {"mae", "acc50", "spearman", "lam"}
+    ids = served.encode_chat([{"role": "user", "content": "hello there"}])
+    assert 1 <= length.engine_predict(ids) <= 40
+
+
+def test_length_predictor_save_and_load_give_the_same_predictions(model, tmp_path):
+    ids = [[5, 6, 7], [9, 9, 30, 41], [12], [50, 3, 3], [8, 8]]
+    p = EmbeddingPredictor(model, None, lam=0.3, cap=24, key="m").fit_ids(ids, [3.0, 20.0, 7.0, 15.0, 9.0])
+    p.save(tmp_path)
+    back = EmbeddingPredictor.load(tmp_path, model, None)
+    assert torch.equal(back.w, p.w) and torch.equal(back.b, p.b)
+    # the same weights; a loaded tensor's product may round differently in the last bit
+    torch.testing.assert_close(back.predict_ids(ids), p.predict_ids(ids), rtol=1e-6, atol=1e-5)
+    assert (back.lam, back.cap, back.key) == (0.3, 24, "m")
+    with pytest.raises(ValueError, match="no length_predictor.safetensors"):
+        EmbeddingPredictor.load(tmp_path / "missing", model, None)
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(3), "b": torch.zeros(1)}, str(tmp_path / LENGTH_FILE),
+              metadata={"predictor": json.dumps({"cap": 24, "lam": 1.0, "model": "m"})})  # fmt: skip
+    with pytest.raises(ValueError, match="embeddings of width 3, the model's are"):
+        EmbeddingPredictor.load(tmp_path, model, None)
+    (tmp_path / LENGTH_FILE).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a length predictor"):
+        EmbeddingPredictor.load(tmp_path, model, None)
+    with pytest.raises(RuntimeError, match="not fitted"):
+        EmbeddingPredictor(model, None).save(tmp_path)
 
 
 def test_save_and_load_give_the_same_predictions(tmp_path):
@@ -89,12 +127,38 @@ def test_serve_run_with_cb_srpt_answers_as_cb(probe_dir, chat_model_dir, tmp_pat
     )  # greedy: order changes no answer
 
 
+def test_serve_run_queues_by_the_length_predictor(probe_dir, chat_model_dir, tmp_path, monkeypatch):
+    src = write_lines(tmp_path / "in.jsonl", [{"prompt": p} for p in PROMPTS])
+    extra = ("--max-new-tokens", "40", "--max-batch-size", "2")
+    assert run(chat_model_dir, src, tmp_path / "cb.jsonl", *extra) == 0
+    calls, predict = [], EmbeddingPredictor.engine_predict
+
+    def counted(self, prompt, params=None):
+        calls.append(prompt)
+        return predict(self, prompt, params)
+
+    monkeypatch.setattr(EmbeddingPredictor, "engine_predict", counted)
+    for policy in ("cb-sjf", "cb-srpt"):
+        calls.clear()
+        flags = ("--policy", policy, "--length-predictor", str(probe_dir))
+        flags += ("--remaining-probe", str(probe_dir)) if policy == "cb-srpt" else ()
+        assert run(chat_model_dir, src, tmp_path / f"{policy}.jsonl", *extra, *flags) == 0
+        assert len(calls) == len(PROMPTS)  # one prediction per request, from its token ids
+        assert answers(tmp_path / "cb.jsonl") == answers(tmp_path / f"{policy}.jsonl")
+
+
 def test_bad_probe_use_is_refused_in_one_line_before_any_work(probe_dir, chat_model_dir, tmp_path, capsys):
     src = write_lines(tmp_path / "in.jsonl", [{"prompt": "hi"}])
     other, wide = tmp_path / "other", tmp_path / "wide"
     probe = RemainingProbe.load(probe_dir)
     probe.model = "smollm2"
     probe.save(other)
+    from ecru.serve.models import ServedModel
+
+    served = ServedModel.load(str(chat_model_dir))
+    length = EmbeddingPredictor.load(probe_dir, served.model, served.tokenizer)
+    length.key = "smollm2"
+    length.save(other)
     probe.model, probe.w = model_key(str(chat_model_dir)), torch.zeros(18)  # a 16-wide model's probe
     probe.save(wide)
     cases = {
@@ -116,6 +180,9 @@ def test_bad_probe_use_is_refused_in_one_line_before_any_work(probe_dir, chat_mo
             "--max-new-tokens",
             "80",
         ): "up to 40 tokens",
+        ("--length-predictor", str(probe_dir)): "--length-predictor orders cb-sjf's and cb-srpt's queue",
+        ("--policy", "cb-sjf", "--length-predictor", str(tmp_path)): "no length_predictor.safetensors",
+        ("--policy", "cb-sjf", "--length-predictor", str(other)): "fitted for model 'smollm2'",
     }
     for extra, message in cases.items():
         out = tmp_path / "out.jsonl"

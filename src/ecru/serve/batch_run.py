@@ -143,13 +143,13 @@ def encode_lines(served, lines: Sequence[BatchLine], base: SamplingParams, *, pa
 
 
 def run_batch(
-    served, todo: Sequence[Encoded], *, out: Path, config, progress: bool = True, remaining=None
+    served, todo: Sequence[Encoded], *, out: Path, config, progress: bool = True, remaining=None, predict=None
 ) -> int:
     """Serve `todo` on one engine, appending each answer to `out` as it finishes; returns tokens generated.
-    `remaining`: cb-srpt's fitted `RemainingProbe`."""
+    `remaining`: cb-srpt's fitted `RemainingProbe`; `predict`: each request's predicted length."""
     from tqdm.auto import tqdm
 
-    engine = served.engine(config, remaining=remaining)
+    engine = served.engine(config, remaining=remaining, predict=predict)
     lines = {str(i): e.line for i, e in enumerate(todo)}
     for i, e in enumerate(todo):
         engine.add_request(e.prompt_ids, e.params, request_id=str(i))

@@ -56,6 +56,8 @@ def _engine_config(args: argparse.Namespace, *, max_new_tokens: int):
         raise EcruError(
             "--fcfs-slack applies to --policy cb-sjf or cb-srpt only: drop it or add --policy cb-sjf"
         )
+    if args.length_predictor is not None:
+        _check_length_file(args.length_predictor, args.policy)
     if (args.policy == "cb-srpt") != (args.remaining_probe is not None):
         raise EcruError("--policy cb-srpt needs --remaining-probe DIR (fit one with `ecru serve probe`), and only "
                         "it takes one")  # fmt: skip
@@ -98,6 +100,39 @@ def _load_probe(args: argparse.Namespace):
         raise EcruError(f"--remaining-probe {exc}") from None
 
 
+def _check_length_file(folder: str, policy: str) -> None:
+    """`--length-predictor DIR` before the model loads: for a policy that uses it, a folder holding one."""
+    from pathlib import Path
+
+    from ecru.serve.predictors import LENGTH_FILE
+
+    if policy not in SJF_POLICIES:
+        raise EcruError(
+            "--length-predictor orders cb-sjf's and cb-srpt's queue: drop it or add --policy cb-sjf"
+        )
+    if not (Path(folder) / LENGTH_FILE).is_file():
+        raise EcruError(f"--length-predictor {folder}: no {LENGTH_FILE} in it; fit one with `ecru serve probe "
+                        f"--out {folder}`")  # fmt: skip
+
+
+def _load_length(args: argparse.Namespace, served):
+    """`--length-predictor DIR` loaded for the loaded model: its `engine_predict` (None without the flag)."""
+    from ecru.serve.predictors import EmbeddingPredictor
+    from ecru.serve.remaining import model_key
+
+    if args.length_predictor is None:
+        return None
+    where = f"--length-predictor {args.length_predictor}"
+    try:
+        predictor = EmbeddingPredictor.load(args.length_predictor, served.model, served.tokenizer)
+    except ValueError as exc:
+        raise EcruError(f"--length-predictor {exc}") from None
+    if predictor.key != model_key(served.name):
+        raise EcruError(f"{where}: fitted for model {predictor.key!r}, not {model_key(served.name)!r}; fit one for "
+                        f"it with `ecru serve probe --model {served.name}`")  # fmt: skip
+    return predictor.engine_predict
+
+
 def _check_probe(args: argparse.Namespace, probe, served, config) -> None:
     """A loaded probe against the loaded model and the engine's `config`."""
     from ecru.serve.remaining import model_key
@@ -131,11 +166,12 @@ def _api(args: argparse.Namespace) -> int:
     _check_bindable(args.host, args.port)
     served = ServedModel.load(args.model, packed=args.packed_weights)
     _check_probe(args, remaining, served, config)
+    predict = _load_length(args, served)
     print(
         f"serving {served.describe()} on http://{args.host}:{args.port}/v1 (policy {config.policy})",
         file=sys.stderr,
     )
-    serve_forever(served, config, host=args.host, port=args.port, remaining=remaining)
+    serve_forever(served, config, host=args.host, port=args.port, remaining=remaining, predict=predict)
     return 0
 
 
@@ -177,11 +213,17 @@ def _run(args: argparse.Namespace) -> int:
         )
     cap = max([args.max_new_tokens, *(e.params.max_tokens for e in todo)])
     config = _engine_config(args, max_new_tokens=cap)
+    predict = None
     if todo:
         _check_probe(args, remaining, served, config)
+        predict = _load_length(args, served)
     for message in skipped:
         print(f"skipped {message}", file=sys.stderr)
-    tokens = batch_run.run_batch(served, todo, out=out, config=config, remaining=remaining) if todo else 0
+    tokens = (
+        batch_run.run_batch(served, todo, out=out, config=config, remaining=remaining, predict=predict)
+        if todo
+        else 0
+    )
     batch_run.reorder(out, lines)
     print(
         f"{len(todo)} answered ({tokens} tokens), {len(done & {line.id for line in lines})} already in "
@@ -196,9 +238,16 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
         "--policy",
         choices=ENGINE_POLICIES,
         default="cb",
-        help="admission: cb first come first served, cb-sjf shortest max_tokens first (aged), "
-        "cb-srpt cb-sjf plus shortest predicted remaining first, re-predicted every 16 tokens by "
-        "--remaining-probe, cb-kv KV memory reserved per request (more rows)",
+        help="admission: cb first come first served, cb-sjf shortest predicted answer first (aged; by "
+        "--length-predictor, or by max_tokens without it), cb-srpt cb-sjf plus shortest predicted remaining "
+        "first, re-predicted every 16 tokens by --remaining-probe, cb-kv KV memory reserved per request (more rows)",
+    )
+    p.add_argument(
+        "--length-predictor",
+        default=None,
+        metavar="DIR",
+        help="cb-sjf, cb-srpt: predict each answer's length from the prompt with the predictor `ecru serve probe "
+        "--out DIR` fitted for this model (a lookup of its own embeddings and a dot product per request)",
     )
     p.add_argument(
         "--remaining-probe",
@@ -212,7 +261,7 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
         type=non_negative_float,
         default=None,
         help="cb-sjf without aging: a request that has waited (1 + S) x the wait first come first served "
-        "would now impose is admitted first (here lengths are predicted by max_tokens; docs/serve.md)",
+        "would now impose is admitted first (the wait estimated from the predicted lengths; docs/serve.md)",
     )
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help=max_new_tokens_help)
     p.add_argument(
@@ -588,7 +637,8 @@ def _probe(args: argparse.Namespace) -> int:
     from ecru.cliargs import atomic_write_json, config_from, prepare_out_dir
     from ecru.serve import batch_run
     from ecru.serve.models import ServedModel
-    from ecru.serve.remaining import fit_probe, model_key
+    from ecru.serve.predictors import fit_length_predictor
+    from ecru.serve.remaining import fit_probe, greedy_answers, model_key
     from ecru.serve.request_engine import EngineConfig
     from ecru.serve.sampling import SamplingParams
 
@@ -604,23 +654,35 @@ def _probe(args: argparse.Namespace) -> int:
     todo = batch_run.encode_lines(
         served, lines, base, path=args.input, skip_invalid=False, skipped=[], hint=""
     )
+    prompts = [e.prompt_ids for e in todo]
+    answers = greedy_answers(served, prompts, cap=args.max_new_tokens, config=config, progress=True)
     try:
-        probe, report = fit_probe(served, [e.prompt_ids for e in todo], cap=args.max_new_tokens, config=config,
-                                  progress=True)  # fmt: skip
+        probe, report = fit_probe(served, prompts, answers, cap=args.max_new_tokens)
     except ValueError as exc:
         raise EcruError(f"{args.input}: {exc}") from None
-    meta = {"model": model_key(served.name), "cap": args.max_new_tokens, "held_out": report}
-    atomic_write_json(out / "probe.json", meta)  # the report first: the probe file is what serving reads
+    length, length_report = fit_length_predictor(
+        served, prompts, [len(a) for a in answers], cap=args.max_new_tokens
+    )
+    meta = {"model": model_key(served.name), "cap": args.max_new_tokens, "held_out": report,
+            "length_predictor_held_out": length_report}  # fmt: skip
+    atomic_write_json(out / "probe.json", meta)  # the report first: the weight files are what serving reads
     probe.save(out)
-    rho = "n/a" if report["spearman"] is None else f"{report['spearman']:.2f}"
+    length.save(out)
     print(f"fitted on {report['answers']} greedy answers ({report['answer_tokens']} tokens); held out "
-          f"{report['held_out_answers']}: Spearman {rho} over {report['held_out_points']} re-predictions; wrote {out}")  # fmt: skip
+          f"{report['held_out_answers']}: remaining-length Spearman {_rho(report)} over {report['held_out_points']} "
+          f"re-predictions, prompt-length Spearman {_rho(length_report)}; wrote {out}")  # fmt: skip
     return 0
+
+
+def _rho(report: dict) -> str:
+    return "n/a" if report["spearman"] is None else f"{report['spearman']:.2f}"
 
 
 def _configure_probe(sub) -> None:
     probe = sub.add_parser(
-        "probe", help="fit cb-srpt's remaining-length probe for a model on your prompts (greedy answers)"
+        "probe",
+        help="fit cb-srpt's remaining-length probe and cb-sjf's prompt-length predictor for a model on your "
+        "prompts (their greedy answers)",
     )
     probe.add_argument("--model", default="smollm2", help=MODEL_HELP)
     probe.add_argument("--in", dest="input", required=True, type=existing_file,
@@ -629,7 +691,8 @@ def _configure_probe(sub) -> None:
         "--out",
         required=True,
         metavar="DIR",
-        help="folder for the probe (remaining_probe.safetensors, probe.json)",
+        help="folder for the probe and the predictor (remaining_probe.safetensors, length_predictor.safetensors, "
+        "probe.json)",
     )
     probe.add_argument("--max-new-tokens", type=positive_int, default=256,
                        help="cap on each greedy answer: the longest remainder the probe predicts")  # fmt: skip

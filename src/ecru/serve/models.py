@@ -110,10 +110,11 @@ class ServedModel:
         )
         return list(out["input_ids"])
 
-    def engine(self, config, *, state_predictor: StatePredictor | None = None, remaining=None):
+    def engine(self, config, *, state_predictor: StatePredictor | None = None, remaining=None, predict=None):
         """A `RequestEngine` for this model (`state_predictor`, e.g. a fitted `ProbePredictor` of this
         model: prefill on arrival; `remaining`, a fitted `RemainingProbe` of this model: cb-srpt's
-        re-prediction; see `request_engine`)."""
+        re-prediction; `predict`, e.g. a fitted `EmbeddingPredictor`'s `engine_predict`: each request's
+        predicted length, its key in cb-sjf's and cb-srpt's queue; see `request_engine`)."""
         from ecru.serve.request_engine import RequestEngine
 
         return RequestEngine(
@@ -125,4 +126,5 @@ class ServedModel:
             context_len=self.context_len,
             state_predictor=state_predictor,
             remaining=remaining,
+            predict=predict,
         )

@@ -12,13 +12,17 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from ecru.models.minilm import mean_pool
+
+LENGTH_FILE = "length_predictor.safetensors"
 
 
 class LengthPredictor(Protocol):
@@ -202,16 +206,59 @@ class EmbeddingPredictor(_RidgeOnFeatures):
     `predict=predictor.engine_predict` to `RequestEngine` (or `ServedModel.engine`).
 
     `lam=None` (the default) chooses the ridge penalty among `LAMS` by 5-fold out-of-fold Spearman on the
-    training prompts (`ridge_cv`; the scores kept in `cv`)."""
+    training prompts (`ridge_cv`; the scores kept in `cv`). `save` / `load` keep a fitted one in a folder
+    (`ecru serve probe` writes it, `ecru serve api/run --length-predictor DIR` serve with it)."""
 
     name = "embed"
     LAMS = (0.1, 0.3, 1.0, 3.0, 10.0)
 
-    def __init__(self, model, tokenizer, *, lam: float | None = None, cap: int = 256):
+    def __init__(self, model, tokenizer, *, lam: float | None = None, cap: int = 256, key: str | None = None):
         super().__init__(cap=cap)
         self.lam: float | None = lam
         self.embeddings, self.tokenizer = model.get_input_embeddings(), tokenizer
+        self.key = key
+        """The name of the model whose embeddings it reads (recorded by `save`, checked by front ends)."""
         self.cv: dict[float, float] = {}
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the fitted weights to `folder`/length_predictor.safetensors (atomically)."""
+        from safetensors.torch import save
+
+        from ecru.cliargs import atomic_write_bytes
+
+        if self.w is None:
+            raise RuntimeError("EmbeddingPredictor is not fitted: nothing to save")
+        meta = {"cap": self.cap, "lam": self.lam, "model": self.key}
+        data = save(
+            {"w": self.w.contiguous(), "b": self.b.reshape(1)}, metadata={"predictor": json.dumps(meta)}
+        )
+        return atomic_write_bytes(Path(folder) / LENGTH_FILE, data)
+
+    @classmethod
+    def load(cls, folder: str | Path, model, tokenizer) -> EmbeddingPredictor:
+        """A predictor written by `save`, reading `model`'s embeddings; ValueError when `folder` holds none
+        or its weights do not fit the model's embedding width."""
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(folder) / LENGTH_FILE
+        if not path.is_file():
+            raise ValueError(
+                f"{folder}: no {LENGTH_FILE} in it; fit one with `ecru serve probe --out {folder}`"
+            )
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = json.loads(f.metadata()["predictor"])
+                w, b = f.get_tensor("w"), f.get_tensor("b")
+            if w.ndim != 1 or b.numel() != 1:
+                raise ValueError(f"weights of shape {tuple(w.shape)} and bias of {b.numel()} values")
+            out = cls(model, tokenizer, lam=float(meta["lam"]), cap=int(meta["cap"]), key=meta["model"])
+        except (SafetensorError, OSError, KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"{path}: not a length predictor ({exc})") from None
+        width = out.embeddings.weight.shape[1]
+        if len(w) != width:
+            raise ValueError(f"{path}: it reads embeddings of width {len(w)}, the model's are {width}")
+        out.w, out.b = w, b.reshape(())
+        return out
 
     @torch.no_grad()
     def id_features(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -245,3 +292,23 @@ class EmbeddingPredictor(_RidgeOnFeatures):
     def engine_predict(self, prompt: Sequence[int], params=None) -> float:
         """`RequestEngine`'s `predict` hook: one request's chat-templated ids -> its predicted length."""
         return self.predict_ids([prompt])[0]
+
+
+def fit_length_predictor(
+    served, prompts: Sequence[Sequence[int]], lengths: Sequence[float], *, cap: int, holdout: int = 5
+) -> tuple[EmbeddingPredictor, dict]:
+    """An `EmbeddingPredictor` for `served` (a `ServedModel`) from chat-templated `prompts` and their answers'
+    `lengths`. Every `holdout`-th prompt is first held out to report how well predictions of unseen prompts
+    rank and match; the predictor returned is then fitted on all."""
+    from ecru.serve.remaining import model_key
+
+    test = set(range(0, len(prompts), holdout))
+    train = [i for i in range(len(prompts)) if i not in test]
+    held = EmbeddingPredictor(served.model, served.tokenizer, cap=cap)
+    held.fit_ids([prompts[i] for i in train], [lengths[i] for i in train])
+    pred = held.predict_ids([prompts[i] for i in sorted(test)])
+    true = [float(lengths[i]) for i in sorted(test)]
+    report = {"prompts": len(prompts), "held_out_prompts": len(test), **length_metrics(pred, true),
+              "spearman": spearman(pred, true), "lam": held.lam}  # fmt: skip
+    full = EmbeddingPredictor(served.model, served.tokenizer, cap=cap, key=model_key(served.name))
+    return full.fit_ids(prompts, lengths), report

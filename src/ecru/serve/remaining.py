@@ -155,13 +155,12 @@ def greedy_answers(
     return [r.output for r in reqs]
 
 
-def fit_probe(served, prompts: Sequence[Sequence[int]], *, cap: int, config, every: int = 16,
-              holdout: int = 5, progress: bool = False) -> tuple[RemainingProbe, dict]:  # fmt: skip
-    """A `RemainingProbe` for `served` from `prompts` (token ids): their greedy answers on the engine
-    (`config`, at most `cap` tokens each), then one teacher-forced forward each for the states. Every
-    `holdout`-th prompt is first held out to report how well re-predictions every `every` tokens rank and
-    match the true remaining lengths of unseen answers; the probe returned is then fitted on all."""
-    answers = greedy_answers(served, prompts, cap=cap, config=config, progress=progress)
+def fit_probe(served, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], *, cap: int,
+              every: int = 16, holdout: int = 5) -> tuple[RemainingProbe, dict]:  # fmt: skip
+    """A `RemainingProbe` for `served` from `prompts` (token ids) and their greedy `answers` (at most `cap`
+    tokens each; `greedy_answers`): one teacher-forced forward each for the states. Every `holdout`-th
+    prompt is first held out to report how well re-predictions every `every` tokens rank and match the true
+    remaining lengths of unseen answers; the probe returned is then fitted on all."""
     states, lengths = answer_states(served.model, prompts, answers), [len(a) for a in answers]
     if not any(lengths):
         raise ValueError("every greedy answer is empty (the model ended each at once): nothing to fit on")

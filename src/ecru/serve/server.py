@@ -13,9 +13,12 @@ from ecru.serve.openai_api import create_app
 from ecru.serve.request_engine import EngineConfig, RemainingPredictor
 
 
-def build(served: ServedModel, config: EngineConfig, *, remaining: RemainingPredictor | None = None):
-    """The engine thread and the FastAPI app on it (`remaining`: cb-srpt's fitted `RemainingProbe`)."""
-    threads = EngineThread(served.engine(config, remaining=remaining))
+def build(
+    served: ServedModel, config: EngineConfig, *, remaining: RemainingPredictor | None = None, predict=None
+):
+    """The engine thread and the FastAPI app on it (`remaining`: cb-srpt's fitted `RemainingProbe`;
+    `predict`: each request's predicted length, e.g. a fitted `EmbeddingPredictor`'s `engine_predict`)."""
+    threads = EngineThread(served.engine(config, remaining=remaining, predict=predict))
     return threads, create_app(served, threads, default_max_tokens=config.max_new_tokens)
 
 
@@ -26,11 +29,12 @@ def serve_forever(
     host: str,
     port: int,
     remaining: RemainingPredictor | None = None,
+    predict=None,
 ) -> None:
     """Run until Ctrl-C (uvicorn handles the signal and shuts down cleanly)."""
     import uvicorn
 
-    threads, app = build(served, config, remaining=remaining)
+    threads, app = build(served, config, remaining=remaining, predict=predict)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
@@ -46,10 +50,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 class BackgroundServer:
     """`with BackgroundServer(served, config) as url:` a real uvicorn server on a free loopback port."""
 
-    def __init__(self, served: ServedModel, config: EngineConfig, *, host: str = "127.0.0.1", remaining=None):
+    def __init__(
+        self,
+        served: ServedModel,
+        config: EngineConfig,
+        *,
+        host: str = "127.0.0.1",
+        remaining=None,
+        predict=None,
+    ):
         import uvicorn
 
-        self.threads, app = build(served, config, remaining=remaining)
+        self.threads, app = build(served, config, remaining=remaining, predict=predict)
         self.host, self.port = host, free_port(host)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self.server.run, name="ecru-uvicorn", daemon=True)
