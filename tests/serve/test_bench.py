@@ -54,3 +54,23 @@ def test_lora_readout_is_validated_and_shares_the_tuned_adapter(tmp_path, monkey
     config = BenchConfig(model="tiny", lora_epochs=1, lora_readout="expected")
     expected = bench._self_lora(model, tok, config, prompts, labels)
     assert expected.config.readout == "expected" and len(expected.predict(["a third question"])) == 1
+
+
+def test_every_predictor_the_cli_offers_is_one_the_benchmark_builds(monkeypatch):
+    import argparse
+
+    from ecru.serve import bench, cli
+    from ecru.serve.models import load_model
+    from ecru.serve.predictors import EmbeddingPredictor
+
+    parser = argparse.ArgumentParser()
+    cli.configure(parser)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    flag = next(a for a in sub._actions if a.dest == "predictor")
+    assert tuple(flag.choices) == bench.PREDICTORS
+    monkeypatch.setattr(
+        bench, "train_labels", lambda *a: (["a short one", "tell me a long story", "hi"], [5, 90, 2])
+    )
+    model, tok = load_model("tiny")
+    built = bench.build_predictor(model, tok, BenchConfig(model="tiny", predictor="embed"), {})
+    assert isinstance(built, EmbeddingPredictor) and len(built.predict(["a question"])) == 1

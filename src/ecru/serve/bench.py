@@ -26,7 +26,7 @@ from ecru.errors import EcruError
 from ecru.serve.queues import DEFAULT_AGING
 from ecru.serve.runner import POLICIES
 
-PREDICTORS = ("self-lora", "probe", "minilm", "oracle", "constant")
+PREDICTORS = ("self-lora", "probe", "embed", "minilm", "oracle", "constant")
 # SmolLM2's labels committed with the repository (rebuilt by `ecru serve label`, see bench/results/)
 REPO_LABELS = Path(__file__).resolve().parents[3] / "bench" / "results" / "serve_labels_smollm2.jsonl"
 REPO_INSTRUCTION_LABELS = REPO_LABELS.with_name("serve_workload_labels_train.jsonl")
@@ -124,7 +124,13 @@ def train_labels(model, tokenizer, config: BenchConfig) -> tuple[list[str], list
 
 def build_predictor(model, tokenizer, config: BenchConfig, true_lengths: dict[str, float]):
     """The named predictor, trained (and for self-lora cached) on the train labels."""
-    from ecru.serve.predictors import ConstantPredictor, MiniLMPredictor, OraclePredictor, ProbePredictor
+    from ecru.serve.predictors import (
+        ConstantPredictor,
+        EmbeddingPredictor,
+        MiniLMPredictor,
+        OraclePredictor,
+        ProbePredictor,
+    )
 
     if config.predictor == "oracle":
         return OraclePredictor(true_lengths)
@@ -135,6 +141,8 @@ def build_predictor(model, tokenizer, config: BenchConfig, true_lengths: dict[st
         return MiniLMPredictor(cap=config.max_new_tokens).fit(prompts, labels)
     if config.predictor == "probe":
         return ProbePredictor(model, tokenizer, cap=config.max_new_tokens).fit(prompts, labels)
+    if config.predictor == "embed":
+        return EmbeddingPredictor(model, tokenizer, cap=config.max_new_tokens).fit(prompts, labels)
     return _self_lora(model, tokenizer, config, prompts, labels)
 
 

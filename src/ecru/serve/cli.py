@@ -585,7 +585,7 @@ def _configure_bench(sub) -> None:
     )
     bench.add_argument(
         "--predictor",
-        choices=("self-lora", "probe", "minilm", "oracle", "constant"),
+        choices=("self-lora", "probe", "embed", "minilm", "oracle", "constant"),
         default="self-lora",
         help="length predictor of the predicted policies",
     )
