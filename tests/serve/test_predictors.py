@@ -192,8 +192,37 @@ def test_embedding_predictor_reads_the_models_own_embedding_rows(model):
     assert p.engine_predict(ids[61], None) == pytest.approx(got[1])
     with pytest.raises(ValueError, match="empty prompt"):
         p.predict_ids([[]])
+    for bad in ([3, 64], [-1, 5]):  # past the vocabulary of 64, or negative (which would wrap around)
+        with pytest.raises(ValueError, match="outside the model's vocabulary of 64"):
+            p.predict_ids([bad])
     with pytest.raises(RuntimeError, match="not fitted"):
         EmbeddingPredictor(model, None).predict_ids(ids[:1])
+
+
+def test_constant_labels_rank_nothing_and_the_smallest_penalty_is_kept(model):
+    from ecru.serve import EmbeddingPredictor
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 3, generator=g)
+    assert ridge_cv(x, torch.full((20,), 7.0), (0.1, 1.0)) == {0.1: None, 1.0: None}
+    ids = [[i, i + 1] for i in range(3, 23)]
+    p = EmbeddingPredictor(model, None).fit_ids(ids, [7.0] * 20)
+    assert p.lam == min(p.LAMS) and p.predict_ids([[40, 41]]) == pytest.approx([7.0])
+
+
+def test_a_predictor_that_raises_leaves_no_request_behind(model, gen):
+    from ecru.serve import EngineConfig, RequestEngine, SamplingParams
+
+    def refuses(prompt, params):
+        raise ValueError("no prediction")
+
+    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                           config=EngineConfig(policy="cb-sjf", max_new_tokens=8), predict=refuses)  # fmt: skip
+    with pytest.raises(ValueError, match="no prediction"):
+        engine.add_request([5, 6], SamplingParams(max_tokens=8), request_id="a")
+    assert not engine.has_unfinished() and not engine.requests
+    engine.predict = lambda prompt, params: 3.0
+    assert engine.add_request([5, 6], SamplingParams(max_tokens=8), request_id="a").predicted == 3.0
 
 
 def test_the_engine_queues_a_request_at_the_embedding_predictors_length(model, gen):

@@ -1,5 +1,6 @@
-"""`ecru serve probe` fits cb-srpt's remaining-length probe on a user's prompts; `serve run/api --policy cb-srpt
---remaining-probe DIR` serve with it (greedy answers unchanged)."""
+"""`ecru serve probe` fits cb-srpt's remaining-length probe and cb-sjf's prompt-length predictor on a user's
+prompts; `serve run/api --policy cb-sjf/cb-srpt --length-predictor DIR --remaining-probe DIR` serve with them
+(greedy answers unchanged)."""
 
 import json
 
@@ -46,7 +47,7 @@ def test_the_prompt_length_predictor_is_saved_beside_with_its_report(probe_dir, 
     assert length.key == model_key(str(chat_model_dir)) and length.cap == 40 and length.lam in length.LAMS
     held = json.loads((probe_dir / "probe.json").read_text())["length_predictor_held_out"]
     assert held["prompts"] == len(PROMPTS) and held["held_out_prompts"] == 3
-    assert set(held) >= {"mae", "acc50", "spearman", "lam"}
+    assert set(held) >= {"mae", "acc50", "spearman", "held_out_lam"} and held["lam"] == length.lam
     ids = served.encode_chat([{"role": "user", "content": "hello there"}])
     assert 1 <= length.engine_predict(ids) <= 40
 
@@ -159,6 +160,9 @@ def test_bad_probe_use_is_refused_in_one_line_before_any_work(probe_dir, chat_mo
     length = EmbeddingPredictor.load(probe_dir, served.model, served.tokenizer)
     length.key = "smollm2"
     length.save(other)
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / LENGTH_FILE).write_bytes(b"not a safetensors file")
     probe.model, probe.w = model_key(str(chat_model_dir)), torch.zeros(18)  # a 16-wide model's probe
     probe.save(wide)
     cases = {
@@ -183,6 +187,15 @@ def test_bad_probe_use_is_refused_in_one_line_before_any_work(probe_dir, chat_mo
         ("--length-predictor", str(probe_dir)): "--length-predictor orders cb-sjf's and cb-srpt's queue",
         ("--policy", "cb-sjf", "--length-predictor", str(tmp_path)): "no length_predictor.safetensors",
         ("--policy", "cb-sjf", "--length-predictor", str(other)): "fitted for model 'smollm2'",
+        (
+            "--policy",
+            "cb-sjf",
+            "--length-predictor",
+            str(probe_dir),
+            "--max-new-tokens",
+            "80",
+        ): "up to 40 tokens",
+        ("--policy", "cb-sjf", "--length-predictor", str(corrupt)): "not a length predictor",
     }
     for extra, message in cases.items():
         out = tmp_path / "out.jsonl"

@@ -14,10 +14,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ecru.cliargs import atomic_write_text
 from ecru.errors import EcruError
 from ecru.serve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ecru.serve.request_engine import PredictLength
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,14 @@ def encode_lines(served, lines: Sequence[BatchLine], base: SamplingParams, *, pa
 
 
 def run_batch(
-    served, todo: Sequence[Encoded], *, out: Path, config, progress: bool = True, remaining=None, predict=None
+    served,
+    todo: Sequence[Encoded],
+    *,
+    out: Path,
+    config,
+    progress: bool = True,
+    remaining=None,
+    predict: PredictLength | None = None,
 ) -> int:
     """Serve `todo` on one engine, appending each answer to `out` as it finishes; returns tokens generated.
     `remaining`: cb-srpt's fitted `RemainingProbe`; `predict`: each request's predicted length."""

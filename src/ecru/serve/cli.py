@@ -57,7 +57,7 @@ def _engine_config(args: argparse.Namespace, *, max_new_tokens: int):
             "--fcfs-slack applies to --policy cb-sjf or cb-srpt only: drop it or add --policy cb-sjf"
         )
     if args.length_predictor is not None:
-        _check_length_file(args.length_predictor, args.policy)
+        _check_length_file(args, max_new_tokens)
     if (args.policy == "cb-srpt") != (args.remaining_probe is not None):
         raise EcruError("--policy cb-srpt needs --remaining-probe DIR (fit one with `ecru serve probe`), and only "
                         "it takes one")  # fmt: skip
@@ -100,37 +100,41 @@ def _load_probe(args: argparse.Namespace):
         raise EcruError(f"--remaining-probe {exc}") from None
 
 
-def _check_length_file(folder: str, policy: str) -> None:
-    """`--length-predictor DIR` before the model loads: for a policy that uses it, a folder holding one."""
-    from pathlib import Path
+def _check_length_file(args: argparse.Namespace, max_new_tokens: int) -> None:
+    """`--length-predictor DIR` before the model loads: a policy that uses it, a folder holding one fitted for
+    this model with a cap at least `max_new_tokens`."""
+    from ecru.serve.predictors import read_length_file
+    from ecru.serve.remaining import model_key
 
-    from ecru.serve.predictors import LENGTH_FILE
-
-    if policy not in SJF_POLICIES:
+    if args.policy not in SJF_POLICIES:
         raise EcruError(
             "--length-predictor orders cb-sjf's and cb-srpt's queue: drop it or add --policy cb-sjf"
         )
-    if not (Path(folder) / LENGTH_FILE).is_file():
-        raise EcruError(f"--length-predictor {folder}: no {LENGTH_FILE} in it; fit one with `ecru serve probe "
-                        f"--out {folder}`")  # fmt: skip
+    where = f"--length-predictor {args.length_predictor}"
+    try:
+        meta, _, _ = read_length_file(args.length_predictor)
+    except ValueError as exc:
+        raise EcruError(f"--length-predictor {exc}") from None
+    if meta["model"] != model_key(args.model):
+        raise EcruError(f"{where}: fitted for model {meta['model']!r}, not {model_key(args.model)!r}; fit one for it "
+                        f"with `ecru serve probe --model {args.model}`")  # fmt: skip
+    if max_new_tokens > meta["cap"]:
+        raise EcruError(f"{where}: it predicts answers up to {meta['cap']} tokens, below --max-new-tokens "
+                        f"{max_new_tokens}; lower it or fit with `ecru serve probe --max-new-tokens "
+                        f"{max_new_tokens}`")  # fmt: skip
 
 
 def _load_length(args: argparse.Namespace, served):
-    """`--length-predictor DIR` loaded for the loaded model: its `engine_predict` (None without the flag)."""
+    """`--length-predictor DIR` (checked by `_check_length_file`) on the loaded model: its `engine_predict`
+    (None without the flag)."""
     from ecru.serve.predictors import EmbeddingPredictor
-    from ecru.serve.remaining import model_key
 
     if args.length_predictor is None:
         return None
-    where = f"--length-predictor {args.length_predictor}"
     try:
-        predictor = EmbeddingPredictor.load(args.length_predictor, served.model, served.tokenizer)
+        return EmbeddingPredictor.load(args.length_predictor, served.model, served.tokenizer).engine_predict
     except ValueError as exc:
         raise EcruError(f"--length-predictor {exc}") from None
-    if predictor.key != model_key(served.name):
-        raise EcruError(f"{where}: fitted for model {predictor.key!r}, not {model_key(served.name)!r}; fit one for "
-                        f"it with `ecru serve probe --model {served.name}`")  # fmt: skip
-    return predictor.engine_predict
 
 
 def _check_probe(args: argparse.Namespace, probe, served, config) -> None:
@@ -632,15 +636,10 @@ MIN_PROBE_PROMPTS = 10
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from ecru.cliargs import atomic_write_json, config_from, prepare_out_dir
+    from ecru.cliargs import config_from, prepare_out_dir
     from ecru.serve import batch_run
     from ecru.serve.models import ServedModel
-    from ecru.serve.predictors import fit_length_predictor
-    from ecru.serve.remaining import fit_probe, greedy_answers, model_key
     from ecru.serve.request_engine import EngineConfig
-    from ecru.serve.sampling import SamplingParams
 
     config = config_from(EngineConfig, max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens)
     lines, _ = batch_run.read_batch(args.input, skip_invalid=False, hint="")
@@ -650,12 +649,38 @@ def _probe(args: argparse.Namespace) -> int:
     out = prepare_out_dir(args.out)
     served = ServedModel.load(args.model, packed=args.packed_weights)
     print(f"loaded {served.describe()}; answering {len(lines)} prompts greedily", file=sys.stderr)
+    prompts, answers = _greedy_answers(args, served, lines, config)
+    report, length_report = _fit_and_save(args, served, prompts, answers, out)
+    print(f"fitted on {report['answers']} greedy answers ({report['answer_tokens']} tokens); held out "
+          f"{report['held_out_answers']}: remaining-length Spearman {_rho(report)} over {report['held_out_points']} "
+          f"re-predictions, prompt-length Spearman {_rho(length_report)}; wrote {out}")  # fmt: skip
+    return 0
+
+
+def _greedy_answers(args: argparse.Namespace, served, lines, config) -> tuple[list, list]:
+    """The lines' prompt ids (as `serve run` encodes them) and their greedy answers, capped at
+    --max-new-tokens (each line's own max_tokens ignored)."""
+    from dataclasses import replace
+
+    from ecru.serve import batch_run
+    from ecru.serve.remaining import greedy_answers
+    from ecru.serve.sampling import SamplingParams
+
     base, lines = SamplingParams(max_tokens=args.max_new_tokens), [replace(x, max_tokens=None) for x in lines]
     todo = batch_run.encode_lines(
         served, lines, base, path=args.input, skip_invalid=False, skipped=[], hint=""
     )
     prompts = [e.prompt_ids for e in todo]
-    answers = greedy_answers(served, prompts, cap=args.max_new_tokens, config=config, progress=True)
+    return prompts, greedy_answers(served, prompts, cap=args.max_new_tokens, config=config, progress=True)
+
+
+def _fit_and_save(args: argparse.Namespace, served, prompts, answers, out) -> tuple[dict, dict]:
+    """Fit the remaining-length probe and the prompt-length predictor, write them and their held-out
+    reports (probe.json) to `out`; the two reports."""
+    from ecru.cliargs import atomic_write_json
+    from ecru.serve.predictors import fit_length_predictor
+    from ecru.serve.remaining import fit_probe, model_key
+
     try:
         probe, report = fit_probe(served, prompts, answers, cap=args.max_new_tokens)
     except ValueError as exc:
@@ -668,10 +693,7 @@ def _probe(args: argparse.Namespace) -> int:
     atomic_write_json(out / "probe.json", meta)  # the report first: the weight files are what serving reads
     probe.save(out)
     length.save(out)
-    print(f"fitted on {report['answers']} greedy answers ({report['answer_tokens']} tokens); held out "
-          f"{report['held_out_answers']}: remaining-length Spearman {_rho(report)} over {report['held_out_points']} "
-          f"re-predictions, prompt-length Spearman {_rho(length_report)}; wrote {out}")  # fmt: skip
-    return 0
+    return report, length_report
 
 
 def _rho(report: dict) -> str:
@@ -695,7 +717,8 @@ def _configure_probe(sub) -> None:
         "probe.json)",
     )
     probe.add_argument("--max-new-tokens", type=positive_int, default=256,
-                       help="cap on each greedy answer: the longest remainder the probe predicts")  # fmt: skip
+                       help="cap on each greedy answer: the longest answer the predictor and the probe "
+                       "predict (serve with --max-new-tokens at most this)")  # fmt: skip
     probe.add_argument("--max-batch-size", type=positive_int, default=16, help="rows decoded together")
     probe.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True,
                        help="pre-packed weights while answering (as in `serve api`)")  # fmt: skip

@@ -14,6 +14,7 @@ from ecru.errors import EcruError
 
 if TYPE_CHECKING:
     from ecru.serve.predictors import StatePredictor
+    from ecru.serve.request_engine import PredictLength
 
 MODELS = ("smollm2", "tiny")
 
@@ -110,7 +111,14 @@ class ServedModel:
         )
         return list(out["input_ids"])
 
-    def engine(self, config, *, state_predictor: StatePredictor | None = None, remaining=None, predict=None):
+    def engine(
+        self,
+        config,
+        *,
+        state_predictor: StatePredictor | None = None,
+        remaining=None,
+        predict: PredictLength | None = None,
+    ):
         """A `RequestEngine` for this model (`state_predictor`, e.g. a fitted `ProbePredictor` of this
         model: prefill on arrival; `remaining`, a fitted `RemainingProbe` of this model: cb-srpt's
         re-prediction; `predict`, e.g. a fitted `EmbeddingPredictor`'s `engine_predict`: each request's

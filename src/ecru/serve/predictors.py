@@ -108,8 +108,9 @@ class ConstantPredictor:
 
 def ridge_cv(
     x: torch.Tensor, y: torch.Tensor, lams: Sequence[float], *, folds: int = 5, seed: int = 0
-) -> dict[float, float]:
-    """lam -> out-of-fold Spearman of ridge predictions (`folds` folds of one seeded permutation of the rows)."""
+) -> dict[float, float | None]:
+    """lam -> out-of-fold Spearman of ridge predictions (`folds` folds of one seeded permutation of the
+    rows); None where the labels or the predictions are constant (`spearman`)."""
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     scores = {}
     for lam in lams:
@@ -200,10 +201,11 @@ class ProbePredictor(_RidgeOnFeatures):
 
 
 class EmbeddingPredictor(_RidgeOnFeatures):
-    """The LLM's own input embeddings: ridge on the mean of its embedding rows over the chat-templated
-    prompt's token ids. No forward runs, only a lookup and a dot product (~0.05 ms a request on SmolLM2,
-    against a MiniLM forward's ~20 ms), so the engine can predict inside `add_request`: pass
-    `predict=predictor.engine_predict` to `RequestEngine` (or `ServedModel.engine`).
+    """The LLM's own input embeddings: ridge on the mean of its embedding rows over the prompt's token ids
+    as the engine receives them (chat-templated messages, or a raw completion prompt). No forward runs,
+    only a lookup and a dot product (0.07 ms a request on SmolLM2, against ~20 ms for a MiniLM forward), so
+    the engine can predict inside `add_request`: pass `predict=predictor.engine_predict` to `RequestEngine`
+    (or `ServedModel.engine`).
 
     `lam=None` (the default) chooses the ridge penalty among `LAMS` by 5-fold out-of-fold Spearman on the
     training prompts (`ridge_cv`; the scores kept in `cv`). `save` / `load` keep a fitted one in a folder
@@ -218,7 +220,7 @@ class EmbeddingPredictor(_RidgeOnFeatures):
         self.embeddings, self.tokenizer = model.get_input_embeddings(), tokenizer
         self.key = key
         """The name of the model whose embeddings it reads (recorded by `save`, checked by front ends)."""
-        self.cv: dict[float, float] = {}
+        self.cv: dict[float, float | None] = {}
 
     def save(self, folder: str | Path) -> Path:
         """Write the fitted weights to `folder`/length_predictor.safetensors (atomically)."""
@@ -238,34 +240,25 @@ class EmbeddingPredictor(_RidgeOnFeatures):
     def load(cls, folder: str | Path, model, tokenizer) -> EmbeddingPredictor:
         """A predictor written by `save`, reading `model`'s embeddings; ValueError when `folder` holds none
         or its weights do not fit the model's embedding width."""
-        from safetensors import SafetensorError, safe_open
-
-        path = Path(folder) / LENGTH_FILE
-        if not path.is_file():
-            raise ValueError(
-                f"{folder}: no {LENGTH_FILE} in it; fit one with `ecru serve probe --out {folder}`"
-            )
-        try:
-            with safe_open(str(path), "pt") as f:
-                meta = json.loads(f.metadata()["predictor"])
-                w, b = f.get_tensor("w"), f.get_tensor("b")
-            if w.ndim != 1 or b.numel() != 1:
-                raise ValueError(f"weights of shape {tuple(w.shape)} and bias of {b.numel()} values")
-            out = cls(model, tokenizer, lam=float(meta["lam"]), cap=int(meta["cap"]), key=meta["model"])
-        except (SafetensorError, OSError, KeyError, TypeError, ValueError, IndexError) as exc:
-            raise ValueError(f"{path}: not a length predictor ({exc})") from None
+        meta, w, b = read_length_file(folder)
+        out = cls(model, tokenizer, lam=meta["lam"], cap=meta["cap"], key=meta["model"])
         width = out.embeddings.weight.shape[1]
         if len(w) != width:
-            raise ValueError(f"{path}: it reads embeddings of width {len(w)}, the model's are {width}")
-        out.w, out.b = w, b.reshape(())
+            raise ValueError(
+                f"{Path(folder) / LENGTH_FILE}: it reads embeddings of width {len(w)}, the model's are {width}"
+            )
+        out.w, out.b = w, b
         return out
 
     @torch.no_grad()
     def id_features(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
-        if any(len(i) == 0 for i in ids):
-            raise ValueError("an empty prompt has no tokens to average")
         table = self.embeddings.weight
-        return torch.stack([table[torch.as_tensor(list(i))].float().mean(0) for i in ids])
+        rows = [torch.as_tensor(list(i), dtype=torch.long) for i in ids]
+        if any(len(r) == 0 for r in rows):
+            raise ValueError("an empty prompt has no tokens to average")
+        if any(r.min() < 0 or r.max() >= len(table) for r in rows):
+            raise ValueError(f"a token id outside the model's vocabulary of {len(table)}")
+        return torch.stack([table[r].float().mean(0) for r in rows])
 
     def features(self, prompts: Sequence[str]) -> torch.Tensor:
         from ecru.serve.prompts import encode_chat
@@ -273,16 +266,18 @@ class EmbeddingPredictor(_RidgeOnFeatures):
         return self.id_features(encode_chat(self.tokenizer, prompts))
 
     def fit(self, prompts: Sequence[str], labels: Sequence[float]) -> EmbeddingPredictor:
+        """Fit on raw user texts, each as one user turn in the model's chat template."""
         from ecru.serve.prompts import encode_chat
 
         return self.fit_ids(encode_chat(self.tokenizer, prompts), labels)
 
     def fit_ids(self, ids: Sequence[Sequence[int]], labels: Sequence[float]) -> EmbeddingPredictor:
-        """Fit on prompts given as the engine sees them: chat-templated token ids."""
+        """Fit on prompts given as the engine will see them: token ids."""
         x, y = self.id_features(ids), torch.as_tensor(labels, dtype=torch.float32)
         if self.lam is None:
             self.cv = ridge_cv(x, y, self.LAMS)
-            self.lam = max(self.LAMS, key=lambda lam: self.cv[lam] if self.cv[lam] is not None else -1.0)
+            ranked = {lam: float("-inf") if rho is None else rho for lam, rho in self.cv.items()}
+            self.lam = max(self.LAMS, key=ranked.__getitem__)  # the first, the smallest, on a tie
         self.w, self.b = ridge_fit(x, y, lam=self.lam)
         return self
 
@@ -290,16 +285,37 @@ class EmbeddingPredictor(_RidgeOnFeatures):
         return self._regress(self.id_features(ids))
 
     def engine_predict(self, prompt: Sequence[int], params=None) -> float:
-        """`RequestEngine`'s `predict` hook: one request's chat-templated ids -> its predicted length."""
+        """`RequestEngine`'s `predict` hook (`PredictLength`): one request's prompt ids -> its length."""
         return self.predict_ids([prompt])[0]
+
+
+def read_length_file(folder: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A saved `EmbeddingPredictor`'s metadata (cap, lam, model), weights and bias, without a model (front
+    ends check the metadata before loading one); ValueError when `folder` holds none."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(folder) / LENGTH_FILE
+    if not path.is_file():
+        raise ValueError(f"{folder}: no {LENGTH_FILE} in it; fit one with `ecru serve probe --out {folder}`")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["predictor"])
+            w, b = f.get_tensor("w"), f.get_tensor("b")
+        if w.ndim != 1 or b.numel() != 1 or not w.is_floating_point() or not b.is_floating_point():
+            raise ValueError(f"weights of shape {tuple(w.shape)} and bias of {b.numel()} values, {w.dtype}")
+        meta = {"cap": int(meta["cap"]), "lam": float(meta["lam"]), "model": meta["model"]}
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ValueError(f"{path}: not a length predictor ({exc})") from None
+    return meta, w.float(), b.float().reshape(())
 
 
 def fit_length_predictor(
     served, prompts: Sequence[Sequence[int]], lengths: Sequence[float], *, cap: int, holdout: int = 5
 ) -> tuple[EmbeddingPredictor, dict]:
-    """An `EmbeddingPredictor` for `served` (a `ServedModel`) from chat-templated `prompts` and their answers'
-    `lengths`. Every `holdout`-th prompt is first held out to report how well predictions of unseen prompts
-    rank and match; the predictor returned is then fitted on all."""
+    """An `EmbeddingPredictor` for `served` (a `ServedModel`) from `prompts` (token ids, as served) and their
+    answers' `lengths`. Every `holdout`-th prompt is first held out to report how well predictions of
+    unseen prompts rank and match (with the penalty chosen on the others, `held_out_lam`); the predictor
+    returned is then fitted on all (its penalty chosen on all, `lam`)."""
     from ecru.serve.remaining import model_key
 
     test = set(range(0, len(prompts), holdout))
@@ -308,7 +324,8 @@ def fit_length_predictor(
     held.fit_ids([prompts[i] for i in train], [lengths[i] for i in train])
     pred = held.predict_ids([prompts[i] for i in sorted(test)])
     true = [float(lengths[i]) for i in sorted(test)]
-    report = {"prompts": len(prompts), "held_out_prompts": len(test), **length_metrics(pred, true),
-              "spearman": spearman(pred, true), "lam": held.lam}  # fmt: skip
     full = EmbeddingPredictor(served.model, served.tokenizer, cap=cap, key=model_key(served.name))
-    return full.fit_ids(prompts, lengths), report
+    full.fit_ids(prompts, lengths)
+    report = {"prompts": len(prompts), "held_out_prompts": len(test), **length_metrics(pred, true),
+              "spearman": spearman(pred, true), "held_out_lam": held.lam, "lam": full.lam}  # fmt: skip
+    return full, report

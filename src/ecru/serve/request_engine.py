@@ -68,6 +68,10 @@ ENGINE_POLICIES = ("cb", "cb-sjf", "cb-srpt", "cb-kv")
 PREEMPT_MODES = ("keep", "recompute")
 SJF_POLICIES = ("cb-sjf", "cb-srpt")
 
+PredictLength = Callable[[Sequence[int], SamplingParams], float]
+"""A request's predicted answer length from its prompt ids and sampling (cb-sjf's and cb-srpt's queue key;
+cb-kv's reservation), e.g. a fitted `EmbeddingPredictor`'s `engine_predict`."""
+
 
 class RemainingPredictor(Protocol):
     """Predicts a running row's remaining answer tokens from its last hidden state [N, H] after `t` [N]
@@ -227,7 +231,7 @@ class RequestEngine:
         config: EngineConfig | None = None,
         tokenizer=None,
         context_len: int | None = None,
-        predict: Callable[[Sequence[int], SamplingParams], float] | None = None,
+        predict: PredictLength | None = None,
         queue: RequestQueue | None = None,
         limits: ContinuousConfig | None = None,
         discard_preempted: bool = False,
@@ -298,11 +302,14 @@ class RequestEngine:
         req = Request(request_id, list(prompt), params, seq, listener)
         req.generator = None if params.greedy else torch.Generator().manual_seed(seed)
         req.stream = TextStream(self.decode, params.stop) if self.decode is not None else None
+        arriving = self.state_predictor is not None  # prefilled, predicted and queued by a coming step
+        # predicted before the request is registered: a predictor that raises leaves no request behind
+        predicted = None if arriving else self.predict(req.prompt, params) if reserve is None else reserve
         self.requests[seq], self._ids[request_id] = req, seq
-        if self.state_predictor is not None:
-            self._arrived[seq] = None  # prefilled, predicted and queued by a coming step
+        if arriving:
+            self._arrived[seq] = None
         else:
-            self._enqueue(req, self.predict(req.prompt, params) if reserve is None else reserve)
+            self._enqueue(req, predicted)
         return req
 
     def _enqueue(self, req: Request, predicted: float) -> None:

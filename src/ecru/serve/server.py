@@ -10,11 +10,15 @@ import time
 from ecru.serve.background import EngineThread
 from ecru.serve.models import ServedModel
 from ecru.serve.openai_api import create_app
-from ecru.serve.request_engine import EngineConfig, RemainingPredictor
+from ecru.serve.request_engine import EngineConfig, PredictLength, RemainingPredictor
 
 
 def build(
-    served: ServedModel, config: EngineConfig, *, remaining: RemainingPredictor | None = None, predict=None
+    served: ServedModel,
+    config: EngineConfig,
+    *,
+    remaining: RemainingPredictor | None = None,
+    predict: PredictLength | None = None,
 ):
     """The engine thread and the FastAPI app on it (`remaining`: cb-srpt's fitted `RemainingProbe`;
     `predict`: each request's predicted length, e.g. a fitted `EmbeddingPredictor`'s `engine_predict`)."""
@@ -29,7 +33,7 @@ def serve_forever(
     host: str,
     port: int,
     remaining: RemainingPredictor | None = None,
-    predict=None,
+    predict: PredictLength | None = None,
 ) -> None:
     """Run until Ctrl-C (uvicorn handles the signal and shuts down cleanly)."""
     import uvicorn
@@ -56,8 +60,8 @@ class BackgroundServer:
         config: EngineConfig,
         *,
         host: str = "127.0.0.1",
-        remaining=None,
-        predict=None,
+        remaining: RemainingPredictor | None = None,
+        predict: PredictLength | None = None,
     ):
         import uvicorn
 
