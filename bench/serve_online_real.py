@@ -1,9 +1,10 @@
 """Online serving on the real engine: Poisson arrivals in wall-clock time, and the simulator on the same trace.
 
-SmolLM2-135M-Instruct serves --requests distinct unseen test prompts of the mixed workload (drawn with
---seed from the 240 labelled ones), arriving as a Poisson stream at --load times cb's capacity (cb's
-throughput on this trace in the simulator, with a cost model measured in this run; with --rate-from engine,
-measured on the engine with every request waiting, prefix cache included). Each policy runs on the request
+SmolLM2-135M-Instruct serves --requests unseen test prompts of the mixed workload (drawn with --seed from
+the 240 labelled ones, distinct up to 240, then drawn again), arriving as a Poisson stream at --load times
+cb's capacity (cb's throughput on this trace in the simulator, with a cost model measured in this run; with
+--rate-from engine, measured on the engine with every request waiting, prefix cache included, on the
+first 240 requests). Each policy runs on the request
 engine in real time (one thread; the engine is stepped while requests wait, idle until the next arrival
 otherwise), one after another in --order (with --mirror, then in the reverse order), or with --concurrent
 all at the same time, one process each, so that a drift in the machine's speed weighs on all alike (the
@@ -81,6 +82,8 @@ TRAIN_ANSWERS = 480
 """Greedy train answers the remaining-length probe is fitted on (bench/serve_online.py's full run)."""
 REPREDICT_EVERY = 16
 """cb-srpt: tokens between re-predictions, on the engine and in the simulator."""
+CAPACITY_REQUESTS = 240
+"""Requests the engine's capacity is measured on (at most; all 240 test prompts when the trace has them)."""
 AS_RUN = {False: "", True: ", the policies side by side (one process on one thread each)"}
 """How the policies ran, for the fitted cost model's source (--concurrent shares the machine)."""
 
@@ -204,9 +207,11 @@ def remaining_probe(served, texts: list[str], cap: int):
     probe, _ = fit_remaining(
         served.model, served.tokenizer, prompts, answers, [len(a) for a in answers], cap=cap
     )
-    traj, per_row = remaining_trajectories(served.model, served.tokenizer, probe, texts, [test[t] for t in texts],
-                                           every=REPREDICT_EVERY)  # fmt: skip
-    return probe, traj, per_row
+    distinct = list(dict.fromkeys(texts))  # a prompt asked again has the same answer and trajectory
+    traj, per_row = remaining_trajectories(served.model, served.tokenizer, probe, distinct,
+                                           [test[t] for t in distinct], every=REPREDICT_EVERY)  # fmt: skip
+    of = dict(zip(distinct, traj, strict=True))
+    return probe, [of[t] for t in texts], per_row
 
 
 def merged(runs: list[dict]) -> dict:
@@ -272,8 +277,6 @@ def parse(argv) -> tuple:
         ap.error(
             f"--concurrent: {len(args.order)} policies need as many cores, {len(os.sched_getaffinity(0))} here"
         )
-    if args.requests > 240:
-        ap.error(f"--requests: at most 240 labelled test prompts, got {args.requests}")
     return args, prepare_out_file(args.json, flag="--json")
 
 
@@ -329,8 +332,18 @@ def _forked(task, i: int, item, queue) -> None:
         queue.put((i, False, repr(exc)))
 
 
+def draw_prompts(n_prompts: int, requests: int, seed: int) -> list[int]:
+    """Which labelled test prompt each request asks: distinct ones drawn with `seed` while they last (all
+    of them when `requests` >= `n_prompts`), then drawn again with replacement."""
+    rng = random.Random(seed)
+    picks = rng.sample(range(n_prompts), min(requests, n_prompts))
+    return picks + [rng.randrange(n_prompts) for _ in range(requests - len(picks))]
+
+
 def engine_capacity(served, ids, cap: int) -> float:
-    """cb's throughput on the engine in requests/s, every request waiting from the start."""
+    """cb's throughput on the engine in requests/s, every request waiting from the start (the first
+    CAPACITY_REQUESTS of them: a long trace's capacity is measured on a part as long as the test set)."""
+    ids = ids[:CAPACITY_REQUESTS]
     engine = RequestEngine(served.model, eos_token_ids=served.eos_token_ids, pad_token_id=served.pad_token_id,
                            config=EngineConfig(max_new_tokens=cap))  # fmt: skip
     start = time.perf_counter()
@@ -423,7 +436,7 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     train, y_train = read_labels(RESULTS / "serve_workload_labels_train.jsonl", args.cap)
     test, y_test = read_labels(RESULTS / "serve_workload_labels_test.jsonl", args.cap)
-    picks = random.Random(args.seed).sample(range(len(test)), args.requests)
+    picks = draw_prompts(len(test), args.requests, args.seed)
     texts, lengths = [test[i] for i in picks], [y_test[i] for i in picks]
     served = ServedModel.load("smollm2")
     ids = encode_chat(served.tokenizer, texts)

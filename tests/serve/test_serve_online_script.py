@@ -242,3 +242,13 @@ def test_summary_lists_each_rounds_ratios_and_their_median():
     assert s["real_p99_x_cb_median"] == 1.2
     assert s["simulated_engine_cost_mean_x_cb_median"] == pytest.approx(0.9)
     assert s["simulated_own_cost_mean_x_cb_median"] == pytest.approx(1.0)
+
+
+def test_requests_are_distinct_prompts_while_they_last_then_drawn_again():
+    real = load_bench_script("serve_online_real")
+    import random
+
+    few = real.draw_prompts(240, 120, seed=0)
+    assert few == random.Random(0).sample(range(240), 120)  # as the committed runs of 120 and 240 drew them
+    many = real.draw_prompts(240, 1000, seed=0)
+    assert len(many) == 1000 and set(many[:240]) == set(range(240)) and set(many[240:]) <= set(range(240))
