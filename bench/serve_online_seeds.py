@@ -2,11 +2,12 @@
 
 Replays the measurements a serve_online JSON holds (true lengths, prompt lengths, a prompt-only predictor's
 predictions, --predictor, MiniLM's by default, and its measured time, the remaining-length probe's
-re-predictions and their time, the cost model) through the online simulator for --seeds draws of the 3,000
-resampled requests and their Poisson arrivals at load 1.2: cb, cb-sjf with aging 0.1 and cb-sjf with the FCFS deadline at each --slacks value, and cb-srpt
-(re-prediction, preemption with the default margin) with the deadline at each --slacks value, its
-preempted rows either prefilled again (`preempt_mode` recompute) or keeping their KV (keep, the engine's
-cb-srpt default); latency ratios to cb per seed, their mean and standard deviation.
+re-predictions and their time, the cost model) through the online simulator for --seeds draws of the
+--requests (3,000) resampled requests and their Poisson arrivals at load 1.2: cb, cb-sjf with aging 0.1 and
+cb-sjf with the FCFS deadline at each --slacks value, and cb-srpt (re-prediction, preemption with the
+default margin) with the deadline at each --slacks value, its preempted rows either prefilled again
+(`preempt_mode` recompute) or keeping their KV (keep, the engine's cb-srpt default); latency ratios to cb
+per seed, their mean and standard deviation.
 --cost-from replays with another JSON's cost model (for instance a run on a faster machine, or with
 --cost-key engine_cost_model the one bench/serve_online_real.py fitted on the real engine's steps), all
 else unchanged. No model runs: seconds.
@@ -38,11 +39,17 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def ratios_over_seeds(
-    data: dict, cost: CostModel, predict_s: float, configs: dict, seeds: int, predictor: str = "minilm"
+    data: dict,
+    cost: CostModel,
+    predict_s: float,
+    configs: dict,
+    seeds: int,
+    predictor: str = "minilm",
+    requests: int = 3000,
 ) -> dict:
     """name -> per-seed (mean, p99) latency over cb's, and their mean, std, min and max; `configs`: name ->
     (policy, OnlineConfig overrides); cap and re-prediction interval as `data` (a serve_online JSON) ran;
-    the prompt-only predictions are `predictor`'s."""
+    the prompt-only predictions are `predictor`'s; `requests` resampled per trace."""
     pp, run = data["per_prompt"], data["config"]
     lens, plens, pred = pp["true_lengths"], pp["prompt_lens"], pp["predicted"][predictor]
     traj = pp["remaining_trajectories"]
@@ -50,7 +57,7 @@ def ratios_over_seeds(
                         token_s=cost.step_time(16, 200))  # fmt: skip
     per = {name: [] for name in configs}
     for seed in range(seeds):
-        idx = resample(len(lens), 3000, seed)
+        idx = resample(len(lens), requests, seed)
         rate = 1.2 * saturated_capacity(idx, plens, lens, base, cost)
         trace = build_trace(idx, poisson_arrivals(len(idx), rate, seed + 1), plens, lens, pred, traj)
         cb = simulate_online(trace, policy="cb", config=base, cost=cost)
@@ -89,6 +96,8 @@ def main(argv=None) -> None:
                     "was timed in batches, which the engine pays one text per call: see serve_online_real.py's "
                     "JSON)")  # fmt: skip
     ap.add_argument("--seeds", type=positive_int, default=6, help="arrival draws (seeds 0 .. N-1)")
+    ap.add_argument("--requests", type=positive_int, default=3000,
+                    help="requests per trace (at load 1.2 the backlog, and what reordering gains, grows with it)")  # fmt: skip
     ap.add_argument("--slacks", default="0.1,0.15,0.2", help="comma-separated fcfs_slack values")
     args = ap.parse_args(argv)
     out_path = prepare_out_file(args.json, flag="--json")
@@ -113,14 +122,14 @@ def main(argv=None) -> None:
     for mode in PREEMPT_MODES:
         srpt = {"repredict_s": repredict_s, "preempt": True, "preempt_mode": mode, "aging": 0.0}
         configs |= {f"cb-srpt {mode} fcfs_slack {s:g}": ("cb-srpt", srpt | {"fcfs_slack": s}) for s in slacks}
-    result = ratios_over_seeds(data, cost, predict_s, configs, args.seeds, args.predictor)
+    result = ratios_over_seeds(data, cost, predict_s, configs, args.seeds, args.predictor, args.requests)
     for name, r in result.items():
         print(f"{name:>30}: mean x cb {r['mean_x_cb']:.3f} ± {r['mean_x_cb_std']:.3f} (max {r['mean_x_cb_max']:.3f}),"
               f" p99 x cb {r['p99_x_cb_mean']:.3f} (max {r['p99_x_cb_max']:.3f})")  # fmt: skip
     atomic_write_json(out_path, {
         "command": "python bench/serve_online_seeds.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "source": str(args.source), "cost_model_from": str(args.cost_from or args.source), "cost_key": args.cost_key,
-        "cost_model": cost.__dict__, "load": 1.2, "requests": 3000, "predictor": args.predictor,
+        "cost_model": cost.__dict__, "load": 1.2, "requests": args.requests, "predictor": args.predictor,
         "predict_s_per_request": predict_s, "repredict_s_per_row": repredict_s, "seeds": args.seeds,
         "names": "cb-sjf unless named; cb-srpt: re-prediction, preemption (margin 64), preempt_mode as named",
         "policies": result,
