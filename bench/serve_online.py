@@ -87,15 +87,16 @@ def prompt_predictors(model, tok, train, y_train, test, cap) -> dict[str, tuple[
     print(f"pia: {fitted['pia'].parsed} of {len(test)} answers held a number", file=sys.stderr)
     embed = EmbeddingPredictor(model, tok, cap=cap).fit(train, y_train)
     print(f"embed: lam {embed.lam} (out-of-fold Spearman {embed.cv})", file=sys.stderr)
-    out["embed"] = predict_ids_one_by_one(embed, encode_chat(tok, test))
+    out["embed"] = predict_one_by_one(embed.engine_predict, encode_chat(tok, test))
     return out
 
 
-def predict_ids_one_by_one(predictor: EmbeddingPredictor, ids: list[list[int]]) -> tuple[list[float], float]:
-    """Predictions and seconds per request, one request's token ids per call, as the engine predicts."""
+def predict_one_by_one(predict_one, ids: list[list[int]]) -> tuple[list[float], float]:
+    """The predictions and their seconds per request, one request's token ids per call, as the engine's
+    `add_request` pays them."""
     start = time.perf_counter()
-    pred = [predictor.engine_predict(i) for i in ids]
-    return pred, (time.perf_counter() - start) / len(ids)
+    predicted = [predict_one(i) for i in ids]
+    return predicted, (time.perf_counter() - start) / len(ids)
 
 
 def fit_remaining(model, tok, prompts, answers, lengths, *, cap) -> tuple[RemainingProbe, float]:

@@ -75,7 +75,7 @@ from ecru.serve.packed import packed_layers
 from ecru.serve.prompts import encode_chat
 from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
-from serve_online import fit_remaining, remaining_trajectories
+from serve_online import fit_remaining, predict_one_by_one, remaining_trajectories
 
 RESULTS = Path(__file__).parent / "results"
 TRAIN_ANSWERS = 480
@@ -181,13 +181,6 @@ def prompt_predictor(name: str, served, train, y_train, ids, texts, cap: int) ->
     minilm = MiniLMPredictor(cap=cap).fit(train, y_train)
     text_of = {tuple(i): t for i, t in zip(ids, texts, strict=True)}
     return lambda prompt: minilm.predict([text_of[tuple(prompt)]])[0]
-
-
-def predict_one_by_one(predict_one, ids: list[list[int]]) -> tuple[list[float], float]:
-    """The predictions and their seconds per request, one request per call, as `add_request` pays them."""
-    start = time.perf_counter()
-    predicted = [predict_one(i) for i in ids]
-    return predicted, (time.perf_counter() - start) / len(ids)
 
 
 def remaining_probe(served, texts: list[str], cap: int):

@@ -125,6 +125,37 @@ def ridge_cv(
     return scores
 
 
+def save_ridge(path: Path, w: torch.Tensor, b: torch.Tensor, *, meta_key: str, meta: dict) -> Path:
+    """Fitted ridge weights and bias with their JSON metadata under `meta_key`, as one safetensors file
+    written atomically."""
+    from safetensors.torch import save
+
+    from ecru.cliargs import atomic_write_bytes
+
+    data = save({"w": w.contiguous(), "b": b.reshape(1)}, metadata={meta_key: json.dumps(meta)})
+    return atomic_write_bytes(path, data)
+
+
+def read_ridge(path: Path, *, meta_key: str, what: str, fields) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """What `save_ridge` wrote: `fields(metadata)` (typed; it may raise on a missing or bad field), the
+    weights and the bias (float32). ValueError, in one line, when the file is missing or is not `what`."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise ValueError(
+            f"{path.parent}: no {path.name} in it; fit one with `ecru serve probe --out {path.parent}`"
+        )
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = fields(json.loads(f.metadata()[meta_key]))
+            w, b = f.get_tensor("w"), f.get_tensor("b")
+        if w.ndim != 1 or b.numel() != 1 or not w.is_floating_point() or not b.is_floating_point():
+            raise ValueError(f"weights of shape {tuple(w.shape)} and bias of {b.numel()} values, {w.dtype}")
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ValueError(f"{path}: not {what} ({exc})") from None
+    return meta, w.float(), b.float().reshape(())
+
+
 class _RidgeOnFeatures:
     """Ridge regression on features of the prompt; subclasses define `features`. Predictions clamped to [1, cap]."""
 
@@ -224,17 +255,10 @@ class EmbeddingPredictor(_RidgeOnFeatures):
 
     def save(self, folder: str | Path) -> Path:
         """Write the fitted weights to `folder`/length_predictor.safetensors (atomically)."""
-        from safetensors.torch import save
-
-        from ecru.cliargs import atomic_write_bytes
-
         if self.w is None:
             raise RuntimeError("EmbeddingPredictor is not fitted: nothing to save")
         meta = {"cap": self.cap, "lam": self.lam, "model": self.key}
-        data = save(
-            {"w": self.w.contiguous(), "b": self.b.reshape(1)}, metadata={"predictor": json.dumps(meta)}
-        )
-        return atomic_write_bytes(Path(folder) / LENGTH_FILE, data)
+        return save_ridge(Path(folder) / LENGTH_FILE, self.w, self.b, meta_key="predictor", meta=meta)
 
     @classmethod
     def load(cls, folder: str | Path, model, tokenizer) -> EmbeddingPredictor:
@@ -292,21 +316,13 @@ class EmbeddingPredictor(_RidgeOnFeatures):
 def read_length_file(folder: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """A saved `EmbeddingPredictor`'s metadata (cap, lam, model), weights and bias, without a model (front
     ends check the metadata before loading one); ValueError when `folder` holds none."""
-    from safetensors import SafetensorError, safe_open
 
-    path = Path(folder) / LENGTH_FILE
-    if not path.is_file():
-        raise ValueError(f"{folder}: no {LENGTH_FILE} in it; fit one with `ecru serve probe --out {folder}`")
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = json.loads(f.metadata()["predictor"])
-            w, b = f.get_tensor("w"), f.get_tensor("b")
-        if w.ndim != 1 or b.numel() != 1 or not w.is_floating_point() or not b.is_floating_point():
-            raise ValueError(f"weights of shape {tuple(w.shape)} and bias of {b.numel()} values, {w.dtype}")
-        meta = {"cap": int(meta["cap"]), "lam": float(meta["lam"]), "model": meta["model"]}
-    except (SafetensorError, OSError, KeyError, TypeError, ValueError, IndexError) as exc:
-        raise ValueError(f"{path}: not a length predictor ({exc})") from None
-    return meta, w.float(), b.float().reshape(())
+    def fields(meta: dict) -> dict:
+        return {"cap": int(meta["cap"]), "lam": float(meta["lam"]), "model": meta["model"]}
+
+    return read_ridge(
+        Path(folder) / LENGTH_FILE, meta_key="predictor", what="a length predictor", fields=fields
+    )
 
 
 def fit_length_predictor(

@@ -14,14 +14,13 @@ name), which `ecru serve api/run --policy cb-srpt --remaining-probe DIR` serve w
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from ecru.serve.predictors import length_metrics, ridge_fit, spearman
+from ecru.serve.predictors import length_metrics, read_ridge, ridge_fit, save_ridge, spearman
 
 PROBE_FILE = "remaining_probe.safetensors"
 
@@ -79,38 +78,23 @@ class RemainingProbe:
 
     def save(self, folder: str | Path) -> Path:
         """Write the fitted probe to `folder`/remaining_probe.safetensors (atomically)."""
-        from safetensors.torch import save
-
-        from ecru.cliargs import atomic_write_bytes
-
         if self.w is None:
             raise RuntimeError("RemainingProbe is not fitted: nothing to save")
         meta = {"cap": self.cap, "lam": self.lam, "stride": self.stride, "model": self.model}
-        data = save({"w": self.w.contiguous(), "b": self.b.reshape(1)}, metadata={"probe": json.dumps(meta)})
-        return atomic_write_bytes(Path(folder) / PROBE_FILE, data)
+        return save_ridge(Path(folder) / PROBE_FILE, self.w, self.b, meta_key="probe", meta=meta)
 
     @classmethod
     def load(cls, folder: str | Path) -> RemainingProbe:
         """A probe written by `save`; ValueError when `folder` holds none."""
-        from safetensors import SafetensorError, safe_open
 
-        path = Path(folder) / PROBE_FILE
-        if not path.is_file():
-            raise ValueError(
-                f"{folder}: no {PROBE_FILE} in it; fit one with `ecru serve probe --out {folder}`"
-            )
-        try:
-            with safe_open(str(path), "pt") as f:
-                meta = json.loads(f.metadata()["probe"])
-                w, b = f.get_tensor("w"), f.get_tensor("b")
-            if w.ndim != 1 or b.numel() != 1:
-                raise ValueError(f"weights of shape {tuple(w.shape)} and bias of {b.numel()} values")
-            probe = cls(
-                cap=int(meta["cap"]), lam=float(meta["lam"]), stride=int(meta["stride"]), model=meta["model"]
-            )
-        except (SafetensorError, OSError, KeyError, TypeError, ValueError, IndexError) as exc:
-            raise ValueError(f"{path}: not a remaining-length probe ({exc})") from None
-        probe.w, probe.b = w, b.reshape(())
+        def fields(meta: dict) -> dict:
+            return {"cap": int(meta["cap"]), "lam": float(meta["lam"]), "stride": int(meta["stride"]),
+                    "model": meta["model"]}  # fmt: skip
+
+        meta, w, b = read_ridge(Path(folder) / PROBE_FILE, meta_key="probe", what="a remaining-length probe",
+                                fields=fields)  # fmt: skip
+        probe = cls(**meta)
+        probe.w, probe.b = w, b
         return probe
 
     def fit(self, states: Sequence[torch.Tensor], lengths: Sequence[int]) -> RemainingProbe:
