@@ -5,7 +5,7 @@
 - Numeric flags are validated when parsed (`positive_int`, `non_negative_float`, `fraction`, ...).
 - A run's artifacts go to `--out DIR` (`add_out_dir`), created if missing and checked writable before any
   work (`prepare_out_dir`); `--resume` continues from what that folder holds. A single output file
-  (`--out answers.jsonl`, `--json F`) goes through `prepare_out_file` and `atomic_write_text`.
+  (`--out answers.jsonl`, `--json F`) goes through `prepare_out_file` and `ecru.io`'s atomic writers.
 - Anything a handler raises as `EcruError` is printed by `ecru.cli.main` as one line, exit status 2.
 
 Nothing here imports torch: `ecru --help` imports every pillar's `cli.py`.
@@ -14,7 +14,6 @@ Nothing here imports torch: `ecru --help` imports every pillar's `cli.py`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from ecru.errors import EcruError
+from ecru.io import atomic_write_bytes, atomic_write_json, atomic_write_text  # noqa: F401 - moved to ecru.io
 
 EXIT_USAGE = 2  # bad arguments and bad inputs alike: one line on stderr, this status
 T = TypeVar("T")
@@ -97,8 +97,16 @@ def existing_file(text: str) -> Path:
     return path
 
 
-def add_out_dir(parser: argparse.ArgumentParser, *, default: str | None = None, required: bool = False):
-    """`--out DIR` (the run's artifacts) and `--resume` (continue from what DIR holds)."""
+def add_out_dir(
+    parser: argparse.ArgumentParser,
+    *,
+    default: str | None = None,
+    required: bool = False,
+    overwrite: bool = False,
+):
+    """`--out DIR` (the run's artifacts), `--resume` (continue from what DIR holds) and, with `overwrite`,
+    `--overwrite` (start again over a run DIR holds). One rule for every run: a folder holding a run is
+    refused unless one of them is given."""
     parser.add_argument(
         "--out",
         default=default,
@@ -106,7 +114,17 @@ def add_out_dir(parser: argparse.ArgumentParser, *, default: str | None = None, 
         metavar="DIR",
         help="folder for the run's artifacts (JSON, checkpoints, plots); created if missing",
     )
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    runs = parser.add_mutually_exclusive_group()
+    runs.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out (or start it if --out holds none): the same command finishes a "
+        "run killed at any point",
+    )
+    if overwrite:
+        runs.add_argument(
+            "--overwrite", action="store_true", help="delete the run --out holds and start again"
+        )
 
 
 def prepare_out_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> Path:
@@ -130,38 +148,6 @@ def prepare_out_file(path: str | os.PathLike[str], *, flag: str = "--out") -> Pa
         raise EcruError(f"{flag} {out}: is a folder; give a file path")
     prepare_out_dir(out.parent, flag=f"{flag} {out}: its folder")
     return out
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """Write `text` to `path` through a temporary file in the same folder and `os.replace`: a reader (or a
-    crash) sees the old file or the new one, never half of it."""
-    return atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """`atomic_write_text` for bytes."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; a written file gets the usual mode
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_json(path: str | os.PathLike[str], data: Any) -> Path:
-    return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def config_from(cls: Callable[..., T], **kwargs: Any) -> T:

@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from ecru.errors import MissingAssetError
+from ecru.errors import EcruError, MissingAssetError
 from ecru.l2l import L2L, L2LConfig
-from ecru.l2l.checkpoint import FILE
 from ecru.models import tiny_gpt2, tiny_llama
 
 from .helpers import lm_batch
@@ -69,8 +68,8 @@ def test_checkpoint_is_written_atomically(tmp_path):
     engine = L2L.from_hf(tiny_llama(), optimizer=ADAMW, config=CONFIG)
     engine.save(tmp_path)
     engine.step(lm_batch())
-    engine.save(tmp_path)  # overwrite: replaced in one rename, no partial file left behind
-    assert sorted(p.name for p in tmp_path.iterdir()) == [FILE]
+    engine.save(tmp_path)  # the new state, then the manifest naming it; the old state is deleted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["l2l-state-s000000001.safetensors", "manifest.json"]
     with pytest.raises(MissingAssetError, match="no L2L checkpoint"):
         L2L.resume(tmp_path / "missing", tiny_llama(), optimizer=ADAMW)
 
@@ -96,3 +95,34 @@ def test_save_pretrained_exports_a_loadable_hf_model(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for name, value in engine.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], value, atol=0, rtol=0)
+
+
+def test_checkpoint_refuses_tampering_and_never_unpickles(tmp_path):
+    engine = L2L.from_hf(tiny_llama(), optimizer=ADAMW, config=CONFIG)
+    engine.step(lm_batch())
+    engine.save(tmp_path / "ckpt", meta={"losses": [1.5]})
+    engine.close()
+    from ecru.l2l.checkpoint import read_meta
+
+    assert read_meta(tmp_path / "ckpt") == {"losses": [1.5]}
+    state = tmp_path / "ckpt" / "l2l-state-s000000001.safetensors"
+    good = state.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x01
+    state.write_bytes(bytes(flipped))
+    with pytest.raises(EcruError, match="checksum mismatch"):
+        L2L.resume(tmp_path / "ckpt", tiny_llama(), optimizer=ADAMW)
+    state.write_bytes(good[: len(good) // 3])  # truncated
+    with pytest.raises(EcruError, match="checksum mismatch"):
+        L2L.resume(tmp_path / "ckpt", tiny_llama(), optimizer=ADAMW)
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('pickle executed')",))
+
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "l2l_checkpoint.pt").write_bytes(pickle.dumps({"format": "ecru-l2l/1", "x": Boom()}))
+    with pytest.raises(MissingAssetError, match="not loaded for safety"):
+        L2L.resume(planted, tiny_llama(), optimizer=ADAMW)

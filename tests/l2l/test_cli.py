@@ -22,7 +22,8 @@ def test_train_writes_metrics_checkpoint_and_hf_export(tmp_path, capsys):
     out, result = _run(tmp_path, "run", "--steps", "6", "--stash", "host")
     assert result["steps"] == 6 and len(result["losses"]) == 6
     assert result["final_loss"] < result["first_loss"] - 0.3  # it learns the byte statistics
-    assert (out / "checkpoint" / "l2l_checkpoint.pt").is_file() and (out / "hf" / "config.json").is_file()
+    assert (out / "checkpoint" / "manifest.json").is_file() and (out / "hf" / "config.json").is_file()
+    assert not list(out.rglob("*.pt"))  # nothing pickled
     assert "tokens/s" in capsys.readouterr().out
 
 
@@ -108,3 +109,31 @@ def test_an_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     out, _ = _run(tmp_path, "run", "--steps", "1")
     assert main([*BASE, "--out", str(out), "--steps", "1"]) == 2
     assert "already holds a run; pass --resume" in capsys.readouterr().err
+    assert main([*BASE, "--out", str(out), "--steps", "2", "--resume", "--lr", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "used --lr 0.003, not 0.5" in err and len(err.strip().splitlines()) == 1
+    assert main([*BASE, "--out", str(out), "--steps", "2", "--overwrite", "--seed", "3"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 2
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_finished_by_resume(tmp_path, capsys):
+    """Killed after state.json or before anything: `--resume` starts (or finishes) the run."""
+    _, straight = _run(tmp_path, "straight", "--steps", "2")
+    out = tmp_path / "killed"
+    out.mkdir()
+    (out / "state.json").write_text(json.dumps({"args": {}, "steps": 0, "losses": []}))
+    assert main([*BASE, "--out", str(out), "--steps", "2", "--resume"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["losses"] == straight["losses"]
+    fresh = tmp_path / "never-started"
+    assert main([*BASE, "--out", str(fresh), "--steps", "2", "--resume"]) == 0
+    assert "holds no run yet; starting one" in capsys.readouterr().err
+
+
+def test_undecodable_text_is_one_line_and_creates_nothing(tmp_path, capsys):
+    data = tmp_path / "bad.txt"
+    data.write_bytes(b"good line one\ngood line two\nbad \xff\xfe bytes\n" * 4)
+    out = tmp_path / "o"
+    assert main([*BASE, "--out", str(out), "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert f"{data}, line 3: not valid UTF-8 (byte 0xff at column 5)" in err and len(err.splitlines()) == 1
+    assert not out.exists()

@@ -38,10 +38,11 @@ def test_disk_tier_equals_ram_tier_bit_for_bit(tmp_path, micro, stash):
         torch.testing.assert_close(got[name], expected[name], msg=lambda m, n=name: f"{n}: {m}", **EXACT)
     assert disk.store.resident_groups() == []  # after a step no block stays in memory
     assert disk.store.bytes_written > 0 and disk.store.bytes_read > 0
-    # one weights file and one optimizer-state file per group (4 blocks + stem/head), plus the manifest,
-    # all inside the engine's own folder
+    # one safetensors file (weights and optimizer state) per group (4 blocks + stem/head), plus the
+    # manifest, all inside the engine's own folder; nothing pickled
     store = tmp_path / "ecru-l2l" / "store"
-    assert len(list(store.glob("g*.pt"))) == 2 * 5 and (store / "manifest.pt").is_file()
+    assert len(list(store.glob("g*.safetensors"))) == 5 and (store / "manifest.json").is_file()
+    assert not list(store.glob("*.pt"))
     assert not list(tmp_path.glob("ecru-l2l/stash/*"))  # stashed activations are deleted once read back
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ecru-l2l"]
     ram.close()
@@ -171,7 +172,7 @@ def test_files_of_an_interrupted_process_are_ignored_on_resume(tmp_path):
     engine.step(DATA[0])
     engine.close()
     store = tmp_path / "b" / "ecru-l2l" / "store"
-    for path in store.glob("g00001-s000000001.*.pt"):  # what a killed step 2 would have written
+    for path in store.glob("g00001-s000000001.safetensors"):  # what a killed step 2 would have written
         path.with_name(path.name.replace("s000000001", "s000000002")).write_bytes(b"half written")
     resumed = _engine_over(tmp_path / "b", seed=7, store="disk", store_dir=str(tmp_path / "b"))
     assert resumed.steps == 1
@@ -229,7 +230,7 @@ def test_store_dir_is_locked_and_the_users_files_are_left_alone(tmp_path):
     (tmp_path / "stash" / "b00000-m00000.pt").write_text("and one like a stash file")
     config = L2LConfig(micro_batch_size=2, store="disk", stash="disk", store_dir=str(tmp_path), fsync=False)
     engine = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)
-    with pytest.raises(L2LInputError, match="in use by another L2L engine"):
+    with pytest.raises(L2LInputError, match="in use by another ecru process"):
         L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)
     engine.step(lm_batch())
     engine.close()
@@ -269,17 +270,17 @@ def test_disk_stash_writes_only_each_micro_batchs_own_bytes(tmp_path, monkeypatc
 
 
 def test_fsync_syncs_the_folder_after_each_rename(tmp_path, monkeypatch):
-    from ecru.l2l import disk
-
     synced = []
-    monkeypatch.setattr(disk, "fsync_dir", lambda path: synced.append(path))
+    from ecru import io
+
+    monkeypatch.setattr(io, "fsync_dir", lambda path: synced.append(path))
     config = L2LConfig(store="disk", store_dir=str(tmp_path), fsync=True)
     engine = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)
     synced.clear()
     engine.step(lm_batch())
     engine.close()
-    # per step: 2 blocks + the resident group, 2 files each, and the manifest
-    assert len(synced) == 2 * 3 + 1 and set(synced) == {tmp_path / "ecru-l2l" / "store"}
+    # per step: 2 blocks + the resident group, one file each, and the manifest
+    assert len(synced) == 3 + 1 and set(synced) == {tmp_path / "ecru-l2l" / "store"}
 
 
 def test_learning_rates_are_saved_and_restored_with_the_store(tmp_path):
@@ -294,3 +295,30 @@ def test_learning_rates_are_saved_and_restored_with_the_store(tmp_path):
         [1e-3, 2e-3, 3e-3]
     )
     resumed.close()
+
+
+def test_a_tampered_or_pickled_store_is_refused_in_one_line(tmp_path):
+    """Bit flips in a committed block file are caught by the manifest's checksums when the store is opened;
+    a planted pickle is never loaded (nothing in the store is unpickled)."""
+    config = L2LConfig(store="disk", store_dir=str(tmp_path), fsync=False)
+    engine = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)
+    engine.step(lm_batch())
+    engine.close()
+    store = tmp_path / "ecru-l2l" / "store"
+    block = sorted(store.glob("g00001-*.safetensors"))[0]
+    data = bytearray(block.read_bytes())
+    data[-5] ^= 0xFF
+    block.write_bytes(bytes(data))
+    with pytest.raises(L2LInputError, match="checksum mismatch in .*g00001"):
+        L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)
+    (store / "manifest.json").unlink()
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("raise SystemExit('pickle executed')",))
+
+    (store / "manifest.pt").write_bytes(pickle.dumps(Boom()))
+    fresh = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)  # a new store, no unpickling
+    assert fresh.steps == 0
+    fresh.close()

@@ -1,36 +1,41 @@
 """Full training checkpoints of an `L2L` engine: weights, optimizer states, step, RNG, loss scale.
 
-One file, `l2l_checkpoint.pt`, inside the checkpoint folder, written to a temporary name and renamed
-into place (`os.replace` is atomic), so a crash leaves either the previous checkpoint or the new one.
+A checkpoint folder holds `l2l-state-s{step}.safetensors` (every tensor, and the rest as JSON in its
+metadata: no pickle anywhere) and `manifest.json`, which names that file with its sha256 and size. The
+manifest is written last and is the commit point: a crash leaves the previous checkpoint or the new one,
+and a damaged or changed file is refused when the checkpoint is loaded. The manifest also keeps the
+caller's JSON `meta` (the CLI's arguments and losses), so it commits with the weights (`read_meta`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ecru.errors import MissingAssetError
+from ecru.io import MANIFEST, load_state, read_manifest, save_state, verify_manifest, write_manifest
 from ecru.l2l.config import L2LConfig
 from ecru.l2l.store import OptimizerFactory
-from ecru.l2l.workspace import fsync_dir
 
 if TYPE_CHECKING:
     from ecru.l2l.engine import L2L
 
-FILE = "l2l_checkpoint.pt"
-FORMAT = "ecru-l2l/1"
+FORMAT = "ecru-l2l/2"
+_STATE = re.compile(r"l2l-state-s(\d+)\.safetensors")
+_HINT = "the checkpoint was changed after ecru wrote it; train again without --resume"
 
 
-def save(engine: L2L, path: str | os.PathLike) -> Path:
-    """Write `engine`'s full training state to `path/l2l_checkpoint.pt` atomically; returns the file."""
+def save(engine: L2L, path: str | os.PathLike, *, meta: dict[str, Any] | None = None) -> Path:
+    """Write `engine`'s full training state into the folder `path` (see the module docstring); returns the
+    state file."""
     folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": FORMAT,
         "kind": engine.parts.kind,
@@ -45,27 +50,36 @@ def save(engine: L2L, path: str | os.PathLike) -> Path:
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
         },
     }
-    target = folder / FILE
-    tmp = folder / f".{FILE}.{os.getpid()}.partial"
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
-    fsync_dir(folder)  # the rename itself survives a power loss
+    name = f"l2l-state-s{engine.steps:09d}.safetensors"
+    target = save_state(folder / name, payload)
+    write_manifest(folder, [name], meta=meta)
+    for old in folder.iterdir():  # older states, no longer named by the manifest
+        if _STATE.fullmatch(old.name) and old.name != name:
+            old.unlink(missing_ok=True)
     return target
 
 
 def load(path: str | os.PathLike) -> dict:
-    """The payload of a checkpoint folder (or file), or a clear error."""
-    file = Path(path)
-    file = file / FILE if file.is_dir() else file
-    if not file.is_file():
-        raise MissingAssetError(f"no L2L checkpoint at {file}; write one with engine.save(folder)")
-    payload = torch.load(file, map_location="cpu", weights_only=False)
-    if payload.get("format") != FORMAT:
-        raise MissingAssetError(f"{file} is not an {FORMAT} checkpoint (format {payload.get('format')!r})")
+    """The payload of a checkpoint folder (its files verified against the manifest), or a clear error."""
+    folder = Path(path)
+    manifest = read_manifest(folder) if folder.is_dir() else None
+    if manifest is None:
+        legacy = " (an older pickle checkpoint, not loaded for safety)" if any(folder.glob("*.pt")) else ""
+        raise MissingAssetError(f"no L2L checkpoint at {folder}{legacy}; write one with engine.save(folder)")
+    names = [n for n in manifest["files"] if _STATE.fullmatch(n)]
+    if len(names) != 1:
+        raise MissingAssetError(f"{folder / MANIFEST} names no L2L state file; {_HINT}")
+    verify_manifest(folder, names)
+    payload = load_state(folder / names[0], hint=_HINT)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise MissingAssetError(f"{folder} is not an {FORMAT} checkpoint; {_HINT}")
     return payload
+
+
+def read_meta(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The `meta` saved with the checkpoint in folder `path`, or None if it holds none."""
+    manifest = read_manifest(path) if Path(path).is_dir() else None
+    return None if manifest is None else manifest["meta"]
 
 
 def resume(

@@ -2,11 +2,13 @@
 
 The model is a bundled name (smollm2, tiny) or any local Hugging Face model folder; the text is
 CLINC150 or the user's .txt (one text per line) / .jsonl (a "text" field per line). Everything the run
-writes goes to --out DIR: `state.json` (arguments, losses, data position), `checkpoint/` (the full
-training state, every --save-every steps and at the end; on the disk tier the store under DIR/ecru-l2l
-is the checkpoint itself), `hf/` (the trained model and tokenizer in save_pretrained format) and
-`metrics.json`. `--resume` continues from DIR exactly: weights, optimizer states, RNG and the data
-position (the batch of step k is a pure function of k and --seed).
+writes goes to --out DIR: `checkpoint/` (the full training state, every --save-every steps and at the end;
+on the disk tier the store under DIR/ecru-l2l is the checkpoint itself, committed every step), `state.json`
+(arguments and losses, written after each checkpoint), `hf/` (the trained model and tokenizer in
+save_pretrained format) and `metrics.json`. `--resume` continues from DIR exactly: weights, optimizer
+states, RNG and the data position (the batch of step k is a pure function of k and --seed); killed at any
+point, the same command with `--resume` finishes the run. A folder holding a run is refused without
+`--resume` or `--overwrite`; `--resume` with an argument that changes results refuses, naming it.
 """
 
 # torch and transformers are imported inside the handler: `ecru --help` imports this module.
@@ -23,6 +25,10 @@ from ecru.cliargs import add_out_dir, non_negative_float, non_negative_int, posi
 MODELS = ("smollm2", "tiny")  # "tiny" as in `ecru serve`; "tiny-llama" is still accepted
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 STATE, CHECKPOINT = "state.json", "checkpoint"
+RUN_FILES = (STATE, CHECKPOINT, "hf", "metrics.json", "ecru-l2l")  # what --overwrite deletes
+# arguments a resumed run must keep: each changes the results (--steps may grow, the rest is speed)
+RESULT_ARGS = ("model", "data", "batch_size", "max_length", "seed", "store", "lr", "weight_decay")
+RESULT_ARGS += ("max_grad_norm", "dtype")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +45,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="clinc",
         help="clinc (CLINC150 utterances) or a .txt (one text per line) / .jsonl ('text' field) file",
     )
-    add_out_dir(train, default="runs/l2l")
+    add_out_dir(train, default="runs/l2l", overwrite=True)
     train.add_argument("--steps", type=positive_int, default=10, help="total optimizer steps of the run")
     train.add_argument("--save-every", type=positive_int, default=None, help="checkpoint every N steps")
     train.add_argument("--batch-size", type=positive_int, default=8, help="samples per step")
@@ -131,31 +137,44 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _prepare_out(args: argparse.Namespace) -> tuple[Path, dict | None]:
-    """The --out folder (checked writable before any work) and the state of the run it holds, if any."""
+    """The --out folder (checked writable, after every other check) and the state of the run it holds."""
     import json
+    import shutil
 
     from ecru.cliargs import prepare_out_dir
     from ecru.errors import EcruError
 
-    out = prepare_out_dir(args.out)
-    state_file = out / STATE
-    held = state_file.is_file() or (out / "ecru-l2l" / "store").is_dir()
-    if held and not args.resume:
+    out = Path(args.out).expanduser()
+    held = any((out / name).exists() for name in (STATE, CHECKPOINT, "ecru-l2l"))
+    if held and not (args.resume or args.overwrite):
         raise EcruError(
-            f"--out {out} already holds a run; pass --resume to continue it or choose another --out"
+            f"--out {out} already holds a run; pass --resume to continue it, --overwrite to start again, "
+            "or choose another --out"
         )
-    if not args.resume:
-        return out, None
-    if not state_file.is_file():
-        raise EcruError(f"--resume: {out} holds no run to continue ({STATE} missing)")
-    state = json.loads(state_file.read_text())
-    for key in ("model", "data", "batch_size", "max_length", "seed", "store"):
-        if state["args"][key] != getattr(args, key):
-            raise EcruError(
-                f"--resume: the run in {out} used --{key.replace('_', '-')} {state['args'][key]}, not "
-                f"{getattr(args, key)}; resume with the same data, model and batch settings"
-            )
+    state = None
+    if held and args.resume and (out / STATE).is_file():
+        state = json.loads((out / STATE).read_text())
+        _check_same(args, state["args"], out)
+    out = prepare_out_dir(out)
+    if held and args.overwrite:
+        for name in RUN_FILES:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    if args.resume and not held:
+        print(f"note: {out} holds no run yet; starting one", file=sys.stderr)
     return out, state
+
+
+def _check_same(args: argparse.Namespace, saved: dict, out: Path) -> None:
+    from ecru.errors import EcruError
+
+    for key in RESULT_ARGS:
+        if key in saved and saved[key] != getattr(args, key):
+            flag = f"--{key.replace('_', '-')}"
+            raise EcruError(
+                f"--resume: the run in {out} used {flag} {saved[key]}, not {getattr(args, key)}; resume "
+                f"with the same {flag}, or pass --overwrite to start again"
+            )
 
 
 def _texts(data: str) -> list[str]:
@@ -189,7 +208,7 @@ def _engine(args: argparse.Namespace, out: Path, model, resume: bool):
         store_dir=str(out) if "disk" in (args.store, args.stash) else None,
     )
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay, fused=True)
-    if resume and args.store == "ram":
+    if resume and args.store == "ram" and (out / CHECKPOINT / "manifest.json").is_file():
         return L2L.resume(out / CHECKPOINT, model, optimizer=optimizer, config=config)
     return L2L.from_hf(model, optimizer=optimizer, config=config)
 
@@ -200,15 +219,17 @@ def run_train(args: argparse.Namespace) -> int:
     from ecru.errors import EcruError
 
     _check_args(args)
-    out, state = _prepare_out(args)
     texts = _texts(args.data)
     if len(texts) < args.batch_size:
         raise EcruError(f"--data has {len(texts)} texts, fewer than one batch of {args.batch_size}")
+    out, state = _prepare_out(args)
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, seed=args.seed)
     model.train()
     engine = _engine(args, out, model, resume=state is not None)
     losses = (state or {}).get("losses", [])[: engine.steps]
+    # the disk tier commits a step before state.json records its loss: a kill between them loses only that
+    losses += [float("nan")] * (engine.steps - len(losses))
     try:
         losses, tokens, wall = _train(args, engine, tokenizer, texts, out, losses)
         _checkpoint(args, engine, out, losses)
@@ -239,23 +260,24 @@ def _train(args, engine, tokenizer, texts, out: Path, losses: list[float]):
             tokens += int(batch["attention_mask"].sum())
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            if args.save_every and engine.steps % args.save_every == 0 and engine.steps < args.steps:
-                _checkpoint(args, engine, out, losses)
+            saving = args.save_every and engine.steps % args.save_every == 0
+            if engine.steps < args.steps and (saving or args.store == "disk"):
+                _checkpoint(args, engine, out, losses)  # the disk tier: state.json follows every commit
     return losses, tokens, time.perf_counter() - start
 
 
 def _checkpoint(args, engine, out: Path, losses: list[float]) -> None:
-    """state.json first, then the engine's checkpoint: a crash between them leaves a state.json ahead of
-    the checkpoint, and resume trusts the checkpoint's step (losses are cut to it)."""
-    from ecru.cliargs import atomic_write_json
+    """The engine's checkpoint (the commit point of the weights), then state.json: a kill between them
+    leaves state.json behind the checkpoint, and resume trusts the checkpoint's step."""
+    from ecru.io import atomic_write_json
 
-    keys = ("model", "data", "batch_size", "micro_batch_size", "max_length", "seed", "store", "lr")
+    if args.store == "ram":  # the disk tier committed this step in its store already
+        engine.save(out / CHECKPOINT)
+    keys = ("micro_batch_size", "steps", *RESULT_ARGS)
     atomic_write_json(
         out / STATE,
         {"args": {k: getattr(args, k) for k in keys}, "steps": engine.steps, "losses": losses},
     )
-    if args.store == "ram":  # the disk tier committed this step in its store already
-        engine.save(out / CHECKPOINT)
 
 
 def _summary(args: argparse.Namespace, engine, losses: list[float], tokens: int, wall: float) -> dict:

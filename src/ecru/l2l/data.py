@@ -68,7 +68,7 @@ def read_texts(path: str | Path) -> list[str]:
         raise EcruError(
             f"--data {path}: give a .txt file (one text per line) or a .jsonl file with a 'text' field"
         )
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = _decoded_lines(path)
     if path.suffix == ".txt":
         texts = [line for line in lines if line.strip()]
     else:
@@ -76,6 +76,22 @@ def read_texts(path: str | Path) -> list[str]:
     if not texts:
         raise EcruError(f"--data {path}: no text in it")
     return texts
+
+
+def _decoded_lines(path: Path) -> list[str]:
+    """The file's lines as UTF-8 text; a line that is not valid UTF-8 is one error naming file and line."""
+    from ecru.errors import EcruError
+
+    lines = []
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise EcruError(
+                f"--data {path}, line {n}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                f"{exc.start + 1}); save the file as UTF-8"
+            ) from None
+    return lines
 
 
 def _jsonl_text(line: str, path: Path, n: int) -> str:

@@ -1,9 +1,10 @@
 """The disk tier of the parameter server: fp32 masters and optimizer states of every block on disk.
 
-Layout of `store_dir`:
-- `g{group}-s{version}.w.pt`: the group's fp32 masters as one flat tensor;
-- `g{group}-s{version}.o.pt`: its optimizer state (one dict per parameter, as `optimizer.state` holds it);
-- `manifest.pt`: the last complete step, per group the version of its files, and the optimizers'
+Layout of `store_dir` (no pickle: safetensors and JSON, through ecru.io):
+- `g{group}-s{version}.safetensors`: the group's fp32 masters as one flat tensor (`w`) and its optimizer
+  state (`o`: one dict per parameter, as `optimizer.state` holds it);
+- `manifest.json`: every committed file with its sha256 and size (checked when the store is opened
+  again), and as meta the last complete step, per group the version of its file, and the optimizers'
   hyperparameters (`param_groups`: a learning-rate schedule resumes where it was).
 
 `store_dir` here is the engine's own locked folder (ecru.l2l.workspace): the store deletes only files
@@ -13,7 +14,7 @@ A streamed block lives in host memory only while it is used: the forward reads i
 use, on an I/O thread), the backward reads weights + optimizer state, the optimizer worker steps it,
 writes the new version (temporary name, then `os.replace`) and drops it ("write behind"). The resident
 group (stem + head) stays in memory and is written at the end of every step. A step becomes durable
-when `manifest.pt` is replaced by one naming the new versions; files of an interrupted step are newer
+when `manifest.json` is replaced by one naming the new versions; files of an interrupted step are newer
 than the manifest and are deleted on resume, so a crash never leaves a block half updated: the store
 restarts from the last complete step. A step that fails in a running engine is rolled back the same way
 (`rollback`): versions back to the manifest's, newer files deleted, blocks in memory dropped, the
@@ -33,13 +34,25 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ecru.errors import EcruError
+from ecru.io import (
+    MANIFEST,
+    TMP_MARK,
+    file_entry,
+    from_json_tree,
+    load_state,
+    read_manifest,
+    save_state,
+    to_json_tree,
+    verify_manifest,
+    write_manifest,
+)
 from ecru.l2l.config import L2LInputError
 from ecru.l2l.store import OptimizerFactory, ParameterStore
-from ecru.l2l.workspace import fsync_dir
 
-MANIFEST = "manifest.pt"
-FORMAT = "ecru-l2l-disk/1"
-_FILE = re.compile(r"g(\d+)-s(\d+)\.[wo]\.pt")
+FORMAT = "ecru-l2l-disk/2"
+_FILE = re.compile(r"g(\d+)-s(\d+)\.safetensors")
+_HINT = "the store was changed after ecru wrote it; use an empty store_dir"
 
 
 def _malloc_trim() -> Callable[[], None]:
@@ -57,18 +70,6 @@ def _malloc_trim() -> Callable[[], None]:
 
 
 _trim = _malloc_trim()
-
-
-def _write(path: Path, value, *, fsync: bool) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "wb") as f:
-        torch.save(value, f)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(path.parent)
 
 
 class DiskParameterStore(ParameterStore):
@@ -94,6 +95,7 @@ class DiskParameterStore(ParameterStore):
         self.read_ahead, self.fsync = read_ahead, fsync
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ecru-l2l-io")
         self._reads: dict[int, tuple[bool, Future]] = {}
+        self._entries: dict[str, dict] = {}  # file name -> sha256 and size, taken when written
         self._flat: dict[int, torch.Tensor] = {}  # groups in memory: their flat fp32 masters
         self._phase, self._order = "forward", []
         self.bytes_read = self.bytes_written = 0
@@ -106,9 +108,8 @@ class DiskParameterStore(ParameterStore):
             slots=slots,
             max_pending=max_pending,
         )
-        manifest = self.directory / MANIFEST
-        if manifest.is_file():
-            self._resume(torch.load(manifest, weights_only=False))
+        if (self.directory / MANIFEST).is_file():
+            self._resume()
         else:
             self.step, self.extra = 0, {}
             self.versions = [0] * len(self.groups)
@@ -120,8 +121,8 @@ class DiskParameterStore(ParameterStore):
                     self._evict(g)
 
     # ---- files ------------------------------------------------------------------------------------
-    def _path(self, g: int, version: int, kind: str) -> Path:
-        return self.directory / f"g{g:05d}-s{version:09d}.{kind}.pt"
+    def _path(self, g: int, version: int) -> Path:
+        return self.directory / f"g{g:05d}-s{version:09d}.safetensors"
 
     def _write_group(self, g: int, version: int) -> None:
         group = self.groups[g]
@@ -131,8 +132,8 @@ class DiskParameterStore(ParameterStore):
                 torch.cat([p.detach().reshape(-1) for p in group.params]) if group.params else torch.empty(0)
             )
         state = [dict(group.optimizer.state.get(p, {})) for p in group.params] if group.optimizer else []
-        _write(self._path(g, version, "w"), flat, fsync=self.fsync)
-        _write(self._path(g, version, "o"), state, fsync=self.fsync)
+        path = save_state(self._path(g, version), {"w": flat, "o": state}, fsync=self.fsync)
+        self._entries[path.name] = file_entry(path)
         self.bytes_written += flat.numel() * 4 + sum(
             t.numel() * t.element_size() for st in state for t in st.values() if isinstance(t, torch.Tensor)
         )
@@ -142,8 +143,8 @@ class DiskParameterStore(ParameterStore):
         if pending is not None:  # a read never overtakes the update (and write) of the same group
             pending.result()
         version = self.versions[g]
-        flat = torch.load(self._path(g, version, "w"), weights_only=True)
-        state = torch.load(self._path(g, version, "o"), weights_only=False) if with_state else None
+        saved = load_state(self._path(g, version), hint=_HINT)
+        flat, state = saved["w"], (saved["o"] if with_state else None)
         self.bytes_read += flat.numel() * 4 + sum(
             t.numel() * t.element_size()
             for st in (state or [])
@@ -155,27 +156,34 @@ class DiskParameterStore(ParameterStore):
     def _commit(self, steps: int) -> None:
         """Make the current versions the durable state of step `steps`, then delete older files."""
         self.step = steps
-        payload = {
+        meta = {
             "format": FORMAT,
             "step": steps,
             "versions": list(self.versions),
             "numels": [g.numel for g in self.groups],
-            "extra": self.extra,
-            "param_groups": [_hyperparameters(g.optimizer) for g in self.groups],
+            "extra": to_json_tree(self.extra),
+            "param_groups": to_json_tree([_hyperparameters(g.optimizer) for g in self.groups]),
         }
-        _write(self.directory / MANIFEST, payload, fsync=self.fsync)
+        names = [self._path(g, v).name for g, v in enumerate(self.versions)]
+        write_manifest(self.directory, {n: self._entries[n] for n in names}, meta=meta)
         self._committed = list(self.versions)
         self._clean()
+        self._entries = {n: self._entries[n] for n in names}
 
     def _clean(self) -> None:
         for path in self.directory.iterdir():
             m = _FILE.fullmatch(path.name)
             if m and (int(m[1]) >= len(self.versions) or int(m[2]) != self.versions[int(m[1])]):
                 path.unlink(missing_ok=True)
-            elif path.name.endswith(".partial"):
+            elif TMP_MARK in path.name:
                 path.unlink(missing_ok=True)
 
-    def _resume(self, payload: dict) -> None:
+    def _resume(self) -> None:
+        try:
+            manifest = read_manifest(self.directory)
+        except EcruError as exc:
+            raise L2LInputError(str(exc)) from None
+        payload = manifest["meta"]
         if payload.get("format") != FORMAT:
             raise L2LInputError(f"{self.directory} holds no {FORMAT} store; pick an empty store_dir")
         numels = [g.numel for g in self.groups]
@@ -185,13 +193,19 @@ class DiskParameterStore(ParameterStore):
                 f"{numels}: resume with the model the store was made for (same depth and widths), or use "
                 "an empty store_dir"
             )
-        self.step, self.versions, self.extra = payload["step"], list(payload["versions"]), payload["extra"]
+        self.step, self.versions = payload["step"], list(payload["versions"])
+        self.extra = from_json_tree(payload["extra"])
         self._committed = list(self.versions)
-        for group, saved in zip(self.groups, payload.get("param_groups", []), strict=False):
+        self._clean()  # files of an interrupted step are newer than the manifest
+        try:
+            verify_manifest(self.directory)  # every committed file as written: O(model) once, on opening
+        except EcruError as exc:
+            raise L2LInputError(f"{exc}; use an empty store_dir") from None
+        self._entries = dict(manifest["files"])
+        for group, saved in zip(self.groups, from_json_tree(payload["param_groups"]), strict=False):
             if group.optimizer is not None and saved is not None:
                 for live, hyper in zip(group.optimizer.param_groups, saved, strict=True):
                     live.update(hyper)
-        self._clean()  # files of an interrupted step are newer than the manifest
         for g in range(len(self.groups)):
             if g == self.resident:
                 self._install(g, *self._read_group(g, True))

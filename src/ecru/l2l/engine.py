@@ -502,11 +502,12 @@ class L2L:
         self.model.load_state_dict(state_dict, strict=True)
         self.store.refresh()
 
-    def save(self, path) -> None:
-        """A full training checkpoint (weights, optimizer states, step, RNG, loss scale), written atomically."""
+    def save(self, path, *, meta: dict | None = None) -> None:
+        """A full training checkpoint (weights, optimizer states, step, RNG, loss scale) in folder `path`,
+        committed atomically with the caller's JSON `meta` (see ecru.l2l.checkpoint)."""
         from ecru.l2l.checkpoint import save
 
-        save(self, path)
+        save(self, path, meta=meta)
 
     def save_pretrained(self, path, *, tokenizer=None, dtype: torch.dtype | None = None) -> None:
         """Export the trained Hugging Face model (`save_pretrained` format, with its config) in `dtype`

@@ -8,23 +8,14 @@ or another); the kernel drops the lock when its process dies, so a crashed run n
 
 from __future__ import annotations
 
-import fcntl
 import os
 from pathlib import Path
 
+from ecru.errors import EcruError
+from ecru.io import FolderLock
 from ecru.l2l.config import L2LInputError
 
 NAME = "ecru-l2l"
-LOCK = "lock"
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make the entries of folder `path` (a rename, a new or deleted file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Workspace:
@@ -33,27 +24,15 @@ class Workspace:
     def __init__(self, store_dir: str | os.PathLike, *, rank: int | None = None):
         root = Path(store_dir).expanduser() / NAME
         self.path = root / f"rank{rank}" if rank is not None else root
+        self._lock = FolderLock(self.path, what="store_dir for this engine")
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._lock = open(self.path / LOCK, "a+")  # noqa: SIM115 - held open until close()
+            self._lock.acquire()
         except OSError as exc:
             raise L2LInputError(
                 f"cannot use store_dir {store_dir} ({exc.strerror}); give a writable folder"
             ) from None
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.seek(0)
-            holder = self._lock.read().strip() or "unknown"
-            self._lock.close()
-            raise L2LInputError(
-                f"{self.path} is in use by another L2L engine (process {holder}); close that engine or "
-                "give this one another store_dir"
-            ) from None
-        self._lock.seek(0)
-        self._lock.truncate()
-        self._lock.write(f"{os.getpid()}\n")
-        self._lock.flush()
+        except EcruError as exc:
+            raise L2LInputError(str(exc)) from None
 
     def folder(self, name: str) -> Path:
         """A subfolder of the workspace (created if missing)."""
@@ -63,6 +42,4 @@ class Workspace:
 
     def close(self) -> None:
         """Release the lock (the lock file stays: it is the workspace's, and harmless)."""
-        if not self._lock.closed:
-            fcntl.flock(self._lock, fcntl.LOCK_UN)
-            self._lock.close()
+        self._lock.release()

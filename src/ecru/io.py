@@ -1,0 +1,403 @@
+"""ecru's one I/O layer: atomic files and folders, folder locks, checksummed manifests, tensors without pickle.
+
+- **Atomic writes** (`atomic_path`, `atomic_write_bytes/text/json`, `atomic_folder`): the data goes to a
+  temporary name in the target's folder, is fsynced, renamed into place (`os.replace`) and the folder entry
+  fsynced, so a reader or a crash sees the old content or the new, never half of it. Temporary names carry
+  `TMP_MARK`; `clean_leftovers` deletes what a killed write left.
+- **Locks** (`FolderLock`): `flock` on `DIR/.ecru.lock`. A live holder is refused in one line naming its
+  process (or waited for); the kernel drops the lock when its holder dies, so a crashed run never blocks.
+- **Manifests** (`write_manifest`, `verify_manifest`): every artifact file of a folder with its sha256 and
+  size, checked on load, so a truncated, bit-flipped or swapped file is refused in one line.
+- **Tensors and state without pickle** (`save_tensors`, `load_tensors`, `save_state`, `load_state`):
+  safetensors for tensors; any nested dict/list/tuple of tensors, numbers, strings, bools and None is kept as
+  a JSON skeleton in the safetensors metadata, so optimizer states and RNG states need no `torch.load`.
+
+Nothing here imports torch at module level: `ecru --help` imports the CLI modules that import this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ecru.errors import EcruError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+TMP_MARK = ".ecru-tmp-"
+LOCK_FILE = ".ecru.lock"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "ecru-manifest/1"
+_TREE_KEY = "ecru_tree"
+
+
+class ChecksumError(EcruError):
+    """A file differs from what its folder's manifest recorded when ecru wrote it."""
+
+
+# ---- atomic files and folders ---------------------------------------------------------------------------
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make the entries of folder `path` (a rename, a new or deleted file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _tmp_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}{TMP_MARK}{secrets.token_hex(4)}")
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temporary path beside `target`; write it inside the block. On success it is fsynced and renamed
+    onto `target` (folder entry fsynced); on any exception it is deleted and `target` is untouched."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(target)
+    try:
+        yield tmp
+        if fsync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        fsync_dir(target.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> Path:
+    """Write `data` to `path` atomically (see the module docstring)."""
+    with atomic_path(path, fsync=fsync) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> Path:
+    return atomic_write_bytes(path, text.encode(), fsync=fsync)
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, *, fsync: bool = True) -> Path:
+    return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n", fsync=fsync)
+
+
+@contextlib.contextmanager
+def atomic_folder(target: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary folder beside `target`; fill it inside the block. On success its files are
+    fsynced and it is renamed to `target` (which must not exist); on an exception it is deleted."""
+    target = Path(target)
+    if target.exists():
+        raise FileExistsError(f"{target} exists")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(target)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for file in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(target.parent)
+
+
+def clean_leftovers(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files and folders that killed atomic writes left directly in `folder`."""
+    removed = []
+    for path in Path(folder).glob(f".*{TMP_MARK}*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def inside(folder: str | os.PathLike, name: str) -> Path:
+    """`folder/name`, refused unless it resolves to a path strictly inside `folder` (no `..`, no absolute
+    path, no symlink out): names read from a file must not reach outside its folder."""
+    root = Path(folder).resolve()
+    path = (root / name).resolve()
+    if path == root or root not in path.parents:
+        raise EcruError(
+            f"{folder}: the entry {name!r} points outside the folder; the folder was tampered with"
+        )
+    return path
+
+
+# ---- locks ----------------------------------------------------------------------------------------------
+class FolderLock:
+    """An exclusive lock on a folder (`flock` on `DIR/.ecru.lock`), held from `acquire` to `release`.
+
+    `wait` seconds: how long to wait for a live holder before refusing (0: refuse at once). A holder that
+    died released its lock with its process.
+    """
+
+    def __init__(self, folder: str | os.PathLike, *, what: str = "folder", wait: float = 0.0):
+        self.folder, self.what, self.wait = Path(folder), what, wait
+        self._file = None
+
+    def acquire(self) -> FolderLock:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        f = open(self.folder / LOCK_FILE, "a+")  # noqa: SIM115 - held open until release()
+        deadline = time.monotonic() + self.wait
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    f.seek(0)
+                    holder = f.read().strip() or "unknown"
+                    f.close()
+                    raise EcruError(
+                        f"{self.folder} is in use by another ecru process (pid {holder}); wait for it to "
+                        f"finish or use another {self.what}"
+                    ) from None
+                time.sleep(0.05)
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        self._file = f
+        return self
+
+    def release(self) -> None:
+        if self._file is not None and not self._file.closed:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+        self._file = None
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+# ---- manifests ------------------------------------------------------------------------------------------
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_entry(path: str | os.PathLike) -> dict:
+    """A manifest entry: the file's sha256 and size."""
+    return {"sha256": sha256_file(path), "size": Path(path).stat().st_size}
+
+
+def write_manifest(
+    folder: str | os.PathLike,
+    files: Iterable[str] | Mapping[str, dict],
+    *,
+    meta: dict | None = None,
+    name: str = MANIFEST,
+) -> Path:
+    """Record sha256 and size of each of `files` (names relative to `folder`; or their `file_entry`s, computed
+    when written), and the caller's JSON `meta`, in `folder/name`, atomically: written last, it is the
+    commit point of the folder's content."""
+    folder = Path(folder)
+    entries = dict(files) if isinstance(files, Mapping) else {f: file_entry(folder / f) for f in files}
+    return atomic_write_json(folder / name, {"format": MANIFEST_FORMAT, "files": entries, "meta": meta or {}})
+
+
+def read_manifest(folder: str | os.PathLike, *, name: str = MANIFEST) -> dict | None:
+    """The manifest (`files`: name -> sha256 and size; `meta`), or None if the folder has none."""
+    path = Path(folder) / name
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        ok = data.get("format") == MANIFEST_FORMAT and isinstance(data["files"], dict)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        ok = False
+    if not ok:
+        raise ChecksumError(
+            f"{path} is damaged or not an ecru manifest; the folder was changed after ecru wrote it"
+        )
+    data.setdefault("meta", {})
+    return data
+
+
+def verify_manifest(
+    folder: str | os.PathLike,
+    names: Iterable[str] | None = None,
+    *,
+    name: str = MANIFEST,
+    required: bool = True,
+) -> dict | None:
+    """Check `names` (default: every file the manifest lists) against the manifest and return it; one-line
+    error if any differs. Without a manifest: an error if `required`, else None (nothing checked)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder, name=name)
+    if manifest is None:
+        if required:
+            raise ChecksumError(f"{folder} has no {name}; it was not written (whole) by ecru")
+        return None
+    files = manifest["files"]
+    for f in files if names is None else names:
+        _verify_file(folder, f, files.get(f))
+    return manifest
+
+
+def _verify_file(folder: Path, name: str, entry: dict | None) -> None:
+    path = inside(folder, name)
+    if entry is None:
+        raise ChecksumError(
+            f"{path} is not in {folder / MANIFEST}; the folder was changed after ecru wrote it"
+        )
+    if not path.is_file():
+        raise ChecksumError(f"{path} is missing; the folder is incomplete")
+    if path.stat().st_size != entry.get("size") or sha256_file(path) != entry.get("sha256"):
+        raise ChecksumError(f"checksum mismatch in {path}; the folder was changed after ecru wrote it")
+
+
+# ---- tensors and state without pickle ------------------------------------------------------------------
+def save_tensors(
+    path: str | os.PathLike,
+    tensors: dict[str, Tensor],
+    metadata: dict[str, str] | None = None,
+    *,
+    fsync: bool = True,
+) -> Path:
+    """Write `tensors` as one safetensors file, atomically (shared or strided tensors are copied first)."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    out = {}
+    for k, t in tensors.items():
+        t = t.detach().cpu()
+        storage = t.untyped_storage()
+        whole = t.is_contiguous() and storage.nbytes() == t.numel() * t.element_size()
+        # safetensors refuses tensors that share memory (tied weights, views into one flat buffer)
+        out[k] = t if whole and storage.data_ptr() not in seen else t.clone(memory_format=_contiguous())
+        seen.add(storage.data_ptr())
+    with atomic_path(path, fsync=fsync) as tmp:
+        save_file(out, str(tmp), metadata)
+    return Path(path)
+
+
+def _contiguous():
+    import torch
+
+    return torch.contiguous_format
+
+
+def load_tensors(path: str | os.PathLike, *, hint: str = "") -> tuple[dict[str, Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file; a missing, truncated or garbage file is one `EcruError`
+    naming it (`hint`: how to fix it, appended)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    fix = f"; {hint}" if hint else ""
+    if not path.is_file():
+        raise EcruError(f"{path} is missing{fix}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own SafetensorError, OSError, ...
+        raise EcruError(f"{path} is damaged or not a safetensors file ({_first_line(exc)}){fix}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+
+
+def save_state(path: str | os.PathLike, state: Any, *, fsync: bool = True) -> Path:
+    """Write a nested state (dicts, lists, tuples, tensors, numbers, strings, bools, None) without pickle:
+    tensors into a safetensors file, the rest as a JSON skeleton in its metadata."""
+    tensors: dict[str, Tensor] = {}
+    skeleton = _to_skeleton(state, tensors)
+    return save_tensors(path, tensors, {_TREE_KEY: json.dumps(skeleton)}, fsync=fsync)
+
+
+def load_state(path: str | os.PathLike, *, hint: str = "") -> Any:
+    """What `save_state` wrote."""
+    tensors, metadata = load_tensors(path, hint=hint)
+    try:
+        return _from_skeleton(json.loads(metadata[_TREE_KEY]), tensors)
+    except (KeyError, ValueError, TypeError, IndexError) as exc:
+        fix = f"; {hint}" if hint else ""
+        raise EcruError(f"{path} holds no ecru state ({_first_line(exc)}){fix}") from None
+
+
+def to_json_tree(obj: Any) -> Any:
+    """A JSON-able form of a small nested state (tensors inline as lists); `from_json_tree` inverts it."""
+    return _to_skeleton(obj, None)
+
+
+def from_json_tree(node: Any) -> Any:
+    return _from_skeleton(node, {})
+
+
+def _to_skeleton(obj: Any, tensors: dict[str, Tensor] | None) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if tensors is None:
+            t = obj.detach().cpu()
+            return {"__tensor__": {"dtype": str(t.dtype), "shape": list(t.shape), "data": t.flatten().tolist()}}
+        key = str(len(tensors))
+        tensors[key] = obj
+        return {"__tensor__": key}
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, tuple | list):
+        items = [_to_skeleton(v, tensors) for v in obj]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, dict):
+        return {"__dict__": [[_to_skeleton(k, tensors), _to_skeleton(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, torch.dtype | torch.device):
+        return {"__torch__": str(obj)}
+    raise TypeError(f"cannot save a {type(obj).__name__} without pickle")
+
+
+def _from_skeleton(node: Any, tensors: dict[str, Tensor]) -> Any:
+    if isinstance(node, list):
+        return [_from_skeleton(v, tensors) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if "__tensor__" in node:
+        ref = node["__tensor__"]
+        if isinstance(ref, dict):
+            import torch
+
+            dtype = getattr(torch, ref["dtype"].removeprefix("torch."))
+            return torch.tensor(ref["data"], dtype=dtype).reshape(ref["shape"])
+        return tensors[ref]
+    if "__tuple__" in node:
+        return tuple(_from_skeleton(v, tensors) for v in node["__tuple__"])
+    if "__torch__" in node:
+        import torch
+
+        text = node["__torch__"]
+        return (
+            getattr(torch, text.removeprefix("torch.")) if text.startswith("torch.") else torch.device(text)
+        )
+    return {_from_skeleton(k, tensors): _from_skeleton(v, tensors) for k, v in node["__dict__"]}
