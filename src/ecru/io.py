@@ -362,7 +362,9 @@ def _to_skeleton(obj: Any, tensors: dict[str, Tensor] | None) -> Any:
     if isinstance(obj, torch.Tensor):
         if tensors is None:
             t = obj.detach().cpu()
-            return {"__tensor__": {"dtype": str(t.dtype), "shape": list(t.shape), "data": t.flatten().tolist()}}
+            return {
+                "__tensor__": {"dtype": str(t.dtype), "shape": list(t.shape), "data": t.flatten().tolist()}
+            }
         key = str(len(tensors))
         tensors[key] = obj
         return {"__tensor__": key}

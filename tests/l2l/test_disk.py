@@ -319,6 +319,8 @@ def test_a_tampered_or_pickled_store_is_refused_in_one_line(tmp_path):
             return (exec, ("raise SystemExit('pickle executed')",))
 
     (store / "manifest.pt").write_bytes(pickle.dumps(Boom()))
-    fresh = L2L.from_hf(tiny_llama(num_layers=2), optimizer=ADAMW, config=config)  # a new store, no unpickling
+    fresh = L2L.from_hf(
+        tiny_llama(num_layers=2), optimizer=ADAMW, config=config
+    )  # a new store, no unpickling
     assert fresh.steps == 0
     fresh.close()

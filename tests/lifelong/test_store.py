@@ -151,7 +151,12 @@ def test_export_loads_with_peft_alone(tmp_path, store):
     assert {"adapter_config.json", "adapter_model.safetensors", "router.safetensors", "labels.json"} <= {
         p.name for p in folder.iterdir()
     }
-    base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    from ecru.models.minilm import minilm_dir
+
+    # the base is named by its public id (portable), and loads here from the bundled copy of it
+    named = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == "sentence-transformers/all-MiniLM-L6-v2"
+    base = minilm_dir()
     model = PeftModel.from_pretrained(AutoModel.from_pretrained(base), folder).eval()
     tok = AutoTokenizer.from_pretrained(base)
     texts = ["please freeze my account", "what is my routing number"]
@@ -283,6 +288,7 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
         f = old / "tasks" / t["folder"] / "router.safetensors"
         keep = load_file(f)
         save_file({k: keep[k] for k in ("prototypes", "threshold")}, f)
+        (f.parent / "manifest.json").unlink()  # written before task folders had manifests
     from ecru.lifelong.router import LDARouter, PrototypeRouter
 
     assert isinstance(store.method().router, LDARouter)
@@ -315,9 +321,56 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
             },
             f,
         )
+        (f.parent / "manifest.json").unlink()  # written before task folders had manifests
     lda_store = KnowledgeStore(lda)
     before = lda_store.predict(texts)
     assert lda_store.method().adapter_prototypes == [None] * len(manifest["tasks"])
     assert lda_store.method().cfg.adapter_prototype_weight == 0.0
     assert lda_store.method().router.rmd_percentile is None
     assert sum(p.label == w for p, w in zip(before, want, strict=True)) >= len(texts) // 2
+
+
+def test_a_damaged_task_file_is_refused_in_one_line(store, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(store.path, copy)
+    router = next((copy / "tasks").glob("*/router.safetensors"))
+    data = bytearray(router.read_bytes())
+    data[-3] ^= 0x10
+    router.write_bytes(bytes(data))
+    with pytest.raises(EcruError, match="checksum mismatch in .*router.safetensors"):
+        KnowledgeStore(copy).predict(["hello"])
+    router.write_bytes(b"garbage")
+    (router.parent / "manifest.json").unlink()
+    with pytest.raises(EcruError, match="router.safetensors is damaged or not a safetensors file"):
+        KnowledgeStore(copy).predict(["hello"])
+
+
+def test_forget_never_deletes_outside_the_store(store, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(store.path, copy)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    manifest = json.loads((copy / "store.json").read_text())
+    manifest["tasks"][0]["folder"] = "../../victim"
+    (copy / "store.json").write_text(json.dumps(manifest))
+    with pytest.raises(EcruError, match="points outside the folder"):
+        KnowledgeStore(copy).forget(manifest["tasks"][0]["task"])
+    assert (victim / "keep.txt").read_text() == "mine"
+
+
+def test_leftovers_of_a_killed_learn_are_cleaned_by_the_next_writer(store, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(store.path, copy)
+    orphan = copy / "tasks" / "travel-deadbeef"  # renamed into place, killed before store.json
+    half = copy / "tasks" / ".x.ecru-tmp-0001"  # killed while writing
+    orphan.mkdir()
+    half.mkdir()
+    ks = KnowledgeStore(copy)
+    ks.forget(ks.tasks()[-1]["task"])
+    assert not orphan.exists() and not half.exists()
+    # a store killed before its first commit is no store yet, not "a folder that is not a store"
+    fresh = tmp_path / "fresh"
+    (fresh / "tasks" / ".t.ecru-tmp-0002").mkdir(parents=True)
+    (fresh / ".ecru.lock").write_text("123\n")
+    assert KnowledgeStore(fresh).tasks() == []

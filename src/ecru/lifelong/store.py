@@ -14,9 +14,14 @@ Layout (all written atomically; `store.json` is the commit point):
   class and threshold) and `labels.json`
   (the labels as written and the names the zero-shot head embeds, `ecru.lifelong.userdata.label_name`).
 
-Relearning a task writes a new folder, then swaps `store.json` to it, then deletes the old folder: a reader
-or a crash sees the old task or the new one, never a mix, and never two. Every input is checked before
-anything is written, so a refused command leaves the store byte for byte as it was.
+Each task folder also holds `manifest.json` (ecru.io: sha256 and size of its files), checked when the task
+is loaded, so a damaged or changed file is refused in one line. Relearning a task writes a new folder, then
+swaps `store.json` to it, then deletes the old folder: a reader or a crash sees the old task or the new one,
+never a mix, and never two. Writers hold the store's lock (`learn` trains outside it and commits under it,
+against the store.json it then reads: two concurrent learns both keep their task); what a killed writer
+left (temporary folders, task folders no store.json names) is deleted by the next writer. Task folders
+named in store.json must lie inside `tasks/`. Every input is checked before anything is written, so a
+refused command leaves the store byte for byte as it was.
 """
 
 from __future__ import annotations
@@ -25,14 +30,24 @@ import hashlib
 import json
 import re
 import shutil
-import tempfile
 import uuid
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ecru.cliargs import atomic_write_json
 from ecru.errors import EcruError
+from ecru.io import (
+    LOCK_FILE,
+    TMP_MARK,
+    FolderLock,
+    atomic_folder,
+    atomic_write_json,
+    clean_leftovers,
+    inside,
+    load_tensors,
+    verify_manifest,
+    write_manifest,
+)
 from ecru.lifelong.userdata import Record, label_name, task_labels
 
 FORMAT = "ecru-lifelong-store"
@@ -41,6 +56,10 @@ METHOD = "routed-lora"
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 PREDICT_CHUNK = 512
 """Texts scored at a time: memory stays bounded whatever the input's length."""
+LOCK_WAIT_S = 600.0
+"""How long a writer waits for another writer's commit (training happens outside the lock)."""
+PUBLIC_IDS = {DEFAULT_MODEL: "sentence-transformers/all-MiniLM-L6-v2"}
+"""The bundled encoder's public model id, named as an exported adapter's base (not a local path)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +137,7 @@ class KnowledgeStore:
     def _read_manifest(self) -> dict[str, Any] | None:
         file = self.path / "store.json"
         if not file.exists():
-            if self.path.exists() and (not self.path.is_dir() or any(self.path.iterdir())):
+            if self.path.exists() and (not self.path.is_dir() or not _only_ecru_files(self.path)):
                 raise EcruError(
                     f"{self.path}: exists and is not a knowledge store (no store.json); choose another --store"
                 )
@@ -156,15 +175,15 @@ class KnowledgeStore:
     def method(self):
         """The routed method with every learned task loaded (built once per store object)."""
         if self._method is None:
-            from safetensors.torch import load_file
-
             method = _new_method(self.model_record, self._config())
             for t in (self.manifest or {}).get("tasks", []):
-                folder = self.path / "tasks" / t["folder"]
-                router = load_file(folder / "router.safetensors")
+                folder = self._folder(t)
+                verify_manifest(folder, required=False)  # stores written before manifests have none
+                router, _ = load_tensors(folder / "router.safetensors", hint=_DAMAGED)
+                adapter, _ = load_tensors(folder / "adapter_model.safetensors", hint=_DAMAGED)
                 kept = tuple(router.pop(k) for k in ADAPTER_PROTOTYPES if k in router)
-                method.add_trained(load_file(folder / "adapter_model.safetensors"), _router_state(router),
-                                   t["names"], kept if len(kept) == 2 else None)  # fmt: skip
+                method.add_trained(adapter, _router_state(router), t["names"],
+                                   kept if len(kept) == 2 else None)  # fmt: skip
             self._method = method
         return self._method
 
@@ -241,38 +260,73 @@ class KnowledgeStore:
                 "labels": [by_name[n] for n in names], "examples": len(records),
                 "trainable_params": cost.trainable_params, "config": cfg}  # fmt: skip
 
-    def _commit(self, task: str, trained: dict[str, Any]) -> dict[str, Any]:
-        tasks_dir = self.path / "tasks"
-        tasks_dir.mkdir(parents=True, exist_ok=True)
-        folder = f"{_slug(task)}-{uuid.uuid4().hex[:8]}"
-        tmp = Path(tempfile.mkdtemp(dir=tasks_dir, prefix=".tmp-"))
+    def _folder(self, entry: dict[str, Any]) -> Path:
+        """A task's folder, refused unless it lies inside the store's `tasks/` (store.json is input too)."""
+        return inside(self.path / "tasks", str(entry["folder"]))
+
+    def _locked(self) -> FolderLock:
+        """The store's writer lock; under it, store.json is read again and leftovers of killed writers go."""
+        lock = FolderLock(self.path, what="--store", wait=LOCK_WAIT_S).acquire()
         try:
-            stored = _write_task(tmp, trained, self.model_record)
-            tmp.rename(tasks_dir / folder)
+            self.manifest, self._method = self._read_manifest(), None
+            self._clean()
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            lock.release()
             raise
-        entry = {"task": task, "folder": folder, "labels": trained["labels"], "names": trained["names"],
-                 "examples": trained["examples"], "trainable_params": trained["trainable_params"],
-                 "stored_bytes": stored}  # fmt: skip
+        return lock
+
+    def _clean(self) -> None:
+        tasks_dir = self.path / "tasks"
+        if not tasks_dir.is_dir():
+            return
+        clean_leftovers(tasks_dir)
+        named = {t["folder"] for t in (self.manifest or {}).get("tasks", [])}
+        for path in tasks_dir.iterdir():  # a killed learn's folder, or an old .tmp- one
+            if path.is_dir() and not path.is_symlink() and path.name not in named:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _commit(self, task: str, trained: dict[str, Any]) -> dict[str, Any]:
+        lock = self._locked()
+        try:
+            return self._commit_locked(task, trained)
+        finally:
+            lock.release()
+
+    def _commit_locked(self, task: str, trained: dict[str, Any]) -> dict[str, Any]:
         manifest = self.manifest or {"format": FORMAT, "version": VERSION, "method": METHOD,
                                      "model": self.model_record, "config": _jsonable(asdict(trained["config"])),
                                      "tasks": []}  # fmt: skip
+        if self.manifest is None:  # a new store: valid (with no task) before its first task folder exists
+            atomic_write_json(self.path / "store.json", manifest)
+        if manifest["model"]["fingerprint"] != self.model_record["fingerprint"]:
+            raise EcruError(f"{self.path} was made meanwhile with another encoder; learn again")
+        folder = f"{_slug(task)}-{uuid.uuid4().hex[:8]}"
+        with atomic_folder(self.path / "tasks" / folder) as tmp:
+            stored = _write_task(tmp, trained, self.model_record)
+        entry = {"task": task, "folder": folder, "labels": trained["labels"], "names": trained["names"],
+                 "examples": trained["examples"], "trainable_params": trained["trainable_params"],
+                 "stored_bytes": stored}  # fmt: skip
         old = [t for t in manifest["tasks"] if t["task"] == task]
         manifest = {**manifest, "tasks": [t for t in manifest["tasks"] if t["task"] != task] + [entry]}
         atomic_write_json(self.path / "store.json", manifest)  # the commit point
         for t in old:
-            shutil.rmtree(tasks_dir / t["folder"], ignore_errors=True)
+            shutil.rmtree(self._folder(t), ignore_errors=True)
         self.manifest, self._method = manifest, None
         return {k: entry[k] for k in ("task", "labels", "examples", "trainable_params", "stored_bytes")}
 
     def forget(self, task: str) -> None:
         """Remove task `task` (its adapter, router state and labels)."""
-        entry = self._task(task)
-        manifest = {**self.manifest, "tasks": [t for t in self.manifest["tasks"] if t["task"] != task]}
-        atomic_write_json(self.path / "store.json", manifest)
-        shutil.rmtree(self.path / "tasks" / entry["folder"], ignore_errors=True)
-        self.manifest, self._method = manifest, None
+        self._task(task)
+        lock = self._locked()
+        try:
+            entry = self._task(task)
+            folder = self._folder(entry)
+            manifest = {**self.manifest, "tasks": [t for t in self.manifest["tasks"] if t["task"] != task]}
+            atomic_write_json(self.path / "store.json", manifest)
+            shutil.rmtree(folder, ignore_errors=True)
+            self.manifest, self._method = manifest, None
+        finally:
+            lock.release()
 
     def export(self, out: str | Path) -> list[Path]:
         """One folder per task under `out`: a standard peft adapter (`adapter_config.json`,
@@ -285,7 +339,7 @@ class KnowledgeStore:
             target = out / _slug(t["task"])
             if target.exists():
                 shutil.rmtree(target)
-            shutil.copytree(self.path / "tasks" / t["folder"], target)
+            shutil.copytree(self._folder(t), target)
             written.append(target)
         atomic_write_json(out / "store.json", self.manifest)
         return written
@@ -321,13 +375,28 @@ def _router_state(tensors: dict[str, Any]) -> dict[str, list]:
     return {back.get(k, k): [scalar[k](v) if k in scalar else v] for k, v in tensors.items()}
 
 
+_DAMAGED = "the store was changed after ecru wrote it; learn the task again (ecru lifelong learn)"
+
+
+def _only_ecru_files(path: Path) -> bool:
+    """True if folder `path` holds nothing but what a store's writer makes before store.json (its lock,
+    leftovers of killed writes, an empty or leftover-only `tasks/`): a store that was never committed."""
+    for entry in path.iterdir():
+        if entry.name == LOCK_FILE or TMP_MARK in entry.name:
+            continue
+        if entry.name == "tasks" and entry.is_dir() and all(TMP_MARK in e.name for e in entry.iterdir()):
+            continue
+        return False
+    return True
+
+
 def _write_task(folder: Path, trained: dict[str, Any], model_record: dict[str, str]) -> int:
-    """Write one task's files into `folder`; returns their total bytes."""
+    """Write one task's files and their manifest into `folder`; returns the files' total bytes."""
     import torch
     from safetensors.torch import save_file
 
     lora = trained["lora"]
-    lora.base_model_name_or_path = model_record["path"]
+    lora.base_model_name_or_path = PUBLIC_IDS.get(model_record["name"], model_record["path"])
     lora.save_pretrained(folder)  # adapter_config.json
     save_file({k: v.contiguous() for k, v in trained["weights"].items()}, folder / "adapter_model.safetensors",
               metadata={"format": "pt"})  # fmt: skip
@@ -339,7 +408,9 @@ def _write_task(folder: Path, trained: dict[str, Any], model_record: dict[str, s
     (folder / "labels.json").write_text(
         json.dumps({"labels": trained["labels"], "names": trained["names"]}, indent=1)
     )
-    return sum(f.stat().st_size for f in folder.iterdir())
+    files = sorted(f.name for f in folder.iterdir())
+    write_manifest(folder, files)
+    return sum((folder / f).stat().st_size for f in files)
 
 
 def _jsonable(value: Any) -> Any:
