@@ -3,21 +3,26 @@
 Every HTTP request becomes one engine request on the engine thread (`background.EngineThread`), so
 concurrent clients share the running batch. The engine's listener hands each released piece of text to
 the request's asyncio queue (thread-safely); a streaming response sends it as a server-sent event at once,
-a plain one gathers it. A client that goes away has its request cancelled, which frees its row at the
-next step. Errors are OpenAI's JSON bodies: 400 for an invalid request, 404 for an unknown model or path.
+a plain one gathers it while watching for the client's disconnect, so a client that goes away has its
+requests cancelled at once and their rows leave the batch at the next step. Tokenisation runs on a worker
+thread, so the event loop keeps answering (`/health`) while a long prompt is encoded. `APIGuard` refuses,
+before any route runs, a body over `APIConfig.max_body_bytes` (413) and a `/v1` call without the API key
+(401). Errors are OpenAI's JSON bodies: 400 invalid request, 401, 404 unknown model or path, 413, 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ecru.serve.api_schema import APIError, ChatCompletionRequest, CompletionRequest
@@ -26,7 +31,24 @@ from ecru.serve.metrics import ServerMetrics
 from ecru.serve.models import ServedModel
 from ecru.serve.sampling import SamplingParams
 
-POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+DISCONNECTED = "499"  # the status /metrics counts for a client that left before its answer (nginx's code)
+
+
+@dataclass(frozen=True)
+class APIConfig:
+    """What the HTTP layer enforces before a request reaches a route."""
+
+    api_key: str | None = None
+    """Bearer token every /v1 route requires (None: open); /health and /metrics stay open."""
+    max_body_bytes: int = 2**20
+    """Largest request body accepted; a larger one is answered 413."""
+
+    def __post_init__(self):
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            raise ValueError("the API key must be non-empty, without surrounding spaces")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
 
 
 class _Call:
@@ -69,7 +91,7 @@ class OpenAIServer:
 
     def __init__(self, served: ServedModel, threads: EngineThread, *, default_max_tokens: int):
         self.served, self.threads, self.default_max_tokens = served, threads, default_max_tokens
-        self.metrics = ServerMetrics(self._gauges)
+        self.metrics = ServerMetrics(self._gauges, endpoints=ENDPOINTS)
         self.app = FastAPI(title="ecru serve api", docs_url=None, redoc_url=None)
         self._routes()
 
@@ -79,6 +101,7 @@ class OpenAIServer:
         app.add_exception_handler(APIError, self._api_error)
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(HTTPException, self._http_error)
+        app.add_exception_handler(Exception, self._server_error)
         app.post("/v1/chat/completions")(self.chat)
         app.post("/v1/completions")(self.completions)
         app.get("/v1/models")(self.models)
@@ -88,8 +111,9 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, http: Request):
         self._check(body)
+        messages = [m.to_template() for m in body.messages]
         try:
-            prompt = self.served.encode_chat([m.to_template() for m in body.messages])
+            prompt = await asyncio.to_thread(self.served.encode_chat, messages)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except Exception as exc:  # a template that rejects these messages (e.g. roles out of order)
@@ -98,7 +122,9 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, http: Request):
         self._check(body)
-        return await self._serve(body, self.served.encode(body.text), "completion", http)
+        return await self._serve(
+            body, await asyncio.to_thread(self.served.encode, body.text), "completion", http
+        )
 
     async def models(self):
         return {"object": "list", "data": [self._card()]}
@@ -127,7 +153,7 @@ class OpenAIServer:
                            param="model", code="model_not_found")  # fmt: skip
         body.refuse_unsupported()
 
-    def _params(self, body, prompt: list[int]) -> SamplingParams:
+    def _params(self, body, prompt: list[int], choice: int) -> SamplingParams:
         asked = body.requested_max_tokens
         room = self.served.context_len - len(prompt)
         if asked is None:
@@ -135,26 +161,43 @@ class OpenAIServer:
                 raise APIError(400, f"the prompt ({len(prompt)} tokens) fills the model's context "
                                f"of {self.served.context_len} tokens", param="messages")  # fmt: skip
             asked = min(self.default_max_tokens, room)
-        return body.sampling(max_tokens=asked)
+        return body.sampling(max_tokens=asked, choice=choice)
 
     async def _serve(self, body, prompt: list[int], kind: str, http: Request):
-        call = _Call(self.threads, kind)
-        await call.start(prompt, self._params(body, prompt))
-        if body.stream:
-            return StreamingResponse(self._sse(call, body), media_type="text/event-stream")
+        calls = [_Call(self.threads, kind) for _ in range(body.n)]  # each choice its own engine request
         try:
-            await self._gather(call, http)
+            for i, call in enumerate(calls):
+                await call.start(prompt, self._params(body, prompt, i))
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            raise
+        if body.stream:
+            return StreamingResponse(self._sse(calls[0], body), media_type="text/event-stream")
+        try:
+            stayed = await self._gather(calls, http)
         finally:
-            call.cancel()
-        return self._response(call, body)
+            for call in calls:
+                call.cancel()
+        self._record(calls, kind=kind, status=self._status(calls) if stayed else DISCONNECTED)
+        if not stayed:
+            return Response(status_code=int(DISCONNECTED))  # nobody reads it: the connection is gone
+        return self._response(calls, body)
 
-    async def _gather(self, call: _Call, http: Request) -> None:
-        while not call.done:
-            try:
-                await asyncio.wait_for(call.next(), timeout=POLL_S)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    return
+    async def _gather(self, calls: list[_Call], http: Request) -> bool:
+        """Wait for every call to finish; False as soon as the client disconnects (watched, not polled)."""
+        gone = asyncio.ensure_future(_disconnect(http))
+        try:
+            for call in calls:
+                while not call.done:
+                    piece = asyncio.ensure_future(call.next())
+                    await asyncio.wait({piece, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if gone.done():
+                        piece.cancel()
+                        return False
+            return True
+        finally:
+            gone.cancel()
 
     async def _sse(self, call: _Call, body) -> AsyncIterator[str]:
         try:
@@ -165,27 +208,53 @@ class OpenAIServer:
                     yield _event(self._chunk(call, body, text=piece))
             yield _event(self._chunk(call, body, finish=True))
             if body.include_usage:
-                yield _event({**self._chunk(call, body), "choices": [], "usage": self._usage(call)})
+                yield _event({**self._chunk(call, body), "choices": [], "usage": self._usage([call])})
             yield "data: [DONE]\n\n"
         finally:
             call.cancel()
-            self._record(call, kind=call.kind, stream=True)
+            self._record([call], kind=call.kind, status=self._status([call]) if call.done else DISCONNECTED)
 
     # ---- bodies -------------------------------------------------------------------------------------
-    def _response(self, call: _Call, body) -> dict:
-        req = call.request
-        self._record(call, kind=call.kind, stream=False)
-        if req.finish_reason == "error":
+    def _response(self, calls: list[_Call], body) -> dict:
+        if any(c.request.finish_reason == "error" for c in calls):
             raise APIError(500, f"the model failed while generating: {self.threads.error}")
-        choice = {"index": 0, "finish_reason": req.finish_reason, "logprobs": None}
+        choices = [self._choice(i, c, body) for i, c in enumerate(calls)]
+        obj = "chat.completion" if calls[0].kind == "chat" else "text_completion"
+        return {"id": calls[0].id, "object": obj, "created": calls[0].created, "model": self.served.name,
+                "choices": choices, "usage": self._usage(calls)}  # fmt: skip
+
+    def _choice(self, index: int, call: _Call, body) -> dict:
+        req = call.request
+        choice = {"index": index, "finish_reason": req.finish_reason, "logprobs": None}
         if call.kind == "chat":
             choice["message"] = {"role": "assistant", "content": req.text}
-            obj = "chat.completion"
+            if body.top_logprobs_asked is not None:
+                choice["logprobs"] = {"content": self._chat_logprobs(req), "refusal": None}
         else:
             choice["text"] = req.text
-            obj = "text_completion"
-        return {"id": call.id, "object": obj, "created": call.created, "model": self.served.name,
-                "choices": [choice], "usage": self._usage(call)}  # fmt: skip
+            if body.top_logprobs_asked is not None:
+                choice["logprobs"] = self._completion_logprobs(req)
+        return choice
+
+    def _token(self, token_id: int) -> str:
+        return self.served.tokenizer.decode([token_id])
+
+    def _chat_logprobs(self, req) -> list[dict]:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+                for t, (lp, top) in zip(req.output, req.logprobs, strict=False)]  # fmt: skip
+
+    def _completion_logprobs(self, req) -> dict:
+        logprobs = req.logprobs[: len(req.output)]
+        tokens = [self._token(t) for t in req.output[: len(logprobs)]]
+        offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        pairs = zip(tokens, logprobs, strict=True)
+        tops = [{self._token(i): v for i, v in top} | {tok: lp} for tok, (lp, top) in pairs]
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in logprobs],
+                "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
 
     def _chunk(self, call: _Call, body, *, text: str = "", role: bool = False, finish: bool = False) -> dict:
         reason = call.request.finish_reason if finish else None
@@ -200,19 +269,23 @@ class OpenAIServer:
                 "choices": [choice]}  # fmt: skip
 
     @staticmethod
-    def _usage(call: _Call) -> dict:
-        p, c = len(call.request.prompt), len(call.request.output)
+    def _usage(calls: list[_Call]) -> dict:
+        p, c = len(calls[0].request.prompt), sum(len(call.request.output) for call in calls)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def _record(self, call: _Call, *, kind: str, stream: bool) -> None:
-        req = call.request
-        status = "500" if req.finish_reason == "error" else "200" if call.done else "499"
+    @staticmethod
+    def _status(calls: list[_Call]) -> str:
+        return "500" if any(c.request.finish_reason == "error" for c in calls) else "200"
+
+    def _record(self, calls: list[_Call], *, kind: str, status: str) -> None:
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         self.metrics.count_request(endpoint=path, status=status)
-        end = req.finish_s or time.perf_counter()
-        ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
-        self.metrics.observe(prompt_tokens=len(req.prompt), generation_tokens=len(req.output),
-                             ttft_s=ttft, latency_s=end - req.arrival_s)  # fmt: skip
+        for call in calls:
+            req = call.request
+            end = req.finish_s or time.perf_counter()
+            ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
+            self.metrics.observe(prompt_tokens=len(req.prompt), generation_tokens=len(req.output),
+                                 ttft_s=ttft, latency_s=end - req.arrival_s)  # fmt: skip
 
     def _gauges(self) -> dict[str, tuple[float, str]]:
         s = self.threads.snapshot
@@ -243,10 +316,85 @@ class OpenAIServer:
     async def _http_error(self, request: Request, exc: HTTPException):
         return await self._api_error(request, APIError(exc.status_code, str(exc.detail)))
 
+    async def _server_error(self, request: Request, exc: Exception):
+        return await self._api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+class APIGuard:
+    """ASGI middleware: a body over the limit is 413 and a /v1 call without the key 401, both before
+    routing; a body within the limit is read here once and replayed to the app."""
+
+    def __init__(self, app, config: APIConfig, metrics: ServerMetrics):
+        self.app, self.config, self.metrics = app, config, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self._unauthorised(scope)
+        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body, refusal = await self._read(scope, receive)
+            receive = _replay(body, receive)
+        if refusal is None:
+            return await self.app(scope, receive, send)
+        self.metrics.count_request(endpoint=scope["path"], status=str(refusal.status))
+        await JSONResponse(refusal.body(), status_code=refusal.status)(scope, receive, send)
+
+    def _unauthorised(self, scope) -> APIError | None:
+        key = self.config.api_key
+        if key is None or not scope["path"].startswith("/v1"):
+            return None
+        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return None
+        return APIError(
+            401, "missing or wrong API key: send 'Authorization: Bearer KEY'", code="invalid_api_key"
+        )
+
+    async def _read(self, scope, receive) -> tuple[bytes, APIError | None]:
+        limit = self.config.max_body_bytes
+        too_big = APIError(
+            413, f"the request body exceeds {limit} bytes (--max-body-bytes)", code="body_too_large"
+        )
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > limit:
+            return b"", too_big
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size, more = size + len(chunks[-1]), message.get("more_body", False)
+            if size > limit:
+                return b"", too_big
+        return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
+async def _disconnect(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
 
 def _event(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def create_app(served: ServedModel, threads: EngineThread, *, default_max_tokens: int = 256) -> FastAPI:
-    return OpenAIServer(served, threads, default_max_tokens=default_max_tokens).app
+def create_app(
+    served: ServedModel, threads: EngineThread, *, default_max_tokens: int = 256, api: APIConfig | None = None
+):
+    """The ASGI application: `OpenAIServer`'s routes behind `APIGuard`."""
+    server = OpenAIServer(served, threads, default_max_tokens=default_max_tokens)
+    return APIGuard(server.app, api or APIConfig(), server.metrics)

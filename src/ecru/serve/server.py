@@ -9,7 +9,7 @@ import time
 
 from ecru.serve.background import EngineThread
 from ecru.serve.models import ServedModel
-from ecru.serve.openai_api import create_app
+from ecru.serve.openai_api import APIConfig, create_app
 from ecru.serve.request_engine import EngineConfig, PredictLength, RemainingPredictor
 
 
@@ -19,11 +19,13 @@ def build(
     *,
     remaining: RemainingPredictor | None = None,
     predict: PredictLength | None = None,
+    api: APIConfig | None = None,
 ):
-    """The engine thread and the FastAPI app on it (`remaining`: cb-srpt's fitted `RemainingProbe`;
-    `predict`: each request's predicted length, e.g. a fitted `EmbeddingPredictor`'s `engine_predict`)."""
+    """The engine thread and the ASGI app on it (`remaining`: cb-srpt's fitted `RemainingProbe`;
+    `predict`: each request's predicted length, e.g. a fitted `EmbeddingPredictor`'s `engine_predict`;
+    `api`: the API key and body limit)."""
     threads = EngineThread(served.engine(config, remaining=remaining, predict=predict))
-    return threads, create_app(served, threads, default_max_tokens=config.max_new_tokens)
+    return threads, create_app(served, threads, default_max_tokens=config.max_new_tokens, api=api)
 
 
 def serve_forever(
@@ -34,11 +36,13 @@ def serve_forever(
     port: int,
     remaining: RemainingPredictor | None = None,
     predict: PredictLength | None = None,
+    api: APIConfig | None = None,
 ) -> None:
-    """Run until Ctrl-C (uvicorn handles the signal and shuts down cleanly)."""
+    """Run until Ctrl-C: uvicorn stops accepting, drains the requests in flight, then re-raises the
+    signal (KeyboardInterrupt: the CLI exits 130)."""
     import uvicorn
 
-    threads, app = build(served, config, remaining=remaining, predict=predict)
+    threads, app = build(served, config, remaining=remaining, predict=predict, api=api)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
@@ -62,10 +66,11 @@ class BackgroundServer:
         host: str = "127.0.0.1",
         remaining: RemainingPredictor | None = None,
         predict: PredictLength | None = None,
+        api: APIConfig | None = None,
     ):
         import uvicorn
 
-        self.threads, app = build(served, config, remaining=remaining, predict=predict)
+        self.threads, app = build(served, config, remaining=remaining, predict=predict, api=api)
         self.host, self.port = host, free_port(host)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self.server.run, name="ecru-uvicorn", daemon=True)
