@@ -266,3 +266,43 @@ def test_completion_logprobs_and_n_choices(server, served):
         temperature=1.0, seed=7,
     )  # fmt: skip
     assert [c.message.content for c in again.choices] == texts  # and a seed repeats them
+
+
+def test_ctrl_c_drains_the_requests_in_flight_and_exits_130(chat_model_dir):
+    import signal
+    import subprocess
+    import sys
+
+    from ecru.serve.server import free_port
+
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "ecru.cli", "serve", "api", "--model", str(chat_model_dir), "--port", port]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url)
+        body = {"model": str(chat_model_dir), "prompt": "go", "max_tokens": CAP, "temperature": 0}
+        answer = {}
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        asking = threading.Thread(target=lambda: answer.update(a=client.completions.create(**body)))
+        asking.start()
+        time.sleep(0.2)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(30) == 130
+        asking.join()
+    finally:
+        server.kill()
+    assert answer["a"].usage.completion_tokens >= 1  # answered, not dropped
+    assert server.stderr.read().strip().endswith("ecru: interrupted")
+
+
+def _wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

@@ -43,8 +43,8 @@ def serve_forever(
     import uvicorn
 
     threads, app = build(served, config, remaining=remaining, predict=predict, api=api)
-    try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+    try:  # not uvicorn.run, which swallows the KeyboardInterrupt its server re-raises after draining
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
     finally:
         threads.close()
 
