@@ -142,7 +142,7 @@ def test_health_answers_while_a_long_prompt_is_tokenised(server):
     big.join()
     status, error = answer["r"]
     assert status == 400 and is_openai_error(error)  # longer than the model's context
-    assert len(waits) >= 5 and max(waits) < 0.5, waits
+    assert len(waits) >= 3 and max(waits) < 0.5, waits  # polled while it was tokenised
 
 
 EXPOSITION = re.compile(

@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "pack_linears_": "ecru.serve.packed",
     "unpack_linears_": "ecru.serve.packed",
     "create_app": "ecru.serve.openai_api",
+    "APIConfig": "ecru.serve.openai_api",
     "Batch": "ecru.serve.policies",
     "BatchResult": "ecru.serve.engine",
     "ConstantPredictor": "ecru.serve.predictors",
@@ -98,7 +99,7 @@ if TYPE_CHECKING:  # static analysers see the real imports
     from ecru.serve.labels import LengthLabel, label_prompts, read_labels
     from ecru.serve.models import ServedModel
     from ecru.serve.online import ONLINE_POLICIES, OnlineConfig, OnlineRequest, simulate_online
-    from ecru.serve.openai_api import create_app
+    from ecru.serve.openai_api import APIConfig, create_app
     from ecru.serve.packed import PackedLinear, pack_linears_, unpack_linears_
     from ecru.serve.policies import (
         STATIC_POLICIES,
@@ -153,6 +154,7 @@ __all__ = [
     "pack_linears_",
     "unpack_linears_",
     "create_app",
+    "APIConfig",
     "POLICIES",
     "SMOLLM2_CPU",
     "STATIC_POLICIES",
