@@ -306,3 +306,36 @@ def _wait_healthy(url: str) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+def test_streamed_logprobs_equal_the_whole_answers(server):
+    messages = [{"role": "user", "content": "stream a story"}]
+    kw = {"model": server.name, "max_tokens": 20, "temperature": 0}
+    whole = server.client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **kw)
+    chunks = server.client.chat.completions.create(
+        messages=messages, logprobs=True, top_logprobs=2, stream=True, **kw
+    )
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    expected = whole.choices[0].logprobs.content
+    assert len(streamed) == 20 and [e.token for e in streamed] == [e.token for e in expected]
+    # the same tokens' logprobs: equal up to the float noise of a different batch (prefix cache, padding)
+    close = torch.testing.assert_close
+    close(
+        torch.tensor([e.logprob for e in streamed]),
+        torch.tensor([e.logprob for e in expected]),
+        atol=1e-4,
+        rtol=0,
+    )
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [
+        [t.token for t in e.top_logprobs] for e in expected
+    ]
+    plain = server.client.completions.create(prompt="Once upon a time", logprobs=1, **kw).choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in server.client.completions.create(
+        prompt="Once upon a time", logprobs=1, stream=True, **kw) if c.choices[0].logprobs]  # fmt: skip
+    for field in ("tokens", "text_offset"):
+        assert [v for p in parts for v in getattr(p, field)] == getattr(plain, field)
+    got = [v for p in parts for v in p.token_logprobs]
+    close(torch.tensor(got), torch.tensor(plain.token_logprobs), atol=1e-4, rtol=0)
+    assert [list(d) for p in parts for d in p.top_logprobs] == [list(d) for d in plain.top_logprobs]

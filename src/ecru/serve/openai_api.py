@@ -65,7 +65,8 @@ class _Call:
 
     def listener(self, request, piece: str) -> None:  # runs on the engine thread
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (piece, request.finished))
+            event = (piece, request.finished, len(request.output))  # the tokens this piece closes
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is gone (server shutting down)
             pass
 
@@ -76,10 +77,11 @@ class _Call:
         except ValueError as exc:
             raise APIError(400, str(exc), param="max_tokens" if "max_tokens" in str(exc) else None) from None
 
-    async def next(self) -> tuple[str, bool]:
-        piece, finished = await self.events.get()
+    async def next(self) -> tuple[str, int]:
+        """The next released text and how many tokens the request had generated then."""
+        piece, finished, tokens = await self.events.get()
         self.done = finished
-        return piece, finished
+        return piece, tokens
 
     def cancel(self) -> None:
         if not self.done:
@@ -202,10 +204,14 @@ class OpenAIServer:
     async def _sse(self, call: _Call, body) -> AsyncIterator[str]:
         try:
             yield _event(self._chunk(call, body, role=True))
+            sent = 0  # tokens whose logprobs went out
             while not call.done:
-                piece, finished = await call.next()
-                if piece:
-                    yield _event(self._chunk(call, body, text=piece))
+                piece, tokens = await call.next()
+                logprobs = None
+                if body.top_logprobs_asked is not None and tokens > sent:
+                    logprobs, sent = self._logprobs(call, sent, tokens), tokens
+                if piece or logprobs:
+                    yield _event(self._chunk(call, body, text=piece, logprobs=logprobs))
             yield _event(self._chunk(call, body, finish=True))
             if body.include_usage:
                 yield _event({**self._chunk(call, body), "choices": [], "usage": self._usage([call])})
@@ -228,42 +234,46 @@ class OpenAIServer:
         choice = {"index": index, "finish_reason": req.finish_reason, "logprobs": None}
         if call.kind == "chat":
             choice["message"] = {"role": "assistant", "content": req.text}
-            if body.top_logprobs_asked is not None:
-                choice["logprobs"] = {"content": self._chat_logprobs(req), "refusal": None}
         else:
             choice["text"] = req.text
-            if body.top_logprobs_asked is not None:
-                choice["logprobs"] = self._completion_logprobs(req)
+        if body.top_logprobs_asked is not None:
+            choice["logprobs"] = self._logprobs(call, 0, min(len(req.output), len(req.logprobs)))
         return choice
 
     def _token(self, token_id: int) -> str:
         return self.served.tokenizer.decode([token_id])
 
-    def _chat_logprobs(self, req) -> list[dict]:
-        def entry(token_id: int, logprob: float) -> dict:
-            text = self._token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in top]}
-                for t, (lp, top) in zip(req.output, req.logprobs, strict=False)]  # fmt: skip
-
-    def _completion_logprobs(self, req) -> dict:
-        logprobs = req.logprobs[: len(req.output)]
-        tokens = [self._token(t) for t in req.output[: len(logprobs)]]
-        offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
-        pairs = zip(tokens, logprobs, strict=True)
-        tops = [{self._token(i): v for i, v in top} | {tok: lp} for tok, (lp, top) in pairs]
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in logprobs],
+    def _logprobs(self, call: _Call, start: int, end: int) -> dict:
+        """The `logprobs` of a choice (or a chunk) over its generated tokens [start, end), in the
+        endpoint's shape: chat's `content` list, or completions' parallel lists."""
+        req = call.request
+        pairs = list(zip(req.output[start:end], req.logprobs[start:end], strict=True))
+        if call.kind == "chat":
+            return {"content": [{**self._entry(t, lp), "top_logprobs": [self._entry(i, v) for i, v in top]}
+                                for t, (lp, top) in pairs], "refusal": None}  # fmt: skip
+        tokens = [self._token(t) for t, _ in pairs]
+        offset = sum(len(self._token(t)) for t in req.output[:start])
+        offsets = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        tops = [
+            {self._token(i): v for i, v in top} | {tok: lp}
+            for tok, (_, (lp, top)) in zip(tokens, pairs, strict=True)
+        ]
+        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in pairs],
                 "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
 
-    def _chunk(self, call: _Call, body, *, text: str = "", role: bool = False, finish: bool = False) -> dict:
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _chunk(self, call: _Call, body, *, text: str = "", role: bool = False, finish: bool = False,
+               logprobs: dict | None = None) -> dict:  # fmt: skip
         reason = call.request.finish_reason if finish else None
         if call.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
             obj = "text_completion"
         return {"id": call.id, "object": obj, "created": call.created, "model": self.served.name,
                 "choices": [choice]}  # fmt: skip
