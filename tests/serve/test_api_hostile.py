@@ -339,3 +339,16 @@ def test_streamed_logprobs_equal_the_whole_answers(server):
     got = [v for p in parts for v in p.token_logprobs]
     close(torch.tensor(got), torch.tensor(plain.token_logprobs), atol=1e-4, rtol=0)
     assert [list(d) for p in parts for d in p.top_logprobs] == [list(d) for d in plain.top_logprobs]
+
+
+def test_n_choices_stream_each_under_its_index(server):
+    kw = {"model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
+    whole = server.client.chat.completions.create(n=3, temperature=1.0, seed=11, **kw)
+    chunks = list(server.client.chat.completions.create(n=3, temperature=1.0, seed=11, stream=True, **kw))
+    texts, ends = ["", "", ""], [None, None, None]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            ends[choice.index] = choice.finish_reason or ends[choice.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert ends == [c.finish_reason for c in whole.choices] and len({c.id for c in chunks}) == 1

@@ -127,7 +127,7 @@ BAD = [
     ({"messages": [{"content": "no role"}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 200}, 400, None),  # > context
     ({"n": 0}, 400, "n"),
-    ({"n": 2, "stream": True}, 400, "n"),
+    ({"n": 17}, 400, "n"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),

@@ -89,8 +89,6 @@ class _Sampling(_Strict):
             raise APIError(400, f"not supported here: {', '.join(named)}; remove them", param=named[0])
         if not 1 <= self.n <= MAX_N:
             raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
-        if self.stream and self.n > 1:
-            raise APIError(400, "stream serves one choice: n must be 1 with stream", param="n")
         for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
             check_text(s, "stop")
 

@@ -52,20 +52,21 @@ class APIConfig:
 
 
 class _Call:
-    """One engine request seen from the event loop: its events, and its cancellation."""
+    """One engine request (one choice) seen from the event loop: its request, and its cancellation."""
 
-    def __init__(self, threads: EngineThread, kind: str):
-        self.threads, self.kind = threads, kind
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    def __init__(
+        self, threads: EngineThread, kind: str, *, response_id: str, index: int, events: asyncio.Queue
+    ):
+        self.threads, self.kind, self.response_id, self.index = threads, kind, response_id, index
+        self.id = f"{response_id}-{index}"  # the engine's request id
         self.created = int(time.time())
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
+        self.events, self.loop = events, asyncio.get_running_loop()
         self.request = None
         self.done = False
 
     def listener(self, request, piece: str) -> None:  # runs on the engine thread
         try:
-            event = (piece, request.finished, len(request.output))  # the tokens this piece closes
+            event = (self.index, piece, request.finished, len(request.output))  # the tokens this piece closes
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is gone (server shutting down)
             pass
@@ -77,15 +78,35 @@ class _Call:
         except ValueError as exc:
             raise APIError(400, str(exc), param="max_tokens" if "max_tokens" in str(exc) else None) from None
 
-    async def next(self) -> tuple[str, int]:
-        """The next released text and how many tokens the request had generated then."""
-        piece, finished, tokens = await self.events.get()
-        self.done = finished
-        return piece, tokens
-
     def cancel(self) -> None:
         if not self.done:
             self.threads.abort(self.id)
+
+
+class _Choices:
+    """The n calls of one HTTP request, their events merged into one queue (in the engine's order)."""
+
+    def __init__(self, threads: EngineThread, kind: str, n: int):
+        self.kind, self.events = kind, asyncio.Queue()
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.calls = [
+            _Call(threads, kind, response_id=response_id, index=i, events=self.events) for i in range(n)
+        ]
+
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self.calls)
+
+    async def next(self) -> tuple[_Call, str, int]:
+        """The call with news, the text it released and how many tokens it had generated then."""
+        index, piece, finished, tokens = await self.events.get()
+        call = self.calls[index]
+        call.done = finished
+        return call, piece, tokens
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
 
 
 class OpenAIServer:
@@ -166,59 +187,61 @@ class OpenAIServer:
         return body.sampling(max_tokens=asked, choice=choice)
 
     async def _serve(self, body, prompt: list[int], kind: str, http: Request):
-        calls = [_Call(self.threads, kind) for _ in range(body.n)]  # each choice its own engine request
+        choices = _Choices(self.threads, kind, body.n)  # each choice its own engine request
         try:
-            for i, call in enumerate(calls):
+            for i, call in enumerate(choices.calls):
                 await call.start(prompt, self._params(body, prompt, i))
         except BaseException:
-            for call in calls:
-                call.cancel()
+            choices.cancel()
             raise
         if body.stream:
-            return StreamingResponse(self._sse(calls[0], body), media_type="text/event-stream")
+            return StreamingResponse(self._sse(choices, body), media_type="text/event-stream")
         try:
-            stayed = await self._gather(calls, http)
+            stayed = await self._gather(choices, http)
         finally:
-            for call in calls:
-                call.cancel()
-        self._record(calls, kind=kind, status=self._status(calls) if stayed else DISCONNECTED)
+            choices.cancel()
+        self._record(choices.calls, kind=kind, status=self._status(choices.calls) if stayed else DISCONNECTED)
         if not stayed:
             return Response(status_code=int(DISCONNECTED))  # nobody reads it: the connection is gone
-        return self._response(calls, body)
+        return self._response(choices.calls, body)
 
-    async def _gather(self, calls: list[_Call], http: Request) -> bool:
+    async def _gather(self, choices: _Choices, http: Request) -> bool:
         """Wait for every call to finish; False as soon as the client disconnects (watched, not polled)."""
         gone = asyncio.ensure_future(_disconnect(http))
         try:
-            for call in calls:
-                while not call.done:
-                    piece = asyncio.ensure_future(call.next())
-                    await asyncio.wait({piece, gone}, return_when=asyncio.FIRST_COMPLETED)
-                    if gone.done():
-                        piece.cancel()
-                        return False
+            while not choices.done:
+                event = asyncio.ensure_future(choices.next())
+                await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if gone.done():
+                    event.cancel()
+                    return False
             return True
         finally:
             gone.cancel()
 
-    async def _sse(self, call: _Call, body) -> AsyncIterator[str]:
+    async def _sse(self, choices: _Choices, body) -> AsyncIterator[str]:
+        calls = choices.calls
         try:
-            yield _event(self._chunk(call, body, role=True))
-            sent = 0  # tokens whose logprobs went out
-            while not call.done:
-                piece, tokens = await call.next()
+            for call in calls:
+                yield _event(self._chunk(call, body, role=True))
+            sent = [0] * len(calls)  # tokens of each choice whose logprobs went out
+            while not choices.done:
+                call, piece, tokens = await choices.next()
                 logprobs = None
-                if body.top_logprobs_asked is not None and tokens > sent:
-                    logprobs, sent = self._logprobs(call, sent, tokens), tokens
+                if body.top_logprobs_asked is not None and tokens > sent[call.index]:
+                    logprobs, sent[call.index] = self._logprobs(call, sent[call.index], tokens), tokens
                 if piece or logprobs:
                     yield _event(self._chunk(call, body, text=piece, logprobs=logprobs))
-            yield _event(self._chunk(call, body, finish=True))
+                if call.done:
+                    yield _event(self._chunk(call, body, finish=True))
             if body.include_usage:
-                yield _event({**self._chunk(call, body), "choices": [], "usage": self._usage([call])})
+                yield _event({**self._chunk(calls[0], body), "choices": [], "usage": self._usage(calls)})
             yield "data: [DONE]\n\n"
         finally:
-            call.cancel()
-            self._record([call], kind=call.kind, status=self._status([call]) if call.done else DISCONNECTED)
+            choices.cancel()
+            self._record(
+                calls, kind=choices.kind, status=self._status(calls) if choices.done else DISCONNECTED
+            )
 
     # ---- bodies -------------------------------------------------------------------------------------
     def _response(self, calls: list[_Call], body) -> dict:
@@ -226,8 +249,8 @@ class OpenAIServer:
             raise APIError(500, f"the model failed while generating: {self.threads.error}")
         choices = [self._choice(i, c, body) for i, c in enumerate(calls)]
         obj = "chat.completion" if calls[0].kind == "chat" else "text_completion"
-        return {"id": calls[0].id, "object": obj, "created": calls[0].created, "model": self.served.name,
-                "choices": choices, "usage": self._usage(calls)}  # fmt: skip
+        return {"id": calls[0].response_id, "object": obj, "created": calls[0].created,
+                "model": self.served.name, "choices": choices, "usage": self._usage(calls)}  # fmt: skip
 
     def _choice(self, index: int, call: _Call, body) -> dict:
         req = call.request
@@ -270,12 +293,12 @@ class OpenAIServer:
         reason = call.request.finish_reason if finish else None
         if call.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+            choice = {"index": call.index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
+            choice = {"index": call.index, "text": text, "finish_reason": reason, "logprobs": logprobs}
             obj = "text_completion"
-        return {"id": call.id, "object": obj, "created": call.created, "model": self.served.name,
+        return {"id": call.response_id, "object": obj, "created": call.created, "model": self.served.name,
                 "choices": [choice]}  # fmt: skip
 
     @staticmethod
