@@ -20,7 +20,7 @@ _LAZY: dict[str, str] = {
     "pack_linears_": "ecru.serve.packed",
     "unpack_linears_": "ecru.serve.packed",
     "create_app": "ecru.serve.openai_api",
-    "APIConfig": "ecru.serve.openai_api",
+    "APIConfig": "ecru.serve.api_guard",
     "Batch": "ecru.serve.policies",
     "BatchResult": "ecru.serve.engine",
     "ConstantPredictor": "ecru.serve.predictors",
@@ -80,6 +80,7 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # static analysers see the real imports
+    from ecru.serve.api_guard import APIConfig
     from ecru.serve.background import EngineThread
     from ecru.serve.continuous import (
         ContinuousConfig,
@@ -99,7 +100,7 @@ if TYPE_CHECKING:  # static analysers see the real imports
     from ecru.serve.labels import LengthLabel, label_prompts, read_labels
     from ecru.serve.models import ServedModel
     from ecru.serve.online import ONLINE_POLICIES, OnlineConfig, OnlineRequest, simulate_online
-    from ecru.serve.openai_api import APIConfig, create_app
+    from ecru.serve.openai_api import create_app
     from ecru.serve.packed import PackedLinear, pack_linears_, unpack_linears_
     from ecru.serve.policies import (
         STATIC_POLICIES,

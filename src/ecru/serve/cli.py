@@ -166,7 +166,7 @@ def _check_probe(args: argparse.Namespace, probe, served, config) -> None:
 def _api_config(args: argparse.Namespace):
     import os
 
-    from ecru.serve.openai_api import APIConfig
+    from ecru.serve.api_guard import APIConfig
 
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:

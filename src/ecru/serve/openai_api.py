@@ -5,26 +5,24 @@ concurrent clients share the running batch. The engine's listener hands each rel
 the request's asyncio queue (thread-safely); a streaming response sends it as a server-sent event at once,
 a plain one gathers it while watching for the client's disconnect, so a client that goes away has its
 requests cancelled at once and their rows leave the batch at the next step. Tokenisation runs on a worker
-thread, so the event loop keeps answering (`/health`) while a long prompt is encoded. `APIGuard` refuses,
-before any route runs, a body over `APIConfig.max_body_bytes` (413) and a `/v1` call without the API key
-(401). Errors are OpenAI's JSON bodies: 400 invalid request, 401, 404 unknown model or path, 413, 500.
+thread, so the event loop keeps answering (`/health`) while a long prompt is encoded. `api_guard.APIGuard`
+refuses, before any route runs, a body over the limit (413) and a `/v1` call without the API key (401). Errors are OpenAI's JSON bodies: 400 invalid request, 401, 404 unknown model or path, 413, 500.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ecru.serve.api_guard import APIConfig, APIGuard
 from ecru.serve.api_schema import APIError, ChatCompletionRequest, CompletionRequest
 from ecru.serve.background import EngineThread
 from ecru.serve.metrics import ServerMetrics
@@ -33,22 +31,6 @@ from ecru.serve.sampling import SamplingParams
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 DISCONNECTED = "499"  # the status /metrics counts for a client that left before its answer (nginx's code)
-
-
-@dataclass(frozen=True)
-class APIConfig:
-    """What the HTTP layer enforces before a request reaches a route."""
-
-    api_key: str | None = None
-    """Bearer token every /v1 route requires (None: open); /health and /metrics stay open."""
-    max_body_bytes: int = 2**20
-    """Largest request body accepted; a larger one is answered 413."""
-
-    def __post_init__(self):
-        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
-            raise ValueError("the API key must be non-empty, without surrounding spaces")
-        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
 
 
 class _Call:
@@ -351,69 +333,6 @@ class OpenAIServer:
 
     async def _server_error(self, request: Request, exc: Exception):
         return await self._api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
-
-
-class APIGuard:
-    """ASGI middleware: a body over the limit is 413 and a /v1 call without the key 401, both before
-    routing; a body within the limit is read here once and replayed to the app."""
-
-    def __init__(self, app, config: APIConfig, metrics: ServerMetrics):
-        self.app, self.config, self.metrics = app, config, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        refusal = self._unauthorised(scope)
-        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
-            body, refusal = await self._read(scope, receive)
-            receive = _replay(body, receive)
-        if refusal is None:
-            return await self.app(scope, receive, send)
-        self.metrics.count_request(endpoint=scope["path"], status=str(refusal.status))
-        await JSONResponse(refusal.body(), status_code=refusal.status)(scope, receive, send)
-
-    def _unauthorised(self, scope) -> APIError | None:
-        key = self.config.api_key
-        if key is None or not scope["path"].startswith("/v1"):
-            return None
-        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return None
-        return APIError(
-            401, "missing or wrong API key: send 'Authorization: Bearer KEY'", code="invalid_api_key"
-        )
-
-    async def _read(self, scope, receive) -> tuple[bytes, APIError | None]:
-        limit = self.config.max_body_bytes
-        too_big = APIError(
-            413, f"the request body exceeds {limit} bytes (--max-body-bytes)", code="body_too_large"
-        )
-        declared = dict(scope["headers"]).get(b"content-length", b"0")
-        if declared.isdigit() and int(declared) > limit:
-            return b"", too_big
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            chunks.append(message.get("body", b""))
-            size, more = size + len(chunks[-1]), message.get("more_body", False)
-            if size > limit:
-                return b"", too_big
-        return b"".join(chunks), None
-
-
-def _replay(body: bytes, receive):
-    sent = False
-
-    async def replayed():
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replayed
 
 
 async def _disconnect(http: Request) -> None:
