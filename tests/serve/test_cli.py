@@ -146,10 +146,14 @@ def test_api_and_run_refuse_bad_arguments_in_one_line(tmp_path, capsys):
         assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
     assert main(["serve", "api", "--model", str(tmp_path / "no-model"), "--port", port]) == 2
     assert "unknown model" in capsys.readouterr().err
-    for bad in (["--port", "0"], ["--max-batch-size", "-1"], ["--policy", "lifo"]):
+    for bad in (["--port", "0"], ["--port", "99999"], ["--port", "65536"], ["--port", "http"],
+                ["--max-body-bytes", "0"], ["--max-batch-size", "-1"], ["--policy", "lifo"]):  # fmt: skip
         with pytest.raises(SystemExit) as info:
             main(["serve", "api", *bad])
         assert info.value.code == 2
+        assert "Traceback" not in capsys.readouterr().err
+    assert main(["serve", "api", "--model", "tiny", "--api-key", " padded "]) == 2  # before the model loads
+    assert capsys.readouterr().err.count("\n") == 1
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
     with pytest.raises(SystemExit):

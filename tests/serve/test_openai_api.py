@@ -126,7 +126,12 @@ BAD = [
     ({"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
     ({"messages": [{"content": "no role"}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "word " * 400}], "max_tokens": 200}, 400, None),  # > context
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"n": 17}, 400, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"top_logprobs": 2}, 400, "top_logprobs"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
 ]
 
@@ -165,7 +170,7 @@ def test_a_client_that_disconnects_frees_its_row(server):
     next(iter(stream))
     stream.close()  # the client goes away long before 256 tokens
     deadline = time.monotonic() + 10
-    while engine.has_unfinished() and time.monotonic() < deadline:
+    while (engine.has_unfinished() or engine.num_running) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.has_unfinished() and engine.num_running == 0
     assert 'status="499"' in get(server, "/metrics")[1]

@@ -128,11 +128,25 @@ def test_context_and_cap_checked_before_queueing(model, gen):
         {"stop": ("",)},
         {"stop": ("a", "b", "c", "d", "e")},
         {"seed": 1.5},
+        {"logprobs": -1},
+        {"logprobs": 21},
+        {"logprobs": True},
     ],
 )
 def test_sampling_params_validated_on_construction(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_token_logprobs_are_the_log_softmax_and_its_top_k():
+    from ecru.serve.sampling import token_logprobs
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    expected = torch.log(torch.softmax(logits.double(), -1))
+    logprob, top = token_logprobs(logits, 2, 2)
+    assert abs(logprob - float(expected[2])) < 1e-6
+    assert [i for i, _ in top] == [3, 0] and all(abs(v - float(expected[i])) < 1e-6 for i, v in top)
+    assert token_logprobs(logits, 1, 0)[1] == []
 
 
 def test_penalties_match_openai_formula():

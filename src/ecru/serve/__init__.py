@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "pack_linears_": "ecru.serve.packed",
     "unpack_linears_": "ecru.serve.packed",
     "create_app": "ecru.serve.openai_api",
+    "APIConfig": "ecru.serve.api_guard",
     "Batch": "ecru.serve.policies",
     "BatchResult": "ecru.serve.engine",
     "ConstantPredictor": "ecru.serve.predictors",
@@ -79,6 +80,7 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # static analysers see the real imports
+    from ecru.serve.api_guard import APIConfig
     from ecru.serve.background import EngineThread
     from ecru.serve.continuous import (
         ContinuousConfig,
@@ -153,6 +155,7 @@ __all__ = [
     "pack_linears_",
     "unpack_linears_",
     "create_app",
+    "APIConfig",
     "POLICIES",
     "SMOLLM2_CPU",
     "STATIC_POLICIES",

@@ -1,12 +1,18 @@
 """The OpenAI request bodies `ecru serve api` accepts (strict types: a wrong type is a 400, not a guess),
 and how each becomes `SamplingParams`. Unknown fields are ignored, as OpenAI-compatible servers do;
-features ecru does not serve (n > 1, logprobs, tools, echo) are refused with a 400 rather than ignored."""
+OpenAI features ecru does not serve (`NOT_SERVED`: tools, response_format, ...; echo, suffix) are refused
+with a 400 that names them rather than ignored."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.sampling import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16  # choices per request
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' logprobs
+NOT_SERVED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
+              "logit_bias", "best_of", "audio", "modalities", "prediction")  # fmt: skip
 
 
 class APIError(Exception):
@@ -18,7 +24,7 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return {400: "invalid_request_error", 404: "invalid_request_error"}.get(self.status, "server_error")
+        return "invalid_request_error" if self.status < 500 else "server_error"
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -26,6 +32,16 @@ class APIError(Exception):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def check_text(text: str, param: str) -> None:
+    """A lone surrogate (valid JSON, e.g. "\\ud800", but not Unicode text) is the client's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(
+            400, f"{param} is not valid Unicode text ({exc.reason} at {exc.start})", param=param
+        ) from None
 
 
 class TextPart(_Strict):
@@ -43,11 +59,15 @@ class ChatMessage(_Strict):
             if any(p.type != "text" for p in content):
                 raise APIError(400, "only text content parts are supported", param="messages")
             content = "".join(p.text for p in content)
+        check_text(self.role, "messages")
+        check_text(content or "", "messages")
         return {"role": self.role, "content": content or ""}
 
 
 class _Sampling(_Strict):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints (unknown fields kept in `model_extra`, to refuse `NOT_SERVED`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str
     max_tokens: int | None = None
@@ -61,27 +81,36 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: dict | None = None
     n: int = 1
-    logprobs: bool | int | None = None
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported; ask for one choice (n=1)", param="n")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        named = [k for k in NOT_SERVED if (self.model_extra or {}).get(k) not in (None, [], {})]
+        if named:
+            raise APIError(400, f"not supported here: {', '.join(named)}; remove them", param=named[0])
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
+            check_text(s, "stop")
 
-    def sampling(self, *, max_tokens: int) -> SamplingParams:
-        """The request's `SamplingParams` (OpenAI's defaults: temperature 1, top_p 1), ValueError -> 400."""
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """SamplingParams.logprobs: None (no logprobs) or how many top alternatives per token."""
+        return None
+
+    def sampling(self, *, max_tokens: int, choice: int = 0) -> SamplingParams:
+        """The request's `SamplingParams` (OpenAI's defaults: temperature 1, top_p 1), ValueError -> 400;
+        choice i > 0 of n draws with seed + i, so that seeded choices differ yet repeat."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         values = {
             "max_tokens": max_tokens,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
             "top_k": self.top_k or 0,
-            "seed": self.seed,
+            "seed": None if self.seed is None else self.seed + choice,
             "stop": tuple(stop),
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
+            "logprobs": self.top_logprobs_asked,
         }
         try:
             return SamplingParams(**values)
@@ -97,14 +126,21 @@ class _Sampling(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    tools: list | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if not self.messages:
             raise APIError(400, "messages is empty: give at least one message", param="messages")
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -115,6 +151,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str]
     echo: bool = False
     suffix: str | None = None
+    logprobs: int | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -122,8 +159,15 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "give one prompt per request (a string)", param="prompt")
         if not self.text:
             raise APIError(400, "prompt is empty", param="prompt")
+        check_text(self.text, "prompt")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]", param="logprobs")
         if self.echo or self.suffix:
             raise APIError(400, "echo and suffix are not supported", param="echo" if self.echo else "suffix")
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @property
     def text(self) -> str:

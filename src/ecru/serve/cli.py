@@ -19,6 +19,8 @@ from ecru.serve.policies import STATIC_POLICIES
 from ecru.serve.queues import CONTINUOUS_POLICIES, DEFAULT_AGING
 
 PENALTY = number_in(float, "a number", lambda v: -2 <= v <= 2, "between -2 and 2")  # OpenAI's range
+PORT = number_in(int, "an integer", lambda v: 1 <= v <= 65535, "a TCP port, 1..65535")
+API_KEY_ENV = "ECRU_API_KEY"
 POLICY_NAMES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
 ENGINE_POLICIES = (
     "cb",
@@ -161,10 +163,23 @@ def _check_probe(args: argparse.Namespace, probe, served, config) -> None:
         raise EcruError(f"{where}: {exc}") from None
 
 
+def _api_config(args: argparse.Namespace):
+    import os
+
+    from ecru.serve.api_guard import APIConfig
+
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        return APIConfig(api_key=key, max_body_bytes=args.max_body_bytes)
+    except ValueError as exc:
+        raise EcruError(f"--api-key: {exc}") from None
+
+
 def _api(args: argparse.Namespace) -> int:
     from ecru.serve.models import ServedModel
     from ecru.serve.server import serve_forever
 
+    api = _api_config(args)
     config = _engine_config(args, max_new_tokens=args.max_new_tokens)
     remaining = _load_probe(args)  # before the model loads
     _check_bindable(args.host, args.port)
@@ -175,7 +190,9 @@ def _api(args: argparse.Namespace) -> int:
         f"serving {served.describe()} on http://{args.host}:{args.port}/v1 (policy {config.policy})",
         file=sys.stderr,
     )
-    serve_forever(served, config, host=args.host, port=args.port, remaining=remaining, predict=predict)
+    serve_forever(
+        served, config, host=args.host, port=args.port, remaining=remaining, predict=predict, api=api
+    )
     return 0
 
 
@@ -316,7 +333,19 @@ def _configure_api_run(sub) -> None:
         api, max_new_tokens_help="max_tokens of a request that gives none, and the largest one may ask"
     )
     api.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
-    api.add_argument("--port", type=positive_int, default=8000, help="TCP port")
+    api.add_argument("--port", type=PORT, default=8000, help="TCP port (1..65535)")
+    api.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every /v1 route (default: ${API_KEY_ENV} if set, "
+        "else open); /health and /metrics stay open",
+    )
+    api.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=2**20,
+        help="largest request body; a larger one is answered 413 (default 1 MiB)",
+    )
     api.set_defaults(func=_api)
 
     run = sub.add_parser(

@@ -10,10 +10,15 @@ from collections.abc import Callable, Sequence
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+def escape(value: str) -> str:
+    """A label value as the exposition format quotes it: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
-    inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    inner = ",".join(f'{k}="{escape(v)}"' for k, v in sorted(labels.items()))
     return "{" + inner + "}"
 
 
@@ -46,9 +51,11 @@ class ServerMetrics:
     """What `GET /metrics` reports: requests and tokens (counters), queue and batch (gauges read from the
     engine when scraped), time to first token and request latency (histograms)."""
 
-    def __init__(self, gauges: Callable[[], dict[str, tuple[float, str]]]):
+    def __init__(self, gauges: Callable[[], dict[str, tuple[float, str]]], *, endpoints: Sequence[str]):
         self._lock = threading.Lock()
         self.gauges = gauges
+        self.endpoints = frozenset(endpoints)
+        """The paths counted under their own label; any other path is counted as endpoint="other"."""
         self.requests: dict[tuple[str, str], int] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -57,7 +64,7 @@ class ServerMetrics:
 
     def count_request(self, *, endpoint: str, status: str) -> None:
         with self._lock:
-            key = (endpoint, status)
+            key = (endpoint if endpoint in self.endpoints else "other", status)
             self.requests[key] = self.requests.get(key, 0) + 1
 
     def observe(self, *, prompt_tokens: int, generation_tokens: int, ttft_s: float | None, latency_s: float):

@@ -3,8 +3,10 @@
 Every HTTP request becomes one engine request on the engine thread (`background.EngineThread`), so
 concurrent clients share the running batch. The engine's listener hands each released piece of text to
 the request's asyncio queue (thread-safely); a streaming response sends it as a server-sent event at once,
-a plain one gathers it. A client that goes away has its request cancelled, which frees its row at the
-next step. Errors are OpenAI's JSON bodies: 400 for an invalid request, 404 for an unknown model or path.
+a plain one gathers it while watching for the client's disconnect, so a client that goes away has its
+requests cancelled at once and their rows leave the batch at the next step. Tokenisation runs on a worker
+thread, so the event loop keeps answering (`/health`) while a long prompt is encoded. `api_guard.APIGuard`
+refuses, before any route runs, a body over the limit (413) and a `/v1` call without the API key (401). Errors are OpenAI's JSON bodies: 400 invalid request, 401, 404 unknown model or path, 413, 500.
 """
 
 from __future__ import annotations
@@ -17,33 +19,37 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ecru.serve.api_guard import APIConfig, APIGuard
 from ecru.serve.api_schema import APIError, ChatCompletionRequest, CompletionRequest
 from ecru.serve.background import EngineThread
 from ecru.serve.metrics import ServerMetrics
 from ecru.serve.models import ServedModel
 from ecru.serve.sampling import SamplingParams
 
-POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+DISCONNECTED = "499"  # the status /metrics counts for a client that left before its answer (nginx's code)
 
 
 class _Call:
-    """One engine request seen from the event loop: its events, and its cancellation."""
+    """One engine request (one choice) seen from the event loop: its request, and its cancellation."""
 
-    def __init__(self, threads: EngineThread, kind: str):
-        self.threads, self.kind = threads, kind
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    def __init__(
+        self, threads: EngineThread, kind: str, *, response_id: str, index: int, events: asyncio.Queue
+    ):
+        self.threads, self.kind, self.response_id, self.index = threads, kind, response_id, index
+        self.id = f"{response_id}-{index}"  # the engine's request id
         self.created = int(time.time())
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
+        self.events, self.loop = events, asyncio.get_running_loop()
         self.request = None
         self.done = False
 
     def listener(self, request, piece: str) -> None:  # runs on the engine thread
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (piece, request.finished))
+            event = (self.index, piece, request.finished, len(request.output))  # the tokens this piece closes
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the event loop is gone (server shutting down)
             pass
 
@@ -54,14 +60,35 @@ class _Call:
         except ValueError as exc:
             raise APIError(400, str(exc), param="max_tokens" if "max_tokens" in str(exc) else None) from None
 
-    async def next(self) -> tuple[str, bool]:
-        piece, finished = await self.events.get()
-        self.done = finished
-        return piece, finished
-
     def cancel(self) -> None:
         if not self.done:
             self.threads.abort(self.id)
+
+
+class _Choices:
+    """The n calls of one HTTP request, their events merged into one queue (in the engine's order)."""
+
+    def __init__(self, threads: EngineThread, kind: str, n: int):
+        self.kind, self.events = kind, asyncio.Queue()
+        response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.calls = [
+            _Call(threads, kind, response_id=response_id, index=i, events=self.events) for i in range(n)
+        ]
+
+    @property
+    def done(self) -> bool:
+        return all(c.done for c in self.calls)
+
+    async def next(self) -> tuple[_Call, str, int]:
+        """The call with news, the text it released and how many tokens it had generated then."""
+        index, piece, finished, tokens = await self.events.get()
+        call = self.calls[index]
+        call.done = finished
+        return call, piece, tokens
+
+    def cancel(self) -> None:
+        for call in self.calls:
+            call.cancel()
 
 
 class OpenAIServer:
@@ -69,7 +96,7 @@ class OpenAIServer:
 
     def __init__(self, served: ServedModel, threads: EngineThread, *, default_max_tokens: int):
         self.served, self.threads, self.default_max_tokens = served, threads, default_max_tokens
-        self.metrics = ServerMetrics(self._gauges)
+        self.metrics = ServerMetrics(self._gauges, endpoints=ENDPOINTS)
         self.app = FastAPI(title="ecru serve api", docs_url=None, redoc_url=None)
         self._routes()
 
@@ -79,6 +106,7 @@ class OpenAIServer:
         app.add_exception_handler(APIError, self._api_error)
         app.add_exception_handler(RequestValidationError, self._validation_error)
         app.add_exception_handler(HTTPException, self._http_error)
+        app.add_exception_handler(Exception, self._server_error)
         app.post("/v1/chat/completions")(self.chat)
         app.post("/v1/completions")(self.completions)
         app.get("/v1/models")(self.models)
@@ -88,8 +116,9 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, http: Request):
         self._check(body)
+        messages = [m.to_template() for m in body.messages]
         try:
-            prompt = self.served.encode_chat([m.to_template() for m in body.messages])
+            prompt = await asyncio.to_thread(self.served.encode_chat, messages)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except Exception as exc:  # a template that rejects these messages (e.g. roles out of order)
@@ -98,7 +127,9 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, http: Request):
         self._check(body)
-        return await self._serve(body, self.served.encode(body.text), "completion", http)
+        return await self._serve(
+            body, await asyncio.to_thread(self.served.encode, body.text), "completion", http
+        )
 
     async def models(self):
         return {"object": "list", "data": [self._card()]}
@@ -127,7 +158,7 @@ class OpenAIServer:
                            param="model", code="model_not_found")  # fmt: skip
         body.refuse_unsupported()
 
-    def _params(self, body, prompt: list[int]) -> SamplingParams:
+    def _params(self, body, prompt: list[int], choice: int) -> SamplingParams:
         asked = body.requested_max_tokens
         room = self.served.context_len - len(prompt)
         if asked is None:
@@ -135,84 +166,141 @@ class OpenAIServer:
                 raise APIError(400, f"the prompt ({len(prompt)} tokens) fills the model's context "
                                f"of {self.served.context_len} tokens", param="messages")  # fmt: skip
             asked = min(self.default_max_tokens, room)
-        return body.sampling(max_tokens=asked)
+        return body.sampling(max_tokens=asked, choice=choice)
 
     async def _serve(self, body, prompt: list[int], kind: str, http: Request):
-        call = _Call(self.threads, kind)
-        await call.start(prompt, self._params(body, prompt))
+        choices = _Choices(self.threads, kind, body.n)  # each choice its own engine request
+        try:
+            for i, call in enumerate(choices.calls):
+                await call.start(prompt, self._params(body, prompt, i))
+        except BaseException:
+            choices.cancel()
+            raise
         if body.stream:
-            return StreamingResponse(self._sse(call, body), media_type="text/event-stream")
+            return StreamingResponse(self._sse(choices, body), media_type="text/event-stream")
         try:
-            await self._gather(call, http)
+            stayed = await self._gather(choices, http)
         finally:
-            call.cancel()
-        return self._response(call, body)
+            choices.cancel()
+        self._record(choices.calls, kind=kind, status=self._status(choices.calls) if stayed else DISCONNECTED)
+        if not stayed:
+            return Response(status_code=int(DISCONNECTED))  # nobody reads it: the connection is gone
+        return self._response(choices.calls, body)
 
-    async def _gather(self, call: _Call, http: Request) -> None:
-        while not call.done:
-            try:
-                await asyncio.wait_for(call.next(), timeout=POLL_S)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    return
-
-    async def _sse(self, call: _Call, body) -> AsyncIterator[str]:
+    async def _gather(self, choices: _Choices, http: Request) -> bool:
+        """Wait for every call to finish; False as soon as the client disconnects (watched, not polled)."""
+        gone = asyncio.ensure_future(_disconnect(http))
         try:
-            yield _event(self._chunk(call, body, role=True))
-            while not call.done:
-                piece, finished = await call.next()
-                if piece:
-                    yield _event(self._chunk(call, body, text=piece))
-            yield _event(self._chunk(call, body, finish=True))
+            while not choices.done:
+                event = asyncio.ensure_future(choices.next())
+                await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if gone.done():
+                    event.cancel()
+                    return False
+            return True
+        finally:
+            gone.cancel()
+
+    async def _sse(self, choices: _Choices, body) -> AsyncIterator[str]:
+        calls = choices.calls
+        try:
+            for call in calls:
+                yield _event(self._chunk(call, body, role=True))
+            sent = [0] * len(calls)  # tokens of each choice whose logprobs went out
+            while not choices.done:
+                call, piece, tokens = await choices.next()
+                logprobs = None
+                if body.top_logprobs_asked is not None and tokens > sent[call.index]:
+                    logprobs, sent[call.index] = self._logprobs(call, sent[call.index], tokens), tokens
+                if piece or logprobs:
+                    yield _event(self._chunk(call, body, text=piece, logprobs=logprobs))
+                if call.done:
+                    yield _event(self._chunk(call, body, finish=True))
             if body.include_usage:
-                yield _event({**self._chunk(call, body), "choices": [], "usage": self._usage(call)})
+                yield _event({**self._chunk(calls[0], body), "choices": [], "usage": self._usage(calls)})
             yield "data: [DONE]\n\n"
         finally:
-            call.cancel()
-            self._record(call, kind=call.kind, stream=True)
+            choices.cancel()
+            self._record(
+                calls, kind=choices.kind, status=self._status(calls) if choices.done else DISCONNECTED
+            )
 
     # ---- bodies -------------------------------------------------------------------------------------
-    def _response(self, call: _Call, body) -> dict:
-        req = call.request
-        self._record(call, kind=call.kind, stream=False)
-        if req.finish_reason == "error":
+    def _response(self, calls: list[_Call], body) -> dict:
+        if any(c.request.finish_reason == "error" for c in calls):
             raise APIError(500, f"the model failed while generating: {self.threads.error}")
-        choice = {"index": 0, "finish_reason": req.finish_reason, "logprobs": None}
+        choices = [self._choice(i, c, body) for i, c in enumerate(calls)]
+        obj = "chat.completion" if calls[0].kind == "chat" else "text_completion"
+        return {"id": calls[0].response_id, "object": obj, "created": calls[0].created,
+                "model": self.served.name, "choices": choices, "usage": self._usage(calls)}  # fmt: skip
+
+    def _choice(self, index: int, call: _Call, body) -> dict:
+        req = call.request
+        choice = {"index": index, "finish_reason": req.finish_reason, "logprobs": None}
         if call.kind == "chat":
             choice["message"] = {"role": "assistant", "content": req.text}
-            obj = "chat.completion"
         else:
             choice["text"] = req.text
-            obj = "text_completion"
-        return {"id": call.id, "object": obj, "created": call.created, "model": self.served.name,
-                "choices": [choice], "usage": self._usage(call)}  # fmt: skip
+        if body.top_logprobs_asked is not None:
+            choice["logprobs"] = self._logprobs(call, 0, min(len(req.output), len(req.logprobs)))
+        return choice
 
-    def _chunk(self, call: _Call, body, *, text: str = "", role: bool = False, finish: bool = False) -> dict:
+    def _token(self, token_id: int) -> str:
+        return self.served.tokenizer.decode([token_id])
+
+    def _logprobs(self, call: _Call, start: int, end: int) -> dict:
+        """The `logprobs` of a choice (or a chunk) over its generated tokens [start, end), in the
+        endpoint's shape: chat's `content` list, or completions' parallel lists."""
+        req = call.request
+        pairs = list(zip(req.output[start:end], req.logprobs[start:end], strict=True))
+        if call.kind == "chat":
+            return {"content": [{**self._entry(t, lp), "top_logprobs": [self._entry(i, v) for i, v in top]}
+                                for t, (lp, top) in pairs], "refusal": None}  # fmt: skip
+        tokens = [self._token(t) for t, _ in pairs]
+        offset = sum(len(self._token(t)) for t in req.output[:start])
+        offsets = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        tops = [
+            {self._token(i): v for i, v in top} | {tok: lp}
+            for tok, (_, (lp, top)) in zip(tokens, pairs, strict=True)
+        ]
+        return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in pairs],
+                "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self._token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _chunk(self, call: _Call, body, *, text: str = "", role: bool = False, finish: bool = False,
+               logprobs: dict | None = None) -> dict:  # fmt: skip
         reason = call.request.finish_reason if finish else None
         if call.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": call.index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": call.index, "text": text, "finish_reason": reason, "logprobs": logprobs}
             obj = "text_completion"
-        return {"id": call.id, "object": obj, "created": call.created, "model": self.served.name,
+        return {"id": call.response_id, "object": obj, "created": call.created, "model": self.served.name,
                 "choices": [choice]}  # fmt: skip
 
     @staticmethod
-    def _usage(call: _Call) -> dict:
-        p, c = len(call.request.prompt), len(call.request.output)
+    def _usage(calls: list[_Call]) -> dict:
+        p, c = len(calls[0].request.prompt), sum(len(call.request.output) for call in calls)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def _record(self, call: _Call, *, kind: str, stream: bool) -> None:
-        req = call.request
-        status = "500" if req.finish_reason == "error" else "200" if call.done else "499"
+    @staticmethod
+    def _status(calls: list[_Call]) -> str:
+        return "500" if any(c.request.finish_reason == "error" for c in calls) else "200"
+
+    def _record(self, calls: list[_Call], *, kind: str, status: str) -> None:
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         self.metrics.count_request(endpoint=path, status=status)
-        end = req.finish_s or time.perf_counter()
-        ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
-        self.metrics.observe(prompt_tokens=len(req.prompt), generation_tokens=len(req.output),
-                             ttft_s=ttft, latency_s=end - req.arrival_s)  # fmt: skip
+        for call in calls:
+            req = call.request
+            end = req.finish_s or time.perf_counter()
+            ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
+            self.metrics.observe(prompt_tokens=len(req.prompt), generation_tokens=len(req.output),
+                                 ttft_s=ttft, latency_s=end - req.arrival_s)  # fmt: skip
 
     def _gauges(self) -> dict[str, tuple[float, str]]:
         s = self.threads.snapshot
@@ -243,10 +331,22 @@ class OpenAIServer:
     async def _http_error(self, request: Request, exc: HTTPException):
         return await self._api_error(request, APIError(exc.status_code, str(exc.detail)))
 
+    async def _server_error(self, request: Request, exc: Exception):
+        return await self._api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+async def _disconnect(http: Request) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
 
 def _event(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def create_app(served: ServedModel, threads: EngineThread, *, default_max_tokens: int = 256) -> FastAPI:
-    return OpenAIServer(served, threads, default_max_tokens=default_max_tokens).app
+def create_app(
+    served: ServedModel, threads: EngineThread, *, default_max_tokens: int = 256, api: APIConfig | None = None
+):
+    """The ASGI application: `OpenAIServer`'s routes behind `APIGuard`."""
+    server = OpenAIServer(served, threads, default_max_tokens=default_max_tokens)
+    return APIGuard(server.app, api or APIConfig(), server.metrics)

@@ -59,7 +59,7 @@ from ecru.serve.engine import forward, forward_pooled, forward_states, left_pad,
 from ecru.serve.kv_cache import HeadroomLayer, row_kv
 from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix
 from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue
-from ecru.serve.sampling import SamplingParams, next_token_ids
+from ecru.serve.sampling import SamplingParams, next_token_ids, token_logprobs
 
 if TYPE_CHECKING:
     from ecru.serve.predictors import StatePredictor
@@ -172,6 +172,8 @@ class Request:
     stream: TextStream | None = None
     generator: torch.Generator | None = None
     output: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    """With `params.logprobs` set: per output token, its log-probability and the most likely (id, logprob)."""
     text: str = ""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -629,9 +631,13 @@ class RequestEngine:
         self.stats.preemptions += 1
 
     def _sample(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
-        return next_token_ids(
+        tok = next_token_ids(
             logits, [r.params for r in rows], [r.output for r in rows], [r.generator for r in rows]
         )
+        for row, (req, t) in enumerate(zip(rows, tok.tolist(), strict=True)):
+            if req.params.logprobs is not None:
+                req.logprobs.append(token_logprobs(logits[row], t, req.params.logprobs))
+        return tok
 
     def _update(self, rows: list[Request], tok: torch.Tensor, finished: list[Request]) -> torch.Tensor:
         """Append each row's token, stream its text, finish the rows that ended; the rows still running."""

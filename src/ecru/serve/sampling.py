@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 def _is_number(value: object) -> bool:
@@ -46,7 +47,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted from a token's logit once per time it was generated (OpenAI, -2..2)."""
 
+    logprobs: int | None = None
+    """None: no log-probabilities; k >= 0: each sampled token's log-probability under the model's raw
+    logits (log-softmax, before penalties and temperature) and the k most likely tokens' (k <= 20)."""
+
     def __post_init__(self):
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not 0 <= self.temperature <= 2:
@@ -122,3 +131,12 @@ def next_token_ids(
         return logits.argmax(-1)
     rows = zip(logits, params, outputs, generators, strict=True)
     return torch.tensor([sample_row(lg, p, o, g) for lg, p, o, g in rows], dtype=torch.long)
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-softmax of one row of raw logits [V] at `token`, and the `top` most likely (id, logprob)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = logp.topk(top) if top else (logp[:0], logp[:0].long())
+    return float(logp[token]), [
+        (int(i), float(v)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)
+    ]

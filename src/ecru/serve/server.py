@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 
+from ecru.serve.api_guard import APIConfig
 from ecru.serve.background import EngineThread
 from ecru.serve.models import ServedModel
 from ecru.serve.openai_api import create_app
@@ -19,11 +20,13 @@ def build(
     *,
     remaining: RemainingPredictor | None = None,
     predict: PredictLength | None = None,
+    api: APIConfig | None = None,
 ):
-    """The engine thread and the FastAPI app on it (`remaining`: cb-srpt's fitted `RemainingProbe`;
-    `predict`: each request's predicted length, e.g. a fitted `EmbeddingPredictor`'s `engine_predict`)."""
+    """The engine thread and the ASGI app on it (`remaining`: cb-srpt's fitted `RemainingProbe`;
+    `predict`: each request's predicted length, e.g. a fitted `EmbeddingPredictor`'s `engine_predict`;
+    `api`: the API key and body limit)."""
     threads = EngineThread(served.engine(config, remaining=remaining, predict=predict))
-    return threads, create_app(served, threads, default_max_tokens=config.max_new_tokens)
+    return threads, create_app(served, threads, default_max_tokens=config.max_new_tokens, api=api)
 
 
 def serve_forever(
@@ -34,13 +37,15 @@ def serve_forever(
     port: int,
     remaining: RemainingPredictor | None = None,
     predict: PredictLength | None = None,
+    api: APIConfig | None = None,
 ) -> None:
-    """Run until Ctrl-C (uvicorn handles the signal and shuts down cleanly)."""
+    """Run until Ctrl-C: uvicorn stops accepting, drains the requests in flight, then re-raises the
+    signal (KeyboardInterrupt: the CLI exits 130)."""
     import uvicorn
 
-    threads, app = build(served, config, remaining=remaining, predict=predict)
-    try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+    threads, app = build(served, config, remaining=remaining, predict=predict, api=api)
+    try:  # not uvicorn.run, which swallows the KeyboardInterrupt its server re-raises after draining
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
     finally:
         threads.close()
 
@@ -62,10 +67,11 @@ class BackgroundServer:
         host: str = "127.0.0.1",
         remaining: RemainingPredictor | None = None,
         predict: PredictLength | None = None,
+        api: APIConfig | None = None,
     ):
         import uvicorn
 
-        self.threads, app = build(served, config, remaining=remaining, predict=predict)
+        self.threads, app = build(served, config, remaining=remaining, predict=predict, api=api)
         self.host, self.port = host, free_port(host)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self.server.run, name="ecru-uvicorn", daemon=True)

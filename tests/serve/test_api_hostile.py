@@ -1,0 +1,354 @@
+"""`ecru serve api` against hostile and demanding clients, through raw sockets and the official `openai`
+client: disconnects, oversized bodies, odd paths, invalid text, the API key, logprobs and n > 1."""
+
+import json
+import re
+import socket
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from ecru.serve.api_guard import APIConfig
+from ecru.serve.models import ServedModel
+from ecru.serve.request_engine import EngineConfig
+from ecru.serve.sampling import SamplingParams
+from ecru.serve.server import BackgroundServer
+
+CAP = 256
+KEY = "sekret-key"
+LIMIT = 2 * 2**20  # this server's body limit
+
+
+@pytest.fixture(scope="module")
+def served(chat_model_dir):
+    return ServedModel.load(str(chat_model_dir))
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    config = EngineConfig(max_new_tokens=CAP, max_batch_size=8, refill_min=1)
+    background = BackgroundServer(served, config, api=APIConfig(api_key=KEY, max_body_bytes=LIMIT))
+    with background as url:
+        background.client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        background.name = served.name
+        yield background
+
+
+def raw(server, method: str, path: str, body: bytes = b"", *, key: str | None = KEY, chunked=False):
+    """One HTTP/1.1 exchange over a plain socket: (status, parsed JSON body or text)."""
+    head = [f"{method} {path} HTTP/1.1", f"Host: {server.host}", "Content-Type: application/json",
+            "Connection: close"]  # fmt: skip
+    if key is not None:
+        head.append(f"Authorization: Bearer {key}")
+    if chunked:
+        head.append("Transfer-Encoding: chunked")
+        body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in _pieces(body, 2**16)) + b"0\r\n\r\n"
+    else:
+        head.append(f"Content-Length: {len(body)}")
+    with socket.create_connection((server.host, server.port), timeout=30) as s:
+        try:
+            s.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + body)
+        except (BrokenPipeError, ConnectionResetError):  # the server answered before reading it all
+            pass
+        data = _read_all(s)
+    status = int(data.split(b" ", 2)[1])
+    text = data.split(b"\r\n\r\n", 1)[1].decode("utf-8", "replace")
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def _pieces(data: bytes, size: int):
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def _read_all(s: socket.socket) -> bytes:
+    chunks = []
+    try:
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass
+    return b"".join(chunks)
+
+
+def chat_body(server, text="hi", **kw) -> bytes:
+    return json.dumps({"model": server.name, "messages": [{"role": "user", "content": text}], **kw}).encode()
+
+
+def is_openai_error(body) -> bool:
+    return isinstance(body, dict) and set(body.get("error", {})) == {"message", "type", "param", "code"}
+
+
+def metrics(server) -> str:
+    return raw(server, "GET", "/metrics", key=None)[1]
+
+
+def count(text: str, endpoint: str, status: str) -> int:
+    found = re.search(
+        rf'ecru_requests_total{{endpoint="{re.escape(endpoint)}",status="{status}"}} (\d+)', text
+    )
+    return int(found.group(1)) if found else 0
+
+
+def test_a_disconnected_plain_client_frees_its_row_within_a_step(server):
+    engine = server.threads.engine
+    before = count(metrics(server), "/v1/chat/completions", "499")
+    s = socket.create_connection((server.host, server.port))
+    body = chat_body(server, "a long answer please", max_tokens=CAP, temperature=0)
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    s.sendall(head.encode() + body)
+    deadline = time.monotonic() + 10
+    while engine.num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    steps = engine.stats.steps
+    s.close()  # gone while its answer is being decoded
+    while (engine.has_unfinished() or engine.num_running) and time.monotonic() < deadline:
+        time.sleep(0.001)  # the engine thread finishes the request, then drops its row
+    assert not engine.has_unfinished() and engine.num_running == 0
+    # it left within a few steps (the abort is applied between steps), far from its 256 tokens
+    assert engine.stats.steps - steps <= 5
+    time.sleep(0.1)
+    assert count(metrics(server), "/v1/chat/completions", "499") == before + 1
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_is_413(server, chunked):
+    big = chat_body(server, "x" * (LIMIT + 10), max_tokens=2)
+    status, body = raw(server, "POST", "/v1/chat/completions", big, chunked=chunked)
+    assert status == 413 and is_openai_error(body) and "bytes" in body["error"]["message"]
+    assert server.client.completions.create(model=server.name, prompt="ok", max_tokens=2).choices[0].text
+
+
+def test_health_answers_while_a_long_prompt_is_tokenised(server):
+    prompt = "words and more words " * 60_000  # 1.26 MB: seconds to tokenise on a busy CPU
+    body = json.dumps({"model": server.name, "prompt": prompt, "max_tokens": 2}).encode()
+    answer = {}
+    big = threading.Thread(target=lambda: answer.update(r=raw(server, "POST", "/v1/completions", body)))
+    big.start()
+    waits = []
+    while big.is_alive():
+        start = time.perf_counter()
+        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+            assert r.status == 200
+        waits.append(time.perf_counter() - start)
+        time.sleep(0.02)
+    big.join()
+    status, error = answer["r"]
+    assert status == 400 and is_openai_error(error)  # longer than the model's context
+    assert len(waits) >= 3 and max(waits) < 0.5, waits  # polled while it was tokenised
+
+
+EXPOSITION = re.compile(
+    r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_]\w*="(?:[^"\\\n]|\\[\\"n])*"(,[a-zA-Z_]\w*="(?:[^"\\\n]|\\[\\"n])*")*\})?'
+    r" (-?[0-9.]+(e[+-]?[0-9]+)?|[+-]Inf|NaN)$"
+)
+
+
+def test_metrics_stay_valid_prometheus_text(server, served, monkeypatch):
+    assert raw(server, "GET", "/foo%22bar", key=None)[0] == 404
+    assert raw(server, "GET", '/a"b\\c', key=None)[0] == 404
+    for i in range(50):
+        assert raw(server, "GET", f"/unknown/{i}", key=None)[0] == 404
+
+    def boom(text):
+        raise RuntimeError("the tokenizer broke")
+
+    monkeypatch.setattr(served, "encode", boom)
+    status, body = raw(
+        server, "POST", "/v1/completions", json.dumps({"model": served.name, "prompt": "x"}).encode()
+    )
+    assert status == 500 and is_openai_error(body) and body["error"]["type"] == "server_error"
+    text = metrics(server)
+    for line in text.splitlines():
+        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or EXPOSITION.match(line), line
+    assert count(text, "other", "404") >= 52 and "foo" not in text
+    assert count(text, "/v1/completions", "500") == 1
+
+
+def test_invalid_text_and_fields_are_openai_4xx(server):
+    lone = b'"\\ud800 x"'  # valid JSON, not valid Unicode
+    model = json.dumps(server.name).encode()
+    cases = [
+        ("/v1/completions", b'{"model": %s, "prompt": %s}' % (model, lone), "prompt"),
+        ("/v1/completions", b'{"model": %s, "prompt": [%s]}' % (model, lone), "prompt"),
+        ("/v1/chat/completions", b'{"model": %s, "messages": [{"role": "user", "content": %s}]}' % (model, lone),
+         "messages"),
+        ("/v1/completions", b'{"model": %s, "prompt": "a", "stop": %s}' % (model, lone), "stop"),
+        ("/v1/completions", b'{"model": %s, "prompt": "a", "response_format": {"type": "json_object"}}' % model,
+         "response_format"),
+        ("/v1/chat/completions", b'{"model": %s, "messages": [], "tool_choice": "auto", "functions": [{}]}' % model,
+         "tool_choice"),
+        ("/v1/completions", b'{"model": %s, "prompt": "a", "logprobs": 6}' % model, "logprobs"),
+        ("/v1/completions", b'[1, 2]', None),
+        ("/v1/completions", b'\xff\xfe', None),
+    ]  # fmt: skip
+    for path, body, param in cases:
+        status, error = raw(server, "POST", path, body)
+        assert status == 400 and is_openai_error(error), (body, status, error)
+        if param:
+            assert error["error"]["param"] == param and param in error["error"]["message"], error
+    assert (
+        server.client.completions.create(model=server.name, prompt="ok", max_tokens=2).usage.completion_tokens
+        == 2
+    )
+
+
+def test_the_api_key_guards_every_v1_route_but_not_health(server):
+    for key in (None, "wrong"):
+        for method, path, body in (("GET", "/v1/models", b""), ("POST", "/v1/chat/completions", chat_body(server)),
+                                   ("POST", "/v1/completions", b"{}"), ("GET", "/v1/nothing", b"")):  # fmt: skip
+            status, error = raw(server, method, path, body, key=key)
+            assert status == 401 and is_openai_error(error) and error["error"]["code"] == "invalid_api_key"
+    anonymous = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.models.list()
+    assert raw(server, "GET", "/health", key=None) == (200, {"status": "ok"})
+    assert raw(server, "GET", "/metrics", key=None)[0] == 200
+    assert server.client.models.list().data[0].id == server.name
+
+
+def reference_logprobs(served, prompt: list[int], max_tokens: int) -> torch.Tensor:
+    """The greedy answer's tokens (the engine alone), scored by a plain transformers forward over prompt +
+    answer: the log-softmax at each answer token."""
+    output = served.engine(EngineConfig(max_new_tokens=CAP)).generate(
+        [prompt], SamplingParams(max_tokens=max_tokens)
+    )
+    output = output[0].output
+    with torch.no_grad():
+        logits = served.model(torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    return logp.gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+def test_chat_logprobs_are_the_models_log_softmax(server, served):
+    messages = [{"role": "user", "content": "tell me a story"}]
+    answer = server.client.chat.completions.create(
+        model=server.name, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = answer.choices[0].logprobs.content
+    assert len(content) == 12 and "".join(c.token for c in content) == answer.choices[0].message.content
+    expected = reference_logprobs(served, served.encode_chat(messages), 12)
+    torch.testing.assert_close(torch.tensor([c.logprob for c in content]), expected, atol=1e-4, rtol=0)
+    for c in content:  # greedy: the sampled token is the most likely, alternatives in descending order
+        tops = [t.logprob for t in c.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and abs(tops[0] - c.logprob) < 1e-6
+        assert c.top_logprobs[0].token == c.token and bytes(c.bytes) == c.token.encode()
+
+
+def test_completion_logprobs_and_n_choices(server, served):
+    kw = {"model": server.name, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    one = server.client.completions.create(**kw, logprobs=2).choices[0]
+    lp = one.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == one.text and lp.text_offset[0] == 0
+    assert all(tok in top and len(top) <= 3 for tok, top in zip(lp.tokens, lp.top_logprobs, strict=True))
+    expected = reference_logprobs(served, served.encode(kw["prompt"]), 8)
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs), expected, atol=1e-4, rtol=0)
+
+    greedy = server.client.completions.create(**kw, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and {c.text for c in greedy.choices} == {one.text}
+    assert greedy.usage.completion_tokens == 3 * 8
+    sampled = server.client.chat.completions.create(
+        model=server.name, messages=[{"role": "user", "content": "hi"}], n=4, max_tokens=16,
+        temperature=1.0, seed=7,
+    )  # fmt: skip
+    texts = [c.message.content for c in sampled.choices]
+    assert len(set(texts)) > 1  # each choice drew its own tokens
+    again = server.client.chat.completions.create(
+        model=server.name, messages=[{"role": "user", "content": "hi"}], n=4, max_tokens=16,
+        temperature=1.0, seed=7,
+    )  # fmt: skip
+    assert [c.message.content for c in again.choices] == texts  # and a seed repeats them
+
+
+def test_ctrl_c_drains_the_requests_in_flight_and_exits_130(chat_model_dir):
+    import signal
+    import subprocess
+    import sys
+
+    from ecru.serve.server import free_port
+
+    port = str(free_port())
+    cmd = [sys.executable, "-m", "ecru.cli", "serve", "api", "--model", str(chat_model_dir), "--port", port]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url)
+        body = {"model": str(chat_model_dir), "prompt": "go", "max_tokens": CAP, "temperature": 0}
+        answer = {}
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        asking = threading.Thread(target=lambda: answer.update(a=client.completions.create(**body)))
+        asking.start()
+        time.sleep(0.2)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(30) == 130
+        asking.join()
+    finally:
+        server.kill()
+    assert answer["a"].usage.completion_tokens >= 1  # answered, not dropped
+    assert server.stderr.read().strip().endswith("ecru: interrupted")
+
+
+def _wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_streamed_logprobs_equal_the_whole_answers(server):
+    messages = [{"role": "user", "content": "stream a story"}]
+    kw = {"model": server.name, "max_tokens": 20, "temperature": 0}
+    whole = server.client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **kw)
+    chunks = server.client.chat.completions.create(
+        messages=messages, logprobs=True, top_logprobs=2, stream=True, **kw
+    )
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    expected = whole.choices[0].logprobs.content
+    assert len(streamed) == 20 and [e.token for e in streamed] == [e.token for e in expected]
+    # the same tokens' logprobs: equal up to the float noise of a different batch (prefix cache, padding)
+    close = torch.testing.assert_close
+    close(
+        torch.tensor([e.logprob for e in streamed]),
+        torch.tensor([e.logprob for e in expected]),
+        atol=1e-4,
+        rtol=0,
+    )
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [
+        [t.token for t in e.top_logprobs] for e in expected
+    ]
+    plain = server.client.completions.create(prompt="Once upon a time", logprobs=1, **kw).choices[0].logprobs
+    parts = [c.choices[0].logprobs for c in server.client.completions.create(
+        prompt="Once upon a time", logprobs=1, stream=True, **kw) if c.choices[0].logprobs]  # fmt: skip
+    for field in ("tokens", "text_offset"):
+        assert [v for p in parts for v in getattr(p, field)] == getattr(plain, field)
+    got = [v for p in parts for v in p.token_logprobs]
+    close(torch.tensor(got), torch.tensor(plain.token_logprobs), atol=1e-4, rtol=0)
+    assert [list(d) for p in parts for d in p.top_logprobs] == [list(d) for d in plain.top_logprobs]
+
+
+def test_n_choices_stream_each_under_its_index(server):
+    kw = {"model": server.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12}
+    whole = server.client.chat.completions.create(n=3, temperature=1.0, seed=11, **kw)
+    chunks = list(server.client.chat.completions.create(n=3, temperature=1.0, seed=11, stream=True, **kw))
+    texts, ends = ["", "", ""], [None, None, None]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            ends[choice.index] = choice.finish_reason or ends[choice.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert ends == [c.finish_reason for c in whole.choices] and len({c.id for c in chunks}) == 1
