@@ -1,4 +1,4 @@
-"""`ecru l2l train` end to end on the random tiny Llama (byte tokens) and on a local model folder."""
+"""`ecru l2l train` end to end on the random tiny Llama (byte tokens), SmolLM2 and a local model folder."""
 
 from __future__ import annotations
 
@@ -81,6 +81,41 @@ def test_a_local_hugging_face_model_folder(tmp_path):
     )
     assert result["steps"] == 3 and (out / "hf" / "tokenizer.json").is_file()
     assert result["final_loss"] < result["first_loss"]
+
+
+def test_a_runs_hf_folder_loads_with_auto_classes_and_trains_again(tmp_path):
+    """--model tiny: DIR/hf holds the model and its byte tokenizer, loads with AutoModelForCausalLM /
+    AutoTokenizer (the same ids as in training), and is a valid --model for a second run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ecru.l2l.data import byte_tokenizer
+
+    out, _ = _run(tmp_path, "first", "--steps", "2")
+    model = AutoModelForCausalLM.from_pretrained(out / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(out / "hf")
+    text = "héllo ✓"
+    assert tokenizer(text)["input_ids"] == [1, *(b + 3 for b in text.encode()), 2]
+    assert tokenizer(text)["input_ids"] == byte_tokenizer()(text)["input_ids"]
+    assert model.config.vocab_size == len(tokenizer)
+    again, result = _run(tmp_path, "second", "--steps", "2", "--model", str(out / "hf"))
+    assert result["steps"] == 2 and (again / "hf" / "tokenizer.json").is_file()
+    AutoModelForCausalLM.from_pretrained(again / "hf")
+
+
+@pytest.mark.slow
+def test_smollm2_trains_and_exports_a_loadable_folder(tmp_path):
+    """The README's run on the bundled SmolLM2: its cache keeps no gguf quantization_config, so the export
+    (and a second run from it) works."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"my own training sentence number {i}"}) for i in range(8)))
+    extra = ["--steps", "1", "--batch-size", "2", "--data", str(data)]
+    out, result = _run(tmp_path, "run", "--model", "smollm2", *extra)
+    assert result["steps"] == 1
+    AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert AutoTokenizer.from_pretrained(out / "hf")("hi")["input_ids"]
+    _run(tmp_path, "again", "--model", str(out / "hf"), *extra)
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def load_model(name: str, *, seed: int = 0):
     """(model, tokenizer) for a CLI model name or a local model folder, in fp32 on the CPU."""
-    from ecru.l2l.data import ByteTokenizer
+    from ecru.l2l.data import byte_tokenizer
 
     if name == "smollm2":
         from ecru.models import load_smollm2
@@ -91,9 +91,9 @@ def load_model(name: str, *, seed: int = 0):
     if name in ("tiny", "tiny-llama"):
         from ecru.models import tiny_llama
 
-        tok = ByteTokenizer()
+        tok = byte_tokenizer()
         model = tiny_llama(
-            vocab_size=tok.vocab_size, hidden_size=64, num_layers=4, intermediate_size=128, seed=seed
+            vocab_size=len(tok), hidden_size=64, num_layers=4, intermediate_size=128, seed=seed
         )
         return model, tok
     return _load_folder(Path(name).expanduser())
@@ -233,9 +233,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         losses, tokens, wall = _train(args, engine, tokenizer, texts, out, losses)
         _checkpoint(args, engine, out, losses)
-        engine.save_pretrained(
-            out / "hf", tokenizer=tokenizer if hasattr(tokenizer, "save_pretrained") else None
-        )
+        engine.save_pretrained(out / "hf", tokenizer=tokenizer)
         result = _summary(args, engine, losses, tokens, wall)
     finally:
         engine.close()
