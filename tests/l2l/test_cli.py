@@ -102,6 +102,60 @@ def test_a_runs_hf_folder_loads_with_auto_classes_and_trains_again(tmp_path):
     AutoModelForCausalLM.from_pretrained(again / "hf")
 
 
+def test_lr_schedule_warms_up_then_decays():
+    """--lr-schedule linear --warmup-steps 2 over 6 steps: 0, 1/2, 1, then down to 0 at step 6."""
+    import argparse
+
+    from ecru.l2l.cli import lr_schedule
+
+    args = argparse.Namespace(lr_schedule="linear", warmup_steps=2, steps=6)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = lr_schedule(args)(opt)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.0, 0.05, 0.1, 0.075, 0.05, 0.025], abs=1e-12)
+
+
+def test_a_scheduled_run_resumes_exactly(tmp_path):
+    """--lr-schedule cosine --warmup-steps 2: 4 steps straight == 2 steps, then --resume to 4 (the
+    scheduler is fast-forwarded to the checkpoint's step); the schedule changes the run."""
+    extra = ["--lr-schedule", "cosine", "--warmup-steps", "2"]
+    _, straight = _run(tmp_path, "straight", "--steps", "4", *extra)
+    out, _ = _run(tmp_path, "split", "--steps", "2", *extra)
+    assert main([*BASE, "--out", str(out), "--steps", "4", "--resume", *extra]) == 0
+    assert json.loads((out / "metrics.json").read_text())["losses"] == straight["losses"]
+    _, constant = _run(tmp_path, "constant", "--steps", "4")
+    assert constant["losses"][0] == straight["losses"][0] and constant["losses"][1] != straight["losses"][1]
+
+
+def test_lora_writes_a_peft_adapter_without_the_base_and_merges_on_request(tmp_path):
+    """--lora-r 4 --lora-targets q_proj,v_proj: DIR/adapter is a peft folder holding only LoRA weights
+    (trained: lora_B moved from 0) that loads on the base; no hf/ unless --merge, whose hf/ gives the same
+    logits as base + adapter."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ecru.l2l.cli import load_model
+
+    lora = ["--steps", "2", "--lora-r", "4", "--lora-targets", "q_proj,v_proj", "--lr", "1e-2"]
+    out, _ = _run(tmp_path, "adapter", *lora)
+    assert not (out / "hf").exists()
+    weights = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert weights and all("lora_" in k for k in weights)
+    assert max(float(v.abs().max()) for k, v in weights.items() if "lora_B" in k) > 0
+    merged_out, _ = _run(tmp_path, "merged", *lora, "--merge")
+    base, _ = load_model("tiny", seed=0)
+    adapted = peft.PeftModel.from_pretrained(base, merged_out / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(merged_out / "hf").eval()
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 def test_smollm2_trains_and_exports_a_loadable_folder(tmp_path):
     """The README's run on the bundled SmolLM2: its cache keeps no gguf quantization_config, so the export
@@ -128,6 +182,9 @@ def test_smollm2_trains_and_exports_a_loadable_folder(tmp_path):
         (["--micro-batch-size", "9", "--batch-size", "4"], "larger than --batch-size"),
         (["--data", "missing.txt"], "not 'clinc' and not an existing file"),
         (["--model", "no/such/folder"], "not a Hugging Face model folder"),
+        (["--merge"], "need --lora-r"),
+        (["--lora-targets", ","], "module names separated by commas"),
+        (["--warmup-steps", "20", "--steps", "2"], "more than --steps"),
     ],
 )
 def test_bad_arguments_fail_with_one_line(bad, message, tmp_path, capsys):
