@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -160,17 +160,19 @@ class _Calls:
     besides it."""
 
     hidden: torch.Tensor | None = None
-    args: list[tuple[tuple, dict[str, Any]]] | None = None
+    args: list[tuple[tuple, dict[str, Any]]] = field(default_factory=list)
 
 
 class _Capture(nn.Module):
-    """Stands in for a decoder layer: records its call, passes the hidden state on unchanged."""
+    """Stands in for a decoder layer: records its call, passes the hidden state on unchanged. (A forward
+    pre-hook sees the call too, but cannot skip the layer: the stem runs no layer.)"""
 
     def __init__(self, calls: _Calls, *, last: bool):
         super().__init__()
         self.calls, self.last = calls, last
 
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden, args = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
         if self.calls.hidden is None:
             self.calls.hidden = hidden
         self.calls.args.append((args, kwargs))
@@ -210,7 +212,7 @@ class DecoderStem(nn.Module):
         n = called_layers(self.layout)
         if n == 0:
             raise L2LInputError("the model has no decoder layers to run; add_block one before training")
-        calls = _Calls(args=[])
+        calls = _Calls()
         stand_ins = nn.ModuleList(_Capture(calls, last=i == n - 1) for i in range(n))
         decoder = self.layout.decoder
         with swapped(decoder, self.layout.layers_name, stand_ins), sparse_lookups([self.pieces]):
