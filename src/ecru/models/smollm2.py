@@ -78,7 +78,7 @@ def _drop_quantization(folder: Path) -> None:
     """The cached weights are plain fp32: a `quantization_config` (gguf) left in config.json makes
     transformers refuse `save_pretrained` on every model loaded from the cache (caches written before
     this fix are repaired on load)."""
-    from ecru.cliargs import atomic_write_json
+    from ecru.io import atomic_write_json
 
     config = json.loads((folder / "config.json").read_text())
     if config.pop("quantization_config", None) is not None:
