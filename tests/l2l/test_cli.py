@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,13 +120,33 @@ def test_lr_schedule_warms_up_then_decays():
     assert lrs == pytest.approx([0.0, 0.05, 0.1, 0.075, 0.05, 0.025], abs=1e-12)
 
 
-def test_a_scheduled_run_resumes_exactly(tmp_path):
-    """--lr-schedule cosine --warmup-steps 2: 4 steps straight == 2 steps, then --resume to 4 (the
-    scheduler is fast-forwarded to the checkpoint's step); the schedule changes the run."""
-    extra = ["--lr-schedule", "cosine", "--warmup-steps", "2"]
+def _killed_at_2_then_resumed(tmp_path, monkeypatch, name, *extra) -> Path:
+    """A 4-step run interrupted right after its step-2 checkpoint, then the same command with --resume."""
+    from ecru.l2l import cli
+
+    real = cli._checkpoint
+
+    def checkpoint_then_die(args, engine, out, losses):
+        real(args, engine, out, losses)
+        if engine.steps == 2:
+            raise KeyboardInterrupt
+
+    out = tmp_path / name
+    command = [*BASE, "--out", str(out), "--steps", "4", "--save-every", "2", *extra]
+    with monkeypatch.context() as patch:
+        patch.setattr(cli, "_checkpoint", checkpoint_then_die)
+        assert main(command) != 0
+    assert main([*command, "--resume"]) == 0
+    return out
+
+
+def test_a_scheduled_run_resumes_exactly(tmp_path, monkeypatch):
+    """--lr-schedule linear --warmup-steps 1 over 4 steps, killed after step 2 and resumed: the same losses
+    as the run straight through (the scheduler is fast-forwarded to the checkpoint's step); the schedule
+    changes the run."""
+    extra = ["--lr-schedule", "linear", "--warmup-steps", "1"]
     _, straight = _run(tmp_path, "straight", "--steps", "4", *extra)
-    out, _ = _run(tmp_path, "split", "--steps", "2", *extra)
-    assert main([*BASE, "--out", str(out), "--steps", "4", "--resume", *extra]) == 0
+    out = _killed_at_2_then_resumed(tmp_path, monkeypatch, "split", *extra)
     assert json.loads((out / "metrics.json").read_text())["losses"] == straight["losses"]
     _, constant = _run(tmp_path, "constant", "--steps", "4")
     assert constant["losses"][0] == straight["losses"][0] and constant["losses"][1] != straight["losses"][1]
@@ -154,6 +175,20 @@ def test_lora_writes_a_peft_adapter_without_the_base_and_merges_on_request(tmp_p
     ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lora_run_resumes_exactly(tmp_path, monkeypatch):
+    """--lora-r 4 with a linear schedule, killed after step 2 and resumed: the losses and the adapter
+    weights of the run straight through, bit for bit."""
+    from safetensors.torch import load_file
+
+    lora = ["--lora-r", "4", "--lr", "1e-2", "--lr-schedule", "linear"]
+    straight, result = _run(tmp_path, "straight", "--steps", "4", *lora)
+    out = _killed_at_2_then_resumed(tmp_path, monkeypatch, "split", *lora)
+    assert json.loads((out / "metrics.json").read_text())["losses"] == result["losses"]
+    a = load_file(straight / "adapter" / "adapter_model.safetensors")
+    b = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
