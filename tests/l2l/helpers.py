@@ -55,20 +55,61 @@ def assert_params_close(ref: nn.Module, got: dict[str, torch.Tensor], **tol) -> 
         torch.testing.assert_close(got[name], value, msg=lambda m, n=name: f"{n}: {m}", **(tol or PARAM_TOL))
 
 
-FAMILIES = {  # model class, extra config: sliding windows of 4 tokens where the family has them
+SLIDING, FULL = "sliding_attention", "full_attention"
+FAMILIES = {  # model class prefix, extra config: each family's quirks switched on and made to bite
     "qwen2": ("Qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
     "mistral": ("Mistral", {"sliding_window": 4}),
     "phi3": ("Phi3", {"sliding_window": 5}),
     "qwen3": ("Qwen3", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}),
     "olmo": ("Olmo", {"clip_qkv": 0.5}),
+    "olmo2": ("Olmo2", {}),
+    # Gemma 2: scaled embeddings, soft-capped attention and final logits, alternating sliding/full layers
+    "gemma2": (
+        "Gemma2",
+        {
+            "head_dim": 8,
+            "query_pre_attn_scalar": 8,
+            "sliding_window": 4,
+            "final_logit_softcapping": 0.5,
+            "attn_logit_softcapping": 2.0,
+            "layer_types": (SLIDING, FULL),
+            "attn": "eager",
+        },
+    ),  # fmt: skip
+    # Gemma 3 (text): rotary embeddings per layer type, q/k norms, sliding/full layers
+    "gemma3": (
+        "Gemma3Text",
+        {
+            "head_dim": 8,
+            "query_pre_attn_scalar": 8,
+            "sliding_window": 4,
+            "layer_types": (SLIDING, SLIDING, FULL),
+        },
+    ),  # fmt: skip
+    "cohere": ("Cohere", {"logit_scale": 0.5, "use_qk_norm": False}),
+    "granite": (
+        "Granite",
+        {
+            "logits_scaling": 4.0,
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.3,
+        },
+    ),  # fmt: skip
+    "stablelm": ("StableLm", {"partial_rotary_factor": 0.5, "use_qkv_bias": True, "qk_layernorm": True}),
 }
 
 
 def tiny_family(name: str, *, num_layers: int = 3, seed: int = 0, tie: bool = False, **extra) -> nn.Module:
-    """A random tiny `<Family>ForCausalLM` in fp32 (sdpa attention), with its family's quirks switched on."""
+    """A random tiny `<Family>ForCausalLM` in fp32 (sdpa attention where the family has it), with its family's quirks switched on."""
     import transformers
 
     prefix, quirks = FAMILIES[name]
+    quirks = dict(quirks)
+    attn = quirks.pop("attn", "sdpa")  # Gemma 2's soft-capped attention has no sdpa path
+    if "layer_types" in quirks:  # the pattern repeated over the layers
+        pattern = quirks["layer_types"]
+        quirks["layer_types"] = [pattern[i % len(pattern)] for i in range(num_layers)]
     config = getattr(transformers, f"{prefix}Config")(
         vocab_size=128,
         hidden_size=32,
@@ -83,6 +124,7 @@ def tiny_family(name: str, *, num_layers: int = 3, seed: int = 0, tie: bool = Fa
         eos_token_id=2,
         **{**quirks, **extra},
     )
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     torch.manual_seed(seed)
-    return getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
+    cls = "Gemma3ForCausalLM" if prefix == "Gemma3Text" else f"{prefix}ForCausalLM"
+    return getattr(transformers, cls)(config).eval()

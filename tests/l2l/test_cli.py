@@ -1,8 +1,9 @@
-"""`ecru l2l train` end to end on the random tiny Llama (byte tokens) and on a local model folder."""
+"""`ecru l2l train` end to end on the random tiny Llama (byte tokens), SmolLM2 and a local model folder."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +84,129 @@ def test_a_local_hugging_face_model_folder(tmp_path):
     assert result["final_loss"] < result["first_loss"]
 
 
+def test_a_runs_hf_folder_loads_with_auto_classes_and_trains_again(tmp_path):
+    """--model tiny: DIR/hf holds the model and its byte tokenizer, loads with AutoModelForCausalLM /
+    AutoTokenizer (the same ids as in training), and is a valid --model for a second run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ecru.l2l.data import byte_tokenizer
+
+    out, _ = _run(tmp_path, "first", "--steps", "2")
+    model = AutoModelForCausalLM.from_pretrained(out / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(out / "hf")
+    text = "héllo ✓"
+    assert tokenizer(text)["input_ids"] == [1, *(b + 3 for b in text.encode()), 2]
+    assert tokenizer(text)["input_ids"] == byte_tokenizer()(text)["input_ids"]
+    assert model.config.vocab_size == len(tokenizer)
+    again, result = _run(tmp_path, "second", "--steps", "2", "--model", str(out / "hf"))
+    assert result["steps"] == 2 and (again / "hf" / "tokenizer.json").is_file()
+    AutoModelForCausalLM.from_pretrained(again / "hf")
+
+
+def test_lr_schedule_warms_up_then_decays():
+    """--lr-schedule linear --warmup-steps 2 over 6 steps: 0, 1/2, 1, then down to 0 at step 6."""
+    import argparse
+
+    from ecru.l2l.cli import lr_schedule
+
+    args = argparse.Namespace(lr_schedule="linear", warmup_steps=2, steps=6)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = lr_schedule(args)(opt)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.0, 0.05, 0.1, 0.075, 0.05, 0.025], abs=1e-12)
+
+
+def _killed_at_2_then_resumed(tmp_path, monkeypatch, name, *extra) -> Path:
+    """A 4-step run interrupted right after its step-2 checkpoint, then the same command with --resume."""
+    from ecru.l2l import cli
+
+    real = cli._checkpoint
+
+    def checkpoint_then_die(args, engine, out, losses):
+        real(args, engine, out, losses)
+        if engine.steps == 2:
+            raise KeyboardInterrupt
+
+    out = tmp_path / name
+    command = [*BASE, "--out", str(out), "--steps", "4", "--save-every", "2", *extra]
+    with monkeypatch.context() as patch:
+        patch.setattr(cli, "_checkpoint", checkpoint_then_die)
+        assert main(command) != 0
+    assert main([*command, "--resume"]) == 0
+    return out
+
+
+def test_a_scheduled_run_resumes_exactly(tmp_path, monkeypatch):
+    """--lr-schedule linear --warmup-steps 1 over 4 steps, killed after step 2 and resumed: the same losses
+    as the run straight through (the scheduler is fast-forwarded to the checkpoint's step); the schedule
+    changes the run."""
+    extra = ["--lr-schedule", "linear", "--warmup-steps", "1"]
+    _, straight = _run(tmp_path, "straight", "--steps", "4", *extra)
+    out = _killed_at_2_then_resumed(tmp_path, monkeypatch, "split", *extra)
+    assert json.loads((out / "metrics.json").read_text())["losses"] == straight["losses"]
+    _, constant = _run(tmp_path, "constant", "--steps", "4")
+    assert constant["losses"][0] == straight["losses"][0] and constant["losses"][1] != straight["losses"][1]
+
+
+def test_lora_writes_a_peft_adapter_without_the_base_and_merges_on_request(tmp_path):
+    """--lora-r 4 --lora-targets q_proj,v_proj: DIR/adapter is a peft folder holding only LoRA weights
+    (trained: lora_B moved from 0) that loads on the base; no hf/ unless --merge, whose hf/ gives the same
+    logits as base + adapter."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from ecru.l2l.cli import load_model
+
+    lora = ["--steps", "2", "--lora-r", "4", "--lora-targets", "q_proj,v_proj", "--lr", "1e-2"]
+    out, _ = _run(tmp_path, "adapter", *lora)
+    assert not (out / "hf").exists()
+    weights = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert weights and all("lora_" in k for k in weights)
+    assert max(float(v.abs().max()) for k, v in weights.items() if "lora_B" in k) > 0
+    merged_out, _ = _run(tmp_path, "merged", *lora, "--merge")
+    base, _ = load_model("tiny", seed=0)
+    adapted = peft.PeftModel.from_pretrained(base, merged_out / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(merged_out / "hf").eval()
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lora_run_resumes_exactly(tmp_path, monkeypatch):
+    """--lora-r 4 with a linear schedule, killed after step 2 and resumed: the losses and the adapter
+    weights of the run straight through, bit for bit."""
+    from safetensors.torch import load_file
+
+    lora = ["--lora-r", "4", "--lr", "1e-2", "--lr-schedule", "linear"]
+    straight, result = _run(tmp_path, "straight", "--steps", "4", *lora)
+    out = _killed_at_2_then_resumed(tmp_path, monkeypatch, "split", *lora)
+    assert json.loads((out / "metrics.json").read_text())["losses"] == result["losses"]
+    a = load_file(straight / "adapter" / "adapter_model.safetensors")
+    b = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_smollm2_trains_and_exports_a_loadable_folder(tmp_path):
+    """The README's run on the bundled SmolLM2: its cache keeps no gguf quantization_config, so the export
+    (and a second run from it) works."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"text": f"my own training sentence number {i}"}) for i in range(8)))
+    extra = ["--steps", "1", "--batch-size", "2", "--data", str(data)]
+    out, result = _run(tmp_path, "run", "--model", "smollm2", *extra)
+    assert result["steps"] == 1
+    AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert AutoTokenizer.from_pretrained(out / "hf")("hi")["input_ids"]
+    _run(tmp_path, "again", "--model", str(out / "hf"), *extra)
+
+
 @pytest.mark.parametrize(
     "bad,message",
     [
@@ -93,6 +217,9 @@ def test_a_local_hugging_face_model_folder(tmp_path):
         (["--micro-batch-size", "9", "--batch-size", "4"], "larger than --batch-size"),
         (["--data", "missing.txt"], "not 'clinc' and not an existing file"),
         (["--model", "no/such/folder"], "not a Hugging Face model folder"),
+        (["--merge"], "need --lora-r"),
+        (["--lora-targets", ","], "module names separated by commas"),
+        (["--warmup-steps", "20", "--steps", "2"], "more than --steps"),
     ],
 )
 def test_bad_arguments_fail_with_one_line(bad, message, tmp_path, capsys):

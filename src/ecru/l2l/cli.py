@@ -5,10 +5,11 @@ CLINC150 or the user's .txt (one text per line) / .jsonl (a "text" field per lin
 writes goes to --out DIR: `checkpoint/` (the full training state, every --save-every steps and at the end;
 on the disk tier the store under DIR/ecru-l2l is the checkpoint itself, committed every step), `state.json`
 (arguments and losses, written after each checkpoint), `hf/` (the trained model and tokenizer in
-save_pretrained format) and `metrics.json`. `--resume` continues from DIR exactly: weights, optimizer
-states, RNG and the data position (the batch of step k is a pure function of k and --seed); killed at any
-point, the same command with `--resume` finishes the run. A folder holding a run is refused without
-`--resume` or `--overwrite`; `--resume` with an argument that changes results refuses, naming it.
+save_pretrained format; with --lora-r, `adapter/`, a peft adapter folder, instead, and `hf/` only with
+--merge) and `metrics.json`. `--resume` continues from DIR exactly: weights, optimizer states, RNG and the
+data position (the batch of step k is a pure function of k and --seed); killed at any point, the same
+command with `--resume` finishes the run. A folder holding a run is refused without `--resume` or
+`--overwrite`; `--resume` with an argument that changes results refuses, naming it.
 """
 
 # torch and transformers are imported inside the handler: `ecru --help` imports this module.
@@ -25,10 +26,21 @@ from ecru.cliargs import add_out_dir, non_negative_float, non_negative_int, posi
 MODELS = ("smollm2", "tiny")  # "tiny" as in `ecru serve`; "tiny-llama" is still accepted
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 STATE, CHECKPOINT = "state.json", "checkpoint"
-RUN_FILES = (STATE, CHECKPOINT, "hf", "metrics.json", "ecru-l2l")  # what --overwrite deletes
+RUN_FILES = (STATE, CHECKPOINT, "hf", "adapter", "metrics.json", "ecru-l2l")  # what --overwrite deletes
 # arguments a resumed run must keep: each changes the results (--steps may grow, the rest is speed)
 RESULT_ARGS = ("model", "data", "batch_size", "max_length", "seed", "store", "lr", "weight_decay")
-RESULT_ARGS += ("max_grad_norm", "dtype")
+RESULT_ARGS += ("max_grad_norm", "dtype", "lr_schedule", "warmup_steps")
+RESULT_ARGS += ("lora_r", "lora_alpha", "lora_targets")
+
+# --lr-schedule name -> transformers' get_scheduler name (each warms up linearly over --warmup-steps)
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def _names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give module names separated by commas, e.g. q_proj,v_proj")
+    return names
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +76,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default="fp32", help="compute precision")
     train.add_argument("--prefetch", type=non_negative_int, default=1, help="blocks copied ahead (CUDA)")
     train.add_argument("--lr", type=positive_float, default=1e-4, help="AdamW learning rate")
+    train.add_argument(
+        "--lr-schedule",
+        choices=tuple(SCHEDULES),
+        default="constant",
+        help="learning rate after the warm-up (transformers' get_scheduler, decaying to 0 at --steps)",
+    )
+    train.add_argument(
+        "--warmup-steps", type=non_negative_int, default=0, help="steps of linear warm-up from 0 to --lr"
+    )
+    train.add_argument(
+        "--lora-r",
+        type=positive_int,
+        default=None,
+        metavar="R",
+        help="train a LoRA adapter of rank R (peft) instead of every weight; written to DIR/adapter",
+    )
+    train.add_argument(
+        "--lora-alpha",
+        type=positive_float,
+        default=None,
+        metavar="A",
+        help="LoRA scale numerator (default 2R)",
+    )
+    train.add_argument(
+        "--lora-targets",
+        type=_names,
+        default=None,
+        metavar="NAMES",
+        help="comma-separated module names LoRA adapts, e.g. q_proj,v_proj (default: peft's per model type)",
+    )
+    train.add_argument(
+        "--merge", action="store_true", help="with --lora-r: also write the merged model to DIR/hf"
+    )
     train.add_argument("--weight-decay", type=non_negative_float, default=0.0, help="AdamW weight decay")
     train.add_argument(
         "--keep-graph-blocks",
@@ -82,7 +127,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def load_model(name: str, *, seed: int = 0):
     """(model, tokenizer) for a CLI model name or a local model folder, in fp32 on the CPU."""
-    from ecru.l2l.data import ByteTokenizer
+    from ecru.l2l.data import byte_tokenizer
 
     if name == "smollm2":
         from ecru.models import load_smollm2
@@ -91,9 +136,9 @@ def load_model(name: str, *, seed: int = 0):
     if name in ("tiny", "tiny-llama"):
         from ecru.models import tiny_llama
 
-        tok = ByteTokenizer()
+        tok = byte_tokenizer()
         model = tiny_llama(
-            vocab_size=tok.vocab_size, hidden_size=64, num_layers=4, intermediate_size=128, seed=seed
+            vocab_size=len(tok), hidden_size=64, num_layers=4, intermediate_size=128, seed=seed
         )
         return model, tok
     return _load_folder(Path(name).expanduser())
@@ -132,6 +177,10 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--micro-batch-size {args.micro_batch_size} is larger than --batch-size {args.batch_size}; "
             "a micro-batch is a slice of the batch"
         )
+    if args.lora_r is None and (args.lora_alpha is not None or args.lora_targets or args.merge):
+        raise EcruError("--lora-alpha, --lora-targets and --merge need --lora-r R (the adapter's rank)")
+    if args.warmup_steps > args.steps:
+        raise EcruError(f"--warmup-steps {args.warmup_steps} is more than --steps {args.steps}")
     if args.data != "clinc" and not Path(args.data).expanduser().is_file():
         raise EcruError(f"--data {args.data}: not 'clinc' and not an existing file")
 
@@ -209,8 +258,49 @@ def _engine(args: argparse.Namespace, out: Path, model, resume: bool):
     )
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay, fused=True)
     if resume and args.store == "ram" and (out / CHECKPOINT / "manifest.json").is_file():
-        return L2L.resume(out / CHECKPOINT, model, optimizer=optimizer, config=config)
-    return L2L.from_hf(model, optimizer=optimizer, config=config)
+        engine = L2L.resume(out / CHECKPOINT, model, optimizer=optimizer, config=config)
+    else:
+        engine = L2L.from_hf(model, optimizer=optimizer, config=config)
+    engine.lr_scheduler(lr_schedule(args))
+    return engine
+
+
+def lr_schedule(args: argparse.Namespace):
+    """optimizer -> its scheduler for --lr-schedule / --warmup-steps over --steps."""
+    import functools
+
+    from transformers import get_scheduler
+
+    return functools.partial(
+        get_scheduler,
+        SCHEDULES[args.lr_schedule],
+        num_warmup_steps=args.warmup_steps,
+        num_training_steps=args.steps,
+    )
+
+
+def with_lora(args: argparse.Namespace, model):
+    """`model` wrapped in a peft LoRA adapter of rank --lora-r (only the adapter trains), or as it is."""
+    if args.lora_r is None:
+        return model
+    import peft
+
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=alpha, target_modules=args.lora_targets)
+    return peft.get_peft_model(model, config)
+
+
+def _export(args: argparse.Namespace, engine, out: Path, tokenizer) -> None:
+    """DIR/hf (the trained model), or with --lora-r DIR/adapter (a peft folder, no copy of the base) and
+    with --merge also DIR/hf (the base with the adapter merged in)."""
+    if args.lora_r is None:
+        engine.save_pretrained(out / "hf", tokenizer=tokenizer)
+        return
+    engine.save_pretrained(out / "adapter", tokenizer=tokenizer)
+    if args.merge:
+        merged = engine.model_on("cpu", dtype=engine.model_dtype).merge_and_unload()
+        merged.save_pretrained(out / "hf")
+        tokenizer.save_pretrained(out / "hf")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -225,6 +315,7 @@ def run_train(args: argparse.Namespace) -> int:
     out, state = _prepare_out(args)
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, seed=args.seed)
+    model = with_lora(args, model)
     model.train()
     engine = _engine(args, out, model, resume=state is not None)
     losses = (state or {}).get("losses", [])[: engine.steps]
@@ -233,9 +324,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         losses, tokens, wall = _train(args, engine, tokenizer, texts, out, losses)
         _checkpoint(args, engine, out, losses)
-        engine.save_pretrained(
-            out / "hf", tokenizer=tokenizer if hasattr(tokenizer, "save_pretrained") else None
-        )
+        _export(args, engine, out, tokenizer)
         result = _summary(args, engine, losses, tokens, wall)
     finally:
         engine.close()
@@ -324,4 +413,5 @@ def _report(result: dict, out: Path) -> None:
             f"   peak device memory {result['peak_device_mb']:.0f} MiB" if "peak_device_mb" in result else ""
         )
     atomic_write_json(out / "metrics.json", result)
-    print(f"wrote {out}/metrics.json, {out}/hf")
+    written = ", ".join(str(out / n) for n in ("hf", "adapter") if (out / n).is_dir())
+    print(f"wrote {out}/metrics.json, {written}")

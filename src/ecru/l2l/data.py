@@ -13,31 +13,32 @@ import torch
 IGNORE_INDEX = -100
 
 
-class ByteTokenizer:
-    """UTF-8 bytes shifted past three specials (pad 0, bos 1, eos 2): a tokenizer for random tiny models."""
+def byte_tokenizer():
+    """A Hugging Face fast tokenizer for random tiny models: UTF-8 bytes shifted past three specials
+    (pad 0, bos 1, eos 2), each text wrapped in bos ... eos; `save_pretrained` writes it like any other."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab_size = 259
-    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
-
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_token_id, *(b + 3 for b in text.encode("utf-8")), self.eos_token_id]
+    specials = ("<pad>", "<s>", "</s>")
+    vocab = {token: i for i, token in enumerate(specials)}
+    vocab.update({char: byte + len(specials) for byte, char in bytes_to_unicode().items()})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
 def encode_batch(tokenizer, texts: Sequence[str], *, max_length: int) -> dict[str, torch.Tensor]:
     """input_ids / attention_mask / labels, right-padded; labels are -100 at padding."""
-    if isinstance(tokenizer, ByteTokenizer):
-        rows = [tokenizer.encode(t)[:max_length] for t in texts]
-        width = max(len(r) for r in rows)
-        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    else:
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "right"
-        enc = tokenizer(
-            list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
-        )
-        ids, mask = enc["input_ids"], enc["attention_mask"]
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)}
 
 

@@ -123,8 +123,9 @@ class L2L:
     def from_hf(
         cls, model: nn.Module, *, optimizer: OptimizerFactory, config: L2LConfig | None = None
     ) -> L2L:
-        """A Hugging Face causal LM (Llama family, GPT-2); batches are dicts with input_ids,
-        attention_mask (optional) and labels (-100 = ignored)."""
+        """A Hugging Face decoder-only causal LM (any family whose decoder layers sit in one module list,
+        run by the model's own code: ecru.l2l.hf); batches are dicts with input_ids, attention_mask
+        (optional) and labels (-100 = ignored)."""
         from ecru.l2l.hf import hf_parts
 
         return cls(hf_parts(model), optimizer=optimizer, config=config)

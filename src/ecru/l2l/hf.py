@@ -1,30 +1,35 @@
-"""Hugging Face decoder-only causal LMs cut into stem, blocks and head, found generically.
+"""Hugging Face decoder-only causal LMs cut into stem, blocks and head, run by the model's own code.
 
-Any `*ForCausalLM` whose decoder runs "embeddings -> a list of decoder layers -> final norm -> LM head"
-works (Llama, Qwen2, Qwen3, Mistral, Phi-3, OLMo, GPT-2, ..., and a PEFT wrapper around any of them):
-`decoder_layout` finds the token embedding, learned position embedding and embedding dropout (GPT-2
-style), rotary embedding, layer list, final norm and head by what the model exposes; any parameter
-outside those pieces makes it refuse. The stem replays what the decoder's own `forward` does around the
-layers (transformers 5.x): positions 0..T-1, one mask per attention kind built by transformers' own
-`create_causal_mask` / `create_sliding_window_causal_mask` (per `config.layer_types` where the config
-has them, else sliding-window when `config.sliding_window` is set), rotary cos/sin once per micro-batch.
-`hf_parts` then checks the cut against the model's own forward on a small padded probe batch and
-refuses a model whose forward does something else (a scaled embedding, soft-capped logits, ...).
+Any `*ForCausalLM` whose decoder keeps its layers in one `nn.ModuleList` (Llama, GPT-2, Qwen2/3, Mistral,
+Phi-3, OLMo, OLMo 2, Gemma 2/3, Cohere, Granite, StableLM, ..., and a PEFT wrapper around any of them)
+works without per-family code:
 
-Token (and learned position) embeddings are looked up with sparse gradients: a dense [vocab, hidden]
-gradient per micro-batch costs more than the rest of the stem. The head calls the model's own
-`loss_function` with `num_items_in_batch` = the number of targets in the whole minibatch, so
-micro-batch losses sum to the model's mean over every label token of the minibatch.
+- stem: the decoder's own `forward` runs with its layer list temporarily swapped for `_Capture` modules;
+  each records how the decoder calls its layer (positional and keyword arguments: the mask of its
+  attention kind, rotary cos/sin of its kind, positions, ...), the first one records the hidden state it
+  gets (embeddings, scaling, learned positions, dropout: whatever the model does), and the last one
+  stops the forward.
+- block i: layer i called with exactly the arguments the decoder gave it.
+- head: the causal LM's own `forward` runs with its decoder temporarily swapped for `_Finish` (the
+  decoder's final norm applied to the given hidden state), so the LM head, its final transforms (logit
+  softcapping, logit scale, tied weights) and its loss are the model's own.
+
+`hf_parts` checks the cut against the model's own forward on a small padded probe batch and refuses a
+model whose forward does something else between its layers. Token embeddings are looked up with sparse
+gradients (the embedding's `sparse` flag, set for the stem's call only): a dense [vocab, hidden]
+gradient per micro-batch costs more than the rest of the stem. The head passes `num_items_in_batch` =
+the number of targets in the whole minibatch to the model, so micro-batch losses sum to the model's mean
+over every label token of the minibatch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ecru.l2l.config import L2LInputError
@@ -33,40 +38,36 @@ from ecru.l2l.recompute import llama_layer_graph, replayable
 
 IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "attention_mask", "labels")
-_LAYERS, _NORMS = ("layers", "h", "blocks"), ("norm", "ln_f", "final_layernorm", "final_layer_norm")
-_POSITIONS, _DROPOUTS = ("wpe", "embed_positions"), ("drop", "embed_dropout")
-
-
-def embed(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    """`module(ids)` with a sparse weight gradient (only the rows of `ids`), whatever `module.sparse` says."""
-    return F.embedding(
-        ids,
-        module.weight,
-        module.padding_idx,
-        module.max_norm,
-        module.norm_type,
-        module.scale_grad_by_freq,
-        sparse=True,
-    )
+_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
 
 
 @dataclass
 class DecoderLayout:
-    """The pieces of a decoder-only causal LM, as `decoder_layout` found them."""
+    """Where the pieces of a decoder-only causal LM sit, as `decoder_layout` found them."""
 
     lm: nn.Module
     """The `*ForCausalLM` (inside a PEFT wrapper, its base model)."""
-    embed: nn.Embedding
-    positions: nn.Embedding | None
-    dropout: nn.Module | None
-    rotary: nn.Module | None
-    layers: nn.ModuleList
+    decoder_name: str
+    """The attribute of `lm` holding the decoder (`model`, `transformer`, ...)."""
+    layers_name: str
+    """The attribute of the decoder holding its layer list."""
     norm: nn.Module
-    head: nn.Module
+    """The decoder's final norm (applied after the last layer)."""
+
+    @property
+    def decoder(self) -> nn.Module:
+        return getattr(self.lm, self.decoder_name)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return getattr(self.decoder, self.layers_name)
 
 
-def _child(module: nn.Module, names: tuple[str, ...], kind: type | tuple[type, ...]) -> Any:
-    return next((getattr(module, n) for n in names if isinstance(getattr(module, n, None), kind)), None)
+def _refuse(what: str, why: str) -> L2LInputError:
+    return L2LInputError(
+        f"L2L.from_hf needs a decoder-only Hugging Face causal LM with its layers in one nn.ModuleList; {what} "
+        f"{why}; wrap its blocks in an nn.Sequential and use L2L.from_sequential"
+    )
 
 
 def decoder_layout(model: nn.Module) -> DecoderLayout:
@@ -75,48 +76,37 @@ def decoder_layout(model: nn.Module) -> DecoderLayout:
     config = getattr(lm, "config", None)
     what = f"{type(lm).__name__} (model_type={getattr(config, 'model_type', None)!r})"
     if config is None or getattr(config, "is_encoder_decoder", False) or not hasattr(lm, "get_decoder"):
-        raise L2LInputError(
-            f"L2L.from_hf needs a decoder-only Hugging Face causal LM, got {what}; for another model, wrap "
-            "its blocks in an nn.Sequential and use L2L.from_sequential"
-        )
+        raise _refuse(what, "is not one")
+    if getattr(config, "add_cross_attention", False):
+        raise _refuse(what, "has cross-attention")
     decoder = lm.get_decoder()
-    layout = DecoderLayout(
-        lm=lm,
-        embed=lm.get_input_embeddings(),
-        positions=_child(decoder, _POSITIONS, nn.Embedding),
-        dropout=_child(decoder, _DROPOUTS, nn.Dropout),
-        rotary=getattr(decoder, "rotary_emb", None),
-        layers=_child(decoder, _LAYERS, nn.ModuleList),
-        norm=_child(decoder, _NORMS, nn.Module),
-        head=lm.get_output_embeddings(),
+    decoder_name = next((n for n, m in lm.named_children() if m is decoder), None)
+    lists = [n for n, m in decoder.named_children() if isinstance(m, nn.ModuleList)]
+    norm = next(
+        (getattr(decoder, n) for n in _NORMS if isinstance(getattr(decoder, n, None), nn.Module)), None
     )
-    missing = [k for k in ("embed", "layers", "norm", "head") if getattr(layout, k) is None]
-    if missing or not isinstance(layout.embed, nn.Embedding):
-        raise L2LInputError(
-            f"L2L.from_hf cannot find the {', '.join(missing) or 'token embedding'} of {what}; it needs a "
-            f"decoder with an embedding, a layer list ({'/'.join(_LAYERS)}), a final norm "
-            f"({'/'.join(_NORMS)}) and an output head; use L2L.from_sequential for other models"
-        )
+    if decoder_name is None or decoder is lm:
+        raise _refuse(what, "keeps no decoder module of its own")
+    if len(lists) != 1:
+        raise _refuse(what, f"has {len(lists)} module lists in its decoder")
+    if norm is None or lm.get_output_embeddings() is None:
+        raise _refuse(what, f"has no final norm ({'/'.join(_NORMS)}) or no output head")
+    layout = DecoderLayout(lm=lm, decoder_name=decoder_name, layers_name=lists[0], norm=norm)
     _check_covered(layout, what)
     return layout
 
 
 def _check_covered(layout: DecoderLayout, what: str) -> None:
-    """Every parameter of the model belongs to a piece the stem, blocks or head runs."""
-    pieces = (layout.embed, layout.positions, layout.layers, layout.norm, layout.head)
-    known = {id(p) for m in pieces if m is not None for p in m.parameters()}
+    """Every parameter of the model sits in a child module the stem, blocks or head bind."""
+    known = {id(p) for m in layout.lm.children() for p in m.parameters()}
     other = [n for n, p in layout.lm.named_parameters() if id(p) not in known]
-    if other:
-        raise L2LInputError(
-            f"L2L.from_hf does not know where {what} uses the parameters {other[:3]} (outside the "
-            "embeddings, layers, final norm and head); use L2L.from_sequential for this model"
-        )
-    if getattr(layout.lm.config, "add_cross_attention", False):
-        raise L2LInputError(f"{what} has cross-attention; L2L.from_hf trains decoder-only models")
+    direct = [n for n, _ in layout.decoder.named_parameters(recurse=False)]
+    if other or direct:
+        raise _refuse(what, f"holds the parameters {(other + direct)[:3]} outside its child modules")
 
 
 def layer_kinds(config: Any, n: int) -> list[str]:
-    """The attention kind of each of `n` layers, as the model's forward picks its mask."""
+    """The attention kind of each of `n` layers, as the model's config lists them (for stacking)."""
     kinds = getattr(config, "layer_types", None)
     if kinds:
         return list(kinds[:n]) + [kinds[-1]] * max(0, n - len(kinds))
@@ -135,115 +125,193 @@ def own_kind(layer: nn.Module) -> str | None:
     return None
 
 
-class DecoderStem(nn.Module):
-    """Embeddings (+ learned positions, dropout), one mask per attention kind and rotary cos/sin."""
+@contextmanager
+def swapped(owner: nn.Module, name: str, stand_in: nn.Module) -> Iterator[None]:
+    """`owner.<name>` is `stand_in` inside the block, the original again after it (also on errors)."""
+    original = getattr(owner, name)
+    setattr(owner, name, stand_in)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
-    def __init__(self, layout: DecoderLayout, kinds: set[str]):
+
+@contextmanager
+def sparse_lookups(modules: list[nn.Module]) -> Iterator[None]:
+    """The embeddings among `modules` give sparse weight gradients inside the block."""
+    embeddings = [m for module in modules for m in module.modules() if isinstance(m, nn.Embedding)]
+    flags = [m.sparse for m in embeddings]
+    for m in embeddings:
+        m.sparse = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(embeddings, flags, strict=True):
+            m.sparse = flag
+
+
+class _Stop(Exception):
+    """Raised by the last `_Capture`: the decoder's work after its layers is the head's."""
+
+
+@dataclass
+class _Calls:
+    """What the decoder's forward gave its layers: the first layer's hidden state, each layer's arguments
+    besides it."""
+
+    hidden: torch.Tensor | None = None
+    args: list[tuple[tuple, dict[str, Any]]] = field(default_factory=list)
+
+
+class _Capture(nn.Module):
+    """Stands in for a decoder layer: records its call, passes the hidden state on unchanged. (A forward
+    pre-hook sees the call too, but cannot skip the layer: the stem runs no layer.)"""
+
+    def __init__(self, calls: _Calls, *, last: bool):
         super().__init__()
-        self.embed_tokens, self.wpe, self.drop = layout.embed, layout.positions, layout.dropout
-        self.rotary_emb, self.kinds = layout.rotary, sorted(kinds)
-        self.config = layout.lm.config
+        self.calls, self.last = calls, last
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        hidden, args = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), ())
+        if self.calls.hidden is None:
+            self.calls.hidden = hidden
+        self.calls.args.append((args, kwargs))
+        if self.last:
+            raise _Stop
+        return hidden
+
+
+class _Finish(nn.Module):
+    """Stands in for the whole decoder: its final norm on a given hidden state, as a decoder output."""
+
+    def __init__(self, norm: nn.Module, hidden: torch.Tensor):
+        super().__init__()
+        self.norm, self.hidden = norm, hidden
+
+    def forward(self, *args: Any, **kwargs: Any):
+        from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions as Output
+
+        return Output(last_hidden_state=self.norm(self.hidden))  # every field a causal LM reads
+
+
+def _children(module: nn.Module, *skip: nn.Module) -> nn.ModuleDict:
+    return nn.ModuleDict({n: m for n, m in module.named_children() if not any(m is s for s in skip)})
+
+
+class DecoderStem(nn.Module):
+    """The decoder's own forward up to its first layer, with every layer's call recorded; binds the
+    decoder's modules other than its layers and final norm (embeddings, rotary embeddings, ...)."""
+
+    def __init__(self, layout: DecoderLayout):
+        super().__init__()
+        self.pieces = _children(layout.decoder, layout.layers, layout.norm)
+        self.layout = layout
 
     def forward(self, inputs: tuple[torch.Tensor, torch.Tensor | None]):
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
         input_ids, attention_mask = inputs
-        hidden = embed(self.embed_tokens, input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        kw = dict(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=positions,
-        )
-        make = {"sliding_attention": create_sliding_window_causal_mask}
-        masks = {kind: make.get(kind, create_causal_mask)(**kw) for kind in self.kinds}
-        if self.wpe is not None:
-            hidden = hidden + embed(self.wpe, positions)
-        if self.drop is not None:
-            hidden = self.drop(hidden)
-        context = {"masks": masks, "position_ids": positions}
-        if self.rotary_emb is not None:
-            with torch.no_grad():
-                context["position_embeddings"] = self.rotary_emb(hidden, position_ids=positions)
-        return hidden, context
+        n = called_layers(self.layout)
+        if n == 0:
+            raise L2LInputError("the model has no decoder layers to run; add_block one before training")
+        calls = _Calls()
+        stand_ins = nn.ModuleList(_Capture(calls, last=i == n - 1) for i in range(n))
+        decoder = self.layout.decoder
+        with swapped(decoder, self.layout.layers_name, stand_ins), sparse_lookups([self.pieces]):
+            try:
+                decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            except _Stop:
+                pass
+        if len(calls.args) != n:
+            raise L2LInputError(f"the decoder called {len(calls.args)} of its {n} layers; L2L runs them all")
+        return calls.hidden, {"calls": calls.args}
+
+
+def called_layers(layout: DecoderLayout) -> int:
+    """How many layers the decoder's forward runs (a config may list fewer than the module list holds)."""
+    n = len(layout.layers)
+    return min(n, getattr(layout.lm.config, "num_hidden_layers", None) or n)
+
+
+# the decoder's cache arguments; the Llama replay passes its own
+_CACHE_KEYS = ("past_key_values", "past_key_value", "use_cache")
 
 
 class DecoderBlock(nn.Module):
-    """One decoder layer called the way its model calls it (no cache), with the mask of its kind.
-    `output_used=False` (the backward's recomputation) lets a Llama layer skip its last projection
-    (ecru.l2l.recompute): same gradients, but the returned value is not the layer's output."""
+    """Decoder layer `index` called with exactly the arguments the decoder's forward gave it (recorded by
+    the stem). `output_used=False` (the backward's recomputation) lets a Llama layer skip its last
+    projection (ecru.l2l.recompute): same gradients, but the returned value is not the layer's output."""
 
-    def __init__(self, layer: nn.Module, kind: str = "full_attention"):
+    def __init__(self, layer: nn.Module, index: int):
         super().__init__()
-        self.layer, self.kind = layer, kind
+        self.layer, self.index = layer, index
 
     def forward(
         self, hidden: torch.Tensor, context: dict[str, Any], *, output_used: bool = True
     ) -> torch.Tensor:
-        kw = {k: v for k, v in context.items() if k != "masks"}
-        kw["attention_mask"] = context["masks"][self.kind]
-        if not output_used and replayable(self.layer):
+        args, kwargs = context["calls"][self.index]
+        if not output_used and not args and replayable(self.layer):
+            kw = {k: v for k, v in kwargs.items() if k not in _CACHE_KEYS}
             return llama_layer_graph(self.layer, hidden, kw)
-        out = self.layer(hidden, use_cache=False, **kw)
+        out = self.layer(hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
-class Logits(nn.Module):
-    """The head's logits alone (final norm + LM head), a module of its own for `functional_call`."""
-
-    def __init__(self, head: CausalLMHead):
-        super().__init__()
-        self.norm, self.lm_head = head.norm, head.lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
-
-
 class CausalLMHead(nn.Module):
-    """Final norm, LM head and the model's own causal-LM loss, summed and divided by `num_items`."""
+    """The causal LM's own forward after its decoder (final norm, LM head, final logit transforms, loss),
+    with the decoder standing aside; binds the LM's modules other than the decoder, and the final norm."""
 
     def __init__(self, layout: DecoderLayout):
         super().__init__()
-        self.norm, self.lm_head = layout.norm, layout.head
-        self.loss_function, self.vocab_size = layout.lm.loss_function, layout.lm.config.vocab_size
+        self.pieces = _children(layout.lm, layout.decoder)
+        self.norm, self.layout = layout.norm, layout
+
+    def run(self, hidden: torch.Tensor, **kwargs: Any):
+        with swapped(self.layout.lm, self.layout.decoder_name, _Finish(self.norm, hidden)):
+            return self.layout.lm(use_cache=False, **kwargs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        return self.run(hidden).logits
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, num_items: int) -> torch.Tensor:
-        logits = self.logits(hidden)
-        return self.loss_function(logits, labels, vocab_size=self.vocab_size, num_items_in_batch=num_items)
+        return self.run(hidden, labels=labels, num_items_in_batch=num_items).loss
+
+
+class Logits(nn.Module):
+    """The head's logits alone, a module of its own for `functional_call`."""
+
+    def __init__(self, head: CausalLMHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.logits(hidden)
 
 
 def hf_parts(model: nn.Module, *, verify: bool = True) -> ModelParts:
     """The stem/blocks/head view of a decoder-only causal LM (checked against the model's own forward
     on a probe batch when `verify`), or an error saying why it does not fit."""
     layout = decoder_layout(model)
-    config = layout.lm.config
-    n = min(len(layout.layers), getattr(config, "num_hidden_layers", None) or len(layout.layers))
-    kinds = layer_kinds(config, n)
-    layers = layout.layers
+    config, layers = layout.lm.config, layout.layers
 
     def append(layer: nn.Module) -> nn.Module:
-        # the new layer's own attention kind where it records one (Qwen2, Qwen3: from its config)
+        # the config lists the new layer's attention kind (its own where it records one), so the
+        # decoder's forward builds its mask and rotary embeddings for it
         kind = own_kind(layer) or layer_kinds(config, len(layers) + 1)[-1]
         layers.append(layer)
         if hasattr(config, "num_hidden_layers"):
             config.num_hidden_layers = len(layers)
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = [*list(config.layer_types)[: len(layers) - 1], kind]
-        parts.stem.kinds = sorted({*parts.stem.kinds, kind})
-        return DecoderBlock(layer, kind)
+            if hasattr(layout.decoder, "has_sliding_layers"):  # Qwen2 & co. derive it once, at __init__
+                layout.decoder.has_sliding_layers = "sliding_attention" in config.layer_types
+        return DecoderBlock(layer, len(layers) - 1)
 
     vocab = config.vocab_size
     head = CausalLMHead(layout)
     parts = ModelParts(
         kind="hf",
         model=model,
-        stem=DecoderStem(layout, set(kinds)),
-        blocks=[DecoderBlock(layers[i], kinds[i]) for i in range(n)],
+        stem=DecoderStem(layout),
+        blocks=[DecoderBlock(layers[i], i) for i in range(called_layers(layout))],
         head=head,
         split=lambda batch, size: split_lm_batch(batch, size, vocab_size=vocab),
         logits=Logits(head),
@@ -251,7 +319,7 @@ def hf_parts(model: nn.Module, *, verify: bool = True) -> ModelParts:
         append=append,
         output_unused_ok=True,
     )
-    if verify:
+    if verify and parts.blocks:
         check_against_forward(parts, layout)
     return parts
 
@@ -285,7 +353,8 @@ def check_against_forward(parts: ModelParts, layout: DecoderLayout) -> None:
     lm.eval()
     try:
         batch = probe_batch(lm.config.vocab_size)
-        device = layout.embed.weight.device
+        weight = layout.lm.get_input_embeddings().weight
+        device = weight.device
         batch = {k: v.to(device) for k, v in batch.items()}
         want = lm(**batch, use_cache=False).logits.float()
         got = cut_logits(parts, batch["input_ids"], batch["attention_mask"]).float()
@@ -293,14 +362,14 @@ def check_against_forward(parts: ModelParts, layout: DecoderLayout) -> None:
         for m, training in modes.items():
             m.training = training
     real = batch["attention_mask"].bool()
-    tol = 1e-4 if layout.embed.weight.dtype == torch.float32 else 2e-2
+    tol = 1e-4 if weight.dtype == torch.float32 else 2e-2
     scale = float(want[real].abs().max()) or 1.0
     err = float((got[real] - want[real]).abs().max())
     if not err <= tol * scale:
         raise L2LInputError(
             f"L2L.from_hf cut {type(lm).__name__} into embeddings, layers, norm and head, but that "
             f"differs from the model's own forward (max logit error {err:.3g}): its forward does more "
-            "than the generic decoder does; use L2L.from_sequential with your own blocks"
+            "between its layers than calling them in turn; use L2L.from_sequential with your own blocks"
         )
 
 

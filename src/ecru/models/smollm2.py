@@ -40,6 +40,7 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, cache_root: str | os.Pat
     if not (target / _MARKER).is_file():
         _build_cache(target)
     try:
+        _drop_quantization(target)
         tokenizer = AutoTokenizer.from_pretrained(target)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     except Exception as exc:  # a truncated or foreign file: say how to rebuild
@@ -66,7 +67,19 @@ def _build_cache(target: Path) -> None:
         state.pop("lm_head.weight", None)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(tmp)
+    _drop_quantization(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / _MARKER).write_text(json.dumps({"source": str(gguf), "bytes": gguf.stat().st_size}))
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)  # atomic: a crash leaves only the .partial folder
+
+
+def _drop_quantization(folder: Path) -> None:
+    """The cached weights are plain fp32: a `quantization_config` (gguf) left in config.json makes
+    transformers refuse `save_pretrained` on every model loaded from the cache (caches written before
+    this fix are repaired on load)."""
+    from ecru.io import atomic_write_json
+
+    config = json.loads((folder / "config.json").read_text())
+    if config.pop("quantization_config", None) is not None:
+        atomic_write_json(folder / "config.json", config)
