@@ -232,6 +232,10 @@ class RoutedEncoder:
         """Each text's task index, or `FROZEN`, from the text alone."""
         return self.m.router(self.frozen(texts))
 
+    def claims(self, texts: list[str]) -> torch.Tensor:
+        """[Q] whether some learned task claims each text (the router's open-set route is not `FROZEN`)."""
+        return self.routes(texts) != FROZEN
+
     def _through(self, texts: list[str], routes: torch.Tensor, *, batch_size: int) -> torch.Tensor:
         out = self.frozen(texts, batch_size=batch_size)
         for task in routes.unique().tolist():
