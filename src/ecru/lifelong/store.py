@@ -11,7 +11,7 @@ Layout (all written atomically; `store.json` is the commit point):
   the task's router state (`router.safetensors`: its class prototypes and threshold; with the LDA router also
   its class means, within-class scatter, count and fourth moment sum; with `routed-lora` also its adapter
   prototypes, the class means through the task's own adapter, and its relative Mahalanobis test's texts per
-  class and threshold; in stores made since 0.3 also `scale`, the task's score scale fitted on held-out examples,
+  class and threshold; in stores that hold out examples also `scale`, the task's score scale fitted on held-out examples,
   `ecru.lifelong.calibration`) and `labels.json`
   (the labels as written and the names the zero-shot head embeds, `ecru.lifelong.userdata.label_name`).
 
@@ -202,12 +202,12 @@ class KnowledgeStore:
         names = [label_name(c) for c in candidates]
         if not all(names):
             raise EcruError(f"empty label among {candidates}")
+        learned = {n for t in (self.manifest or {}).get("tasks", []) for n in t["names"]}
         out: list[Prediction] = []
         for i in range(0, len(texts), PREDICT_CHUNK):
             chunk = list(texts[i : i + PREDICT_CHUNK])
             prob, claimed = self._probabilities(chunk, names)
             best = prob.argmax(-1)
-            learned = {n for t in self.manifest["tasks"] for n in t["names"]} if self.manifest else set()
             for k, (t, b) in enumerate(zip(chunk, best.tolist(), strict=True)):
                 p = prob[k, b].item()
                 reason = None
@@ -223,15 +223,13 @@ class KnowledgeStore:
         scores) and [Q] whether a learned task claims the text (open-set route)."""
         import torch
 
-        from ecru.lifelong.router import FROZEN
-
         method = self.method()
         enc = method.encoder()  # a fresh encoder per chunk: bounded memo
         scores = enc.scores(texts, names)
-        routes = enc.routes(texts)
+        # the task whose labels scored the text: with a reject penalty every text goes to its best task
         scored_by = method.router(enc.frozen(texts), open_set=method.cfg.reject_penalty == 0)
         scale = torch.tensor([method.scale(r) for r in scored_by.tolist()], dtype=scores.dtype)
-        return torch.softmax(scale[:, None] * scores, dim=-1), routes != FROZEN
+        return torch.softmax(scale[:, None] * scores, dim=-1), enc.claims(texts)
 
     # ---- writing
 

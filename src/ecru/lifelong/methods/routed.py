@@ -477,12 +477,12 @@ class RoutedAdapters:
                    desc=f"{self.name} task {index + 1} ({task.name})", progress=self.train.progress)  # fmt: skip
         self.model.eval()
         self.adapter_prototypes.append(self._adapter_prototypes(texts, labels, index, len(task.intents)))
-        self.scales.append(self._fit_scale(held, task.intents, index))
+        self.scales.append(self._calibrate(held, task.intents, index))
         self.prefix.drop(texts + [e.text for e in held])  # this task's utterances will not come back
         return cost
 
     @torch.no_grad()
-    def _fit_scale(self, held: list, intents: tuple[str, ...], index: int) -> float | None:
+    def _calibrate(self, held: list, intents: tuple[str, ...], index: int) -> float | None:
         """Task `index`'s score scale fitted on its held-out examples `held` (None when none was held out); its
         router thresholds admit them (`RoutedConfig.admit`)."""
         if not held:
