@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ecru.demo.plots import new_figure, save
+from ecru.lifelong.evaluate import OOS_RECALL
 from ecru.lifelong.experiment import Experiment
 from ecru.lifelong.methods import ALIASES, METHODS, ROUTED, RoutedConfig, TrainConfig
 from ecru.lifelong.stream import StreamConfig
@@ -107,6 +108,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="FILE",
         help="instead of running: join the (seed, order) runs of several JSONs of this script (same stream and "
         "training, one process each) into --json, with the targets over all of them",
+    )
+    p.add_argument(
+        "--no-open-set",
+        dest="open_set",
+        action="store_false",
+        help="skip CLINC's out-of-scope texts after each task (open_set blocks)",
     )
     p.add_argument("--json", type=Path, required=True, help="output JSON; the PNGs are written beside it")
     return p.parse_args(argv)
@@ -225,7 +232,28 @@ def aggregate(runs: list[dict]) -> dict:
     return {"agnostic": agnostic, "agnostic_std": agnostic_std, "gated": gated, "gated_std": gated_std,
             "metrics": metrics, "metrics_std": metrics_std, "R_agnostic": mean("R_agnostic"),
             "R0_agnostic": mean("R0_agnostic"), "R": mean("R"), "R0": mean("R0"), "heldout": mean("heldout"),
-            "heldout_agnostic": mean("heldout_agnostic"), "cost": cost, "runs": runs}  # fmt: skip
+            "heldout_agnostic": mean("heldout_agnostic"), "cost": cost, "runs": runs,
+            **open_set_block(runs)}  # fmt: skip
+
+
+def open_set_block(runs: list[dict]) -> dict:
+    """{"open_set": the last task's out-of-scope metrics, mean over runs} when the runs measured them."""
+    if not all(r.get("open_set") for r in runs):
+        return {}
+    last = [r["open_set"][-1] for r in runs]
+    return {"open_set": {k: statistics.fmean(x[k] for x in last) for k in last[0] if k != "seen"}}
+
+
+def print_open_set(methods: dict) -> None:
+    rows = {n: m["open_set"] for n, m in methods.items() if "open_set" in m}
+    if not rows:
+        return
+    keys = ("oos_recall", "oos_precision", "in_scope_accuracy", "in_scope_accuracy_no_abstention", "ece")
+    print(f"\nout-of-scope (CLINC oos_test after the last task; threshold: the {OOS_RECALL:.0%} quantile of "
+          "oos_val confidences, every method)")  # fmt: skip
+    print(f"{'method':<30}" + "".join(f"{k[:14]:>16}" for k in keys))
+    for name, o in rows.items():
+        print(f"{name:<30}" + "".join(f"{o[k]:>16.3f}" if k == "ece" else f"{o[k]:>16.1f}" for k in keys))
 
 
 def _paired(methods: dict, a: str, b: str, fn) -> list[float]:
@@ -413,19 +441,24 @@ def main(argv=None) -> int:
     }
     per_method: dict[str, list[dict]] = {label: [] for label in runs}
     for seed, order in run_pairs(args):
-        exp = Experiment(
-            StreamConfig(**kw, order=order, seed=seed), log=lambda s: print(s, file=sys.stderr, flush=True)
-        )
+        exp = Experiment(StreamConfig(**kw, order=order, seed=seed),
+                         log=lambda s: print(s, file=sys.stderr, flush=True),
+                         open_set_scale=args.scale if args.open_set else None)  # fmt: skip
         train = train_config(args, batch, seed)
         for label, (name, cfg) in runs.items():
             ckpt = None if args.checkpoint_dir is None else args.checkpoint_dir / f"{label}-s{seed}-o{order}"
             res = exp.run(name, train, checkpoint_dir=ckpt, config=cfg).to_json()
+            if (
+                args.open_set
+            ):  # one dict per task learned in this run (not for tasks resumed from a checkpoint)
+                res["open_set"] = exp.evaluator.take_open_set()
             per_method[label].append({"seed": seed, "order": order, **res})
             write_json(args, kw, batch, start, {n: r for n, r in per_method.items() if r}, partial=True)
     out = write_json(args, kw, batch, start, per_method, partial=False)
     methods = out["methods"]
     plots = plot_all(methods, args.json)
     print_table(methods)
+    print_open_set(methods)
     print(f"\ntargets for {METHOD} (issue 17; task-agnostic):")
     print_targets(out["targets"])
     print(f"\nwrote {args.json} and {', '.join(plots)} in {time.perf_counter() - start:.0f} s")

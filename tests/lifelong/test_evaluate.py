@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from ecru.datasets import humanize_intent
@@ -92,3 +93,49 @@ def test_distractor_accuracy_adds_the_held_out_labels_to_the_learned_tasks_candi
     assert row.agnostic[0] == 100.0  # the decoy is no candidate of a learned task's own question
     assert row.distractor == 0.0  # with Banking77's labels added it wins every learned text
     assert tiny_evaluator.evaluate(Oracle(stream), seen=2).distractor == 100.0
+
+
+def test_open_set_metrics_match_hand_counts():
+    from ecru.lifelong.evaluate import open_set_metrics
+
+    m = open_set_metrics(
+        torch.tensor([True, True, False, True]),
+        torch.tensor([False, True, False, False]),
+        torch.tensor([True, True, False]),
+    )
+    assert m["oos_recall"] == pytest.approx(200 / 3) and m["oos_precision"] == pytest.approx(200 / 3)
+    assert m["in_scope_accuracy"] == 50.0 and m["in_scope_accuracy_no_abstention"] == 75.0
+    assert m["in_scope_abstained"] == 25.0
+
+
+class ClaimingOracle(Oracle):
+    """The oracle, and a router that claims exactly the in-scope texts (out-of-scope texts score 0 everywhere)."""
+
+    def scores(self, texts, labels, *, batch_size=64):
+        return torch.tensor([[float(n == self.gold.get(t)) for n in labels] for t in texts])
+
+    def claims(self, texts):
+        return torch.tensor([t in self.gold for t in texts])
+
+
+def test_open_set_evaluator_threshold_on_oos_val_and_metrics_after_each_task(tiny_stream):
+    from ecru.lifelong.evaluate import Claimer, OpenSetEvaluator
+
+    oos_val, oos_test = ["is it raining on mars", "sing me a song"], ["who won the cup", "what is love", "hi"]
+    ev = OpenSetEvaluator(tiny_stream, scale=30.0, oos_val=oos_val, oos_test=oos_test)
+    oracle = ClaimingOracle(tiny_stream)
+    assert isinstance(oracle, Claimer) and not isinstance(Oracle(tiny_stream), Claimer)
+    for seen in (0, 1, 2):
+        ev.evaluate(oracle, seen=seen)
+    rows = ev.take_open_set()
+    assert [r["seen"] for r in rows] == [1, 2] and ev.take_open_set() == []
+    for r in rows:  # unclaimed texts have confidence 0: the threshold is 0 and catches exactly them
+        assert r["threshold"] == 0.0 and r["oos_recall"] == 100.0 and r["oos_precision"] == 100.0
+        assert r["in_scope_accuracy"] == 100.0 and r["ece"] == pytest.approx(0.0, abs=1e-9)
+    # a method without a router: every out-of-scope text is as confident as the oracle's in-scope answers
+    # (a uniform softmax over the learned labels < their one-hot): the 70% quantile rule still catches them
+    plain = Oracle(tiny_stream)
+    plain.gold.update({t: "none" for t in oos_val + oos_test})
+    ev.evaluate(plain, seen=1)
+    (r,) = ev.take_open_set()
+    assert r["oos_recall"] == 100.0 and r["in_scope_accuracy"] == 100.0

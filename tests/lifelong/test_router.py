@@ -6,7 +6,7 @@ from ecru.datasets import humanize_intent, load_clinc, load_wiki_sentences
 from ecru.errors import EcruError
 from ecru.lifelong import RoutedConfig, StreamConfig, TrainConfig, build_clinc_stream, make_method
 from ecru.lifelong.methods.base import snapshot_steps
-from ecru.lifelong.router import FROZEN, Router, knn_scores, route
+from ecru.lifelong.router import FROZEN, LDARouter, Router, knn_scores, prototype_scores, route
 from ecru.models import load_minilm
 
 TRAIN = TrainConfig(epochs=1, batch_size=8, progress=False)
@@ -587,3 +587,20 @@ def _same_unlearned_answers(sc, router, method, ev) -> int:
     assert torch.equal(unlearned, ~torch.isin(got, learned))
     assert torch.equal(want[unlearned], got[unlearned])
     return int(unlearned.sum())
+
+
+def test_admit_lowers_thresholds_to_the_held_out_quantile_and_never_raises_them():
+    g = torch.Generator().manual_seed(3)
+    emb = torch.nn.functional.normalize(torch.randn(40, 16, generator=g), dim=-1)
+    labels = torch.arange(40) % 4
+    router = LDARouter(percentile=10.0, rmd_percentile=5.0)
+    router.add_task(emb[:30], labels=labels[:30])
+    before = (router.thresholds[0], router.rmd_thresholds[0])
+    held = emb[30:]
+    router.admit(0, held, quantile=0.0)
+    own = prototype_scores(held, router.prototypes[0])
+    assert router.thresholds[0] == pytest.approx(min(before[0], own.min().item()), abs=1e-6)
+    assert router.rmd_thresholds[0] == pytest.approx(min(before[1], router.rmd_scores(held, 0).min().item()))
+    assert (router(held) == 0).all()  # every held-out text is claimed now
+    router.admit(0, router.prototypes[0], quantile=0.0)  # texts at the prototypes score higher: no change
+    assert router.thresholds[0] <= before[0] and router.rmd_thresholds[0] <= before[1]

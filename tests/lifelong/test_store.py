@@ -11,6 +11,7 @@ import torch
 from ecru.cli import main
 from ecru.datasets import load_clinc
 from ecru.errors import EcruError
+from ecru.lifelong.calibration import holdout_split
 from ecru.lifelong.store import KnowledgeStore
 from ecru.lifelong.userdata import label_name, read_records
 
@@ -268,7 +269,11 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
     } <= set(saved)  # the LDA router's, with its relative Mahalanobis test
     labels = json.loads((folder / "labels.json").read_text())["labels"]
     assert saved["adapter_prototypes"].shape == (len(labels), saved["prototypes"].shape[1])
-    assert saved["adapter_counts"].sum() == store.manifest["tasks"][0]["examples"]
+    # the adapter prototypes count the texts trained on: the task's examples less those held out to calibrate
+    records = read_records(data["banking"], labels=True)
+    _, held = holdout_split([r.label for r in records], store.manifest["config"]["calibration"], seed=0)
+    assert held and saved["adapter_counts"].sum() == store.manifest["tasks"][0]["examples"] - len(held)
+    assert saved["scale"].item() == store.method().scales[0] > 0
     protos, counts = store.method().adapter_prototypes[0]  # read back as written
     assert torch.equal(protos, saved["adapter_prototypes"]) and torch.equal(counts, saved["adapter_counts"])
     texts = [r.text for r in read_records(data["banking_test"], labels=True)]
@@ -295,6 +300,7 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
     old_store = KnowledgeStore(old)
     got = old_store.predict(texts)
     assert type(old_store.method().router) is PrototypeRouter
+    assert old_store.method().scales == [None, None]  # no fitted scale stored: scores at the trained scale
     assert (
         len(got) == len(texts)
         and sum(p.label == w for p, w in zip(got, want, strict=True)) >= len(texts) // 2

@@ -15,6 +15,7 @@ from ecru.cliargs import (
     positive_int,
     prepare_out_dir,
     prepare_out_file,
+    probability,
 )
 
 METHOD_NAMES = ("zeroshot", "ncm", "seqft", "lwf", "replay", "wise-ft", "zscl", "independent", "joint",
@@ -65,6 +66,11 @@ def _configure_store(sub) -> None:
     which.add_argument(
         "--labels-file", type=existing_file, default=None, help="candidate labels, one per line"
     )
+    predict.add_argument("--abstain", action="store_true",
+                         help='a text no learned task claims gets "label": null and a "reason" '
+                              "(unlearned --labels still answer it zero-shot)")  # fmt: skip
+    predict.add_argument("--min-score", type=probability, default=None, metavar="P",
+                         help='"label": null when the answer\'s probability is below P')  # fmt: skip
     predict.set_defaults(func=_predict)
 
     tasks = sub.add_parser("tasks", help="list the learned tasks")
@@ -133,14 +139,24 @@ def _predict(args: argparse.Namespace) -> int:
         zero_shot = [x for x in labels if label_name(x) not in learned]
         if zero_shot:
             print(f"zero-shot (learned by no task): {', '.join(zero_shot)}", file=sys.stderr)
-    preds = store.predict([r.text for r in records], labels)
-    atomic_write_text(out, "".join(json.dumps({"text": p.text, "label": p.label, "score": round(p.score, 6)}) + "\n"
-                                   for p in preds))  # fmt: skip
+    preds = store.predict([r.text for r in records], labels, abstain=args.abstain, min_score=args.min_score)
+    atomic_write_text(out, "".join(json.dumps(_prediction_row(p)) + "\n" for p in preds))
     print(f"wrote {len(preds)} predictions to {out}")
+    abstained = sum(p.label is None for p in preds)
+    if args.abstain or args.min_score is not None:
+        print(f"abstained on {abstained} of {len(preds)}")
     if records[0].label is not None:
-        right = sum(label_name(p.label) == label_name(r.label) for p, r in zip(preds, records, strict=True))
-        print(f"accuracy {100 * right / len(records):.1f}% ({right}/{len(records)})")
+        right = sum(p.label is not None and label_name(p.label) == label_name(r.label)
+                    for p, r in zip(preds, records, strict=True))  # fmt: skip
+        print(
+            f"accuracy {100 * right / len(records):.1f}% ({right}/{len(records)}, abstentions counted wrong)"
+        )
     return 0
+
+
+def _prediction_row(p) -> dict:
+    row = {"text": p.text, "label": p.label, "score": round(p.score, 6)}
+    return row if p.reason is None else {**row, "reason": p.reason}
 
 
 def _tasks(args: argparse.Namespace) -> int:

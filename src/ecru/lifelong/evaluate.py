@@ -148,3 +148,76 @@ class Evaluator:
         if seen and self.heldout_names:
             distractor = self._acc(scores, 0, self.spans[seen], with_heldout)
         return EvalRow(ti, agnostic, held, held_agnostic, distractor)
+
+
+@runtime_checkable
+class Claimer(Protocol):
+    """An encoder that says which texts some learned task claims (`routed-lora`'s router); others claim all."""
+
+    def claims(self, texts: list[str]) -> torch.Tensor: ...
+
+
+OOS_RECALL = 0.7
+"""The open-set rule, the same for every method: abstain on a text whose confidence (its best learned label's
+probability, 0 when the method's own router claims it for no task) is at most the `OOS_RECALL` quantile of
+CLINC's `oos_val` texts' confidences, so that this share of them is abstained."""
+
+
+def open_set_metrics(right: torch.Tensor, abstained: torch.Tensor, oos_abstained: torch.Tensor) -> dict:
+    """Out-of-scope recall and precision and in-scope accuracy (percent; abstentions counted wrong) from the
+    in-scope texts' `right` and `abstained` [N] and the out-of-scope texts' `oos_abstained` [M] (booleans)."""
+    caught, false = oos_abstained.sum().item(), abstained.sum().item()
+    return {
+        "oos_recall": 100.0 * caught / max(1, oos_abstained.numel()),
+        "oos_precision": 100.0 * caught / max(1, caught + false),
+        "in_scope_accuracy": 100.0 * (right & ~abstained).double().mean().item(),
+        "in_scope_accuracy_no_abstention": 100.0 * right.double().mean().item(),
+        "in_scope_abstained": 100.0 * abstained.double().mean().item(),
+    }
+
+
+def confidences(encoder: Encoder, texts: list[str], names: list[str], *, scale: float):
+    """[Q] the best label's index among `names` and [Q] its probability softmax(scale x cosines), 0 where the
+    encoder's router claims the text for no learned task (`Claimer`)."""
+    prob = torch.softmax(scale * cosine_scores(encoder, texts, names).double(), dim=-1)
+    conf, best = prob.max(-1)
+    if isinstance(encoder, Claimer):
+        conf = torch.where(encoder.claims(texts), conf, torch.zeros_like(conf))
+    return best, conf
+
+
+class OpenSetEvaluator(Evaluator):
+    """`Evaluator` plus, after each learned task, CLINC's out-of-scope texts (`oos_val` to set the threshold,
+    `oos_test` to measure; Larson et al., 2019): `open_set_metrics` and the ECE of the answered in-scope
+    texts, appended to `open_set` (one dict per evaluation with `seen` >= 1)."""
+
+    def __init__(self, stream: Stream, *, scale: float, oos_val: list[str], oos_test: list[str]):
+        super().__init__(stream)
+        self.scale, self.oos_val, self.oos_test = scale, oos_val, oos_test
+        self.open_set: list[dict] = []
+
+    def evaluate(self, encoder: Encoder, *, seen: int) -> EvalRow:
+        row = super().evaluate(encoder, seen=seen)
+        if seen:
+            self.open_set.append({"seen": seen, **self.open_set_row(encoder, seen)})
+        return row
+
+    def take_open_set(self) -> list[dict]:
+        """The open-set rows measured since the last call (one run's), and forget them."""
+        rows, self.open_set = self.open_set, []
+        return rows
+
+    def open_set_row(self, encoder: Encoder, seen: int) -> dict:
+        from ecru.lifelong.calibration import expected_calibration_error
+
+        names = list(dict.fromkeys(n for task in self.task_names[:seen] for n in task))
+        texts = self.texts[: self.spans[seen]]
+        best, conf = confidences(encoder, texts + self.oos_val + self.oos_test, names, scale=self.scale)
+        n, v = len(texts), len(self.oos_val)
+        threshold = torch.quantile(conf[n : n + v], OOS_RECALL).item()
+        abstained = conf <= threshold
+        right = torch.tensor([names[b] == g for b, g in zip(best[:n].tolist(), self.gold[:n], strict=True)])
+        answered = ~abstained[:n]
+        ece = expected_calibration_error(conf[:n][answered], right[answered])
+        return {**open_set_metrics(right, abstained[:n], abstained[n + v :]), "threshold": threshold,
+                "oos_val_recall": 100.0 * abstained[n : n + v].double().mean().item(), "ece": ece}  # fmt: skip

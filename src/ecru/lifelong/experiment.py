@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ecru.lifelong.evaluate import EvalRow, Evaluator
+from ecru.lifelong.evaluate import EvalRow, Evaluator, OpenSetEvaluator
 from ecru.lifelong.methods import TrainConfig, make_method, needs_teacher
 from ecru.lifelong.methods.registry import Config
 from ecru.lifelong.reference import TeacherCache
@@ -19,11 +19,12 @@ MODEL_ID = "all-MiniLM-L6-v2"
 class Experiment:
     """A stream with what every method on it shares: the evaluator, the teacher cache and R0."""
 
-    def __init__(
-        self, stream: StreamConfig, *, cache: Path | None = None, log: Callable[[str], None] = print
-    ):
+    def __init__(self, stream: StreamConfig, *, cache: Path | None = None, log: Callable[[str], None] = print,
+                 open_set_scale: float | None = None):  # fmt: skip
+        """`open_set_scale`: also measure CLINC's out-of-scope texts after each task (`OpenSetEvaluator`,
+        probabilities at this logit scale)."""
         self.stream_cfg, self.log = stream, log
-        self.evaluator = Evaluator(build_clinc_stream(stream))
+        self.evaluator = _evaluator(build_clinc_stream(stream), open_set_scale)
         self.teacher = TeacherCache(self.evaluator.stream.reference, load_minilm(), model_id=MODEL_ID,
                                     folder=cache if cache is not None else cache_dir() / "lifelong")  # fmt: skip
         self._r0: EvalRow | None = None
@@ -43,3 +44,13 @@ class Experiment:
             teacher.embeddings()  # encode the reference set before the clock of the first task starts
         m = make_method(method, load_minilm(), train=train, teacher=teacher, config=config)
         return run_stream(m, self.evaluator, r0=self.r0(), checkpoint_dir=checkpoint_dir, log=self.log)
+
+
+def _evaluator(stream, open_set_scale: float | None) -> Evaluator:
+    if open_set_scale is None:
+        return Evaluator(stream)
+    from ecru.datasets import load_clinc
+
+    clinc = load_clinc()
+    return OpenSetEvaluator(stream, scale=open_set_scale, oos_val=[e.text for e in clinc["oos_val"]],
+                            oos_test=[e.text for e in clinc["oos_test"]])  # fmt: skip

@@ -90,6 +90,8 @@ class TaskRouter(Protocol):
         self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True
     ) -> torch.Tensor: ...
 
+    def admit(self, task: int, emb: torch.Tensor, *, quantile: float) -> None: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -121,6 +123,13 @@ class _Routing:
 
     def __len__(self) -> int:
         return len(self.thresholds)
+
+    def admit(self, task: int, emb: torch.Tensor, *, quantile: float) -> None:
+        """Lower (never raise) `task`'s threshold to the `quantile` of its scores for the frozen embeddings
+        `emb` [N, D] of its held-out texts: texts the router has not seen score lower than its own
+        leave-one-out texts, so a percentile of those rejects more new texts than it says."""
+        own = self.scores(emb, [task])[:, 0]
+        self.thresholds[task] = min(self.thresholds[task], torch.quantile(own.double(), quantile).item())
 
     def __call__(
         self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True
@@ -349,6 +358,13 @@ class LDARouter(PrototypeRouter):
             own = cross_fitted_relative_mahalanobis(train_emb, labels)
             self.class_counts.append(torch.bincount(labels, minlength=means.shape[0]).float())
             self.rmd_thresholds.append(rmd_threshold(own, self.rmd_percentile))
+
+    def admit(self, task: int, emb: torch.Tensor, *, quantile: float) -> None:
+        """`_Routing.admit` for the prototype test and, with `rmd_percentile`, the relative Mahalanobis test."""
+        super().admit(task, emb, quantile=quantile)
+        if self.rmd_percentile is not None:
+            own = torch.quantile(self.rmd_scores(emb, task), quantile).item()
+            self.rmd_thresholds[task] = min(self.rmd_thresholds[task], own)
 
     def rmd_scores(self, emb: torch.Tensor, task: int) -> torch.Tensor:
         """[Q] task `task`'s relative Mahalanobis scores of frozen embeddings `emb` [Q, D] (detector cached)."""

@@ -11,7 +11,8 @@ Layout (all written atomically; `store.json` is the commit point):
   the task's router state (`router.safetensors`: its class prototypes and threshold; with the LDA router also
   its class means, within-class scatter, count and fourth moment sum; with `routed-lora` also its adapter
   prototypes, the class means through the task's own adapter, and its relative Mahalanobis test's texts per
-  class and threshold) and `labels.json`
+  class and threshold; in stores that hold out examples also `scale`, the task's score scale fitted on held-out examples,
+  `ecru.lifelong.calibration`) and `labels.json`
   (the labels as written and the names the zero-shot head embeds, `ecru.lifelong.userdata.label_name`).
 
 Each task folder also holds `manifest.json` (ecru.io: sha256 and size of its files), checked when the task
@@ -31,7 +32,7 @@ import json
 import re
 import shutil
 import uuid
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +61,22 @@ LOCK_WAIT_S = 600.0
 """How long a writer waits for another writer's commit (training happens outside the lock)."""
 PUBLIC_IDS = {DEFAULT_MODEL: "sentence-transformers/all-MiniLM-L6-v2"}
 """The bundled encoder's public model id, named as an exported adapter's base (not a local path)."""
+CALIBRATION = 0.3
+"""A new store holds out this fraction of each task's examples to fit the task's score scale
+(`RoutedConfig.calibration`): its scores are probabilities."""
+UNCLAIMED = "no learned task claims this text"
+"""The reason of an abstention (`predict(..., abstain=True)`) when the router sends a text to no learned task."""
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """One text's predicted label (as the user wrote it) and its probability among the candidates."""
+    """One text's predicted label (as the user wrote it) and its probability among the candidates; an
+    abstention has label None, the probability its best label would have had, and the `reason`."""
 
     text: str
-    label: str
+    label: str | None
     score: float
+    reason: str | None = None
 
 
 def model_fingerprint(folder: Path) -> str:
@@ -191,37 +199,56 @@ class KnowledgeStore:
         from ecru.lifelong.methods import ROUTED, RoutedConfig
 
         if self.manifest is None:
-            return ROUTED[METHOD]
+            return replace(ROUTED[METHOD], calibration=CALIBRATION)
         saved = self.manifest["config"]
         return RoutedConfig(
             **{f.name: _tuple(saved[f.name]) for f in fields(RoutedConfig) if f.name in saved}
         )
 
-    def predict(self, texts: list[str], labels: list[str] | None = None) -> list[Prediction]:
+    def predict(self, texts: list[str], labels: list[str] | None = None, *, abstain: bool = False,
+                min_score: float | None = None) -> list[Prediction]:  # fmt: skip
         """Each text's label among `labels` (names learned or not: zero-shot for the rest), or among every
-        learned label when None (task-agnostic)."""
-        import torch
-
+        learned label when None (task-agnostic). `abstain`: a text no learned task claims (the router sends it
+        to the frozen model) gets label None unless an unlearned candidate wins it (zero-shot); `min_score`:
+        label None below this probability."""
         if isinstance(texts, str):
             raise EcruError("predict takes a list of texts, not one string: predict([text])")
+        if min_score is not None and not 0 <= min_score <= 1:
+            raise EcruError(f"min_score must be a probability in [0, 1]; got {min_score}")
         candidates = list(dict.fromkeys(labels if labels is not None else self.learned_labels()))
         if not candidates:
             raise EcruError(f"{self.path} has learned no task yet; learn one, or give the candidate labels")
         names = [label_name(c) for c in candidates]
         if not all(names):
             raise EcruError(f"empty label among {candidates}")
-        scale = self.method().train.scale  # the classifier's inverse temperature, as trained
+        learned = {n for t in (self.manifest or {}).get("tasks", []) for n in t["names"]}
         out: list[Prediction] = []
         for i in range(0, len(texts), PREDICT_CHUNK):
             chunk = list(texts[i : i + PREDICT_CHUNK])
-            scores = self.method().encoder().scores(chunk, names)  # a fresh encoder per chunk: bounded memo
-            prob = torch.softmax(scale * scores, dim=-1)
+            prob, claimed = self._probabilities(chunk, names)
             best = prob.argmax(-1)
-            out += [
-                Prediction(t, candidates[b], prob[k, b].item())
-                for k, (t, b) in enumerate(zip(chunk, best.tolist(), strict=True))
-            ]
+            for k, (t, b) in enumerate(zip(chunk, best.tolist(), strict=True)):
+                p = prob[k, b].item()
+                reason = None
+                if abstain and not claimed[k] and names[b] in learned:
+                    reason = UNCLAIMED
+                elif min_score is not None and p < min_score:
+                    reason = f"score {p:.3f} below the minimum {min_score}"
+                out.append(Prediction(t, None if reason else candidates[b], p, reason))
         return out
+
+    def _probabilities(self, texts: list[str], names: list[str]):
+        """[Q, L] probabilities of `names` for `texts` (softmax of each text's task's fitted scale times the
+        scores) and [Q] whether a learned task claims the text (open-set route)."""
+        import torch
+
+        method = self.method()
+        enc = method.encoder()  # a fresh encoder per chunk: bounded memo
+        scores = enc.scores(texts, names)
+        # the task whose labels scored the text: with a reject penalty every text goes to its best task
+        scored_by = method.router(enc.frozen(texts), open_set=method.cfg.reject_penalty == 0)
+        scale = torch.tensor([method.scale(r) for r in scored_by.tolist()], dtype=scores.dtype)
+        return torch.softmax(scale[:, None] * scores, dim=-1), enc.claims(texts)
 
     # ---- writing
 
@@ -357,6 +384,7 @@ ROUTER_FILE_KEYS = {
     "counts": "count",
     "fourths": "fourth",
     "rmd_thresholds": "rmd_threshold",
+    "scales": "scale",
 }
 """The router state's per-task lists -> their one-task names in `router.safetensors` (prototypes and, for the
 LDA router, means and class_counts keep their names)."""
@@ -371,7 +399,7 @@ the number of those texts."""
 def _router_state(tensors: dict[str, Any]) -> dict[str, list]:
     """One task's router state, as the method's `state_dict` holds it, from its `router.safetensors`."""
     back = {v: k for k, v in ROUTER_FILE_KEYS.items()}
-    scalar = {"threshold": float, "count": int, "fourth": float, "rmd_threshold": float}
+    scalar = {"threshold": float, "count": int, "fourth": float, "rmd_threshold": float, "scale": float}
     return {back.get(k, k): [scalar[k](v) if k in scalar else v] for k, v in tensors.items()}
 
 

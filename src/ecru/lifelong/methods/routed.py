@@ -23,7 +23,7 @@ import random
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -31,6 +31,7 @@ from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state
 
 from ecru.datasets import humanize_intent
 from ecru.errors import EcruError
+from ecru.lifelong.calibration import fit_scale, holdout_split
 from ecru.lifelong.losses import distill_loss, task_loss
 from ecru.lifelong.methods.adapters import lora_config
 from ecru.lifelong.methods.base import (
@@ -125,6 +126,13 @@ class RoutedConfig:
     """Weight of distillation towards the frozen model on the batch's own utterances (ZSCL's two-way loss at
     T=2, their frozen embeddings reused from the router's fit: no extra forward pass); keeps the adapter from
     collapsing utterances onto the task's few names, which hurts texts of other label sets routed to it."""
+    calibration: float = 0.0
+    """Fraction of each task's training texts held out (per label, deterministic) to fit the task's score scale
+    (`ecru.lifelong.calibration.fit_scale`), so that a routed text's softmax score is a probability; 0: none held
+    out, scores use `TrainConfig.scale` as trained."""
+    admit: float = 0.0
+    """With `calibration`: each task's router thresholds go down (never up) to this quantile of its held-out
+    texts' scores (`TaskRouter.admit`), so that about 1 - admit of a task's new texts are claimed by it."""
 
     def __post_init__(self) -> None:
         if self.r < 1 or self.alpha <= 0 or self.lr <= 0 or self.knn < 1:
@@ -166,6 +174,12 @@ class RoutedConfig:
             raise EcruError(f"margin must be >= -1 (a cosine difference) or None; got {self.margin}")
         if self.router not in ("prototypes", "knn", "lda"):
             raise EcruError(f"router must be 'prototypes', 'knn' or 'lda'; got {self.router!r}")
+        if not 0 <= self.admit <= 1:
+            raise EcruError(f"admit must be a quantile in [0, 1]; got {self.admit}")
+        if not 0 <= self.calibration < 1:
+            raise EcruError(
+                f"calibration must be in [0, 1) (a fraction of the training texts); got {self.calibration}"
+            )
         if self.negative_quantile is not None and not 0 < self.negative_quantile <= 1:
             raise EcruError(f"negative_quantile must be in (0, 1] or None; got {self.negative_quantile}")
 
@@ -217,6 +231,10 @@ class RoutedEncoder:
     def routes(self, texts: list[str]) -> torch.Tensor:
         """Each text's task index, or `FROZEN`, from the text alone."""
         return self.m.router(self.frozen(texts))
+
+    def claims(self, texts: list[str]) -> torch.Tensor:
+        """[Q] whether some learned task claims each text (the router's open-set route is not `FROZEN`)."""
+        return self.routes(texts) != FROZEN
 
     def _through(self, texts: list[str], routes: torch.Tensor, *, batch_size: int) -> torch.Tensor:
         out = self.frozen(texts, batch_size=batch_size)
@@ -355,6 +373,7 @@ class RoutedAdapters:
         # each learned task's class means through its own adapter and their counts (None: not kept, as in stores
         # made before)
         self.adapter_prototypes: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.scales: list[float | None] = []  # each task's fitted score scale (None: not calibrated)
         self.router: TaskRouter = _make_router(cfg)
         layers = len(self.prefix_model_layers(model))
         if max(cfg.layers) >= layers:
@@ -410,6 +429,10 @@ class RoutedAdapters:
         rng, enc = seed_task(self.train.seed, index), self.encoder()
         if index >= len(self.adapters):
             self._add_adapter(index)
+        kept, held = holdout_split([e.label for e in task.train], self.cfg.calibration,
+                                   seed=self.train.seed * 7_927 + index)  # fmt: skip
+        held = [task.train[i] for i in held]
+        task = replace(task, train=tuple(task.train[i] for i in kept))
         texts = [e.text for e in task.train]
         frozen = enc.frozen(texts)
         negatives = self.teacher.embeddings() if self.cfg.negative_quantile is not None else None
@@ -454,8 +477,24 @@ class RoutedAdapters:
                    desc=f"{self.name} task {index + 1} ({task.name})", progress=self.train.progress)  # fmt: skip
         self.model.eval()
         self.adapter_prototypes.append(self._adapter_prototypes(texts, labels, index, len(task.intents)))
-        self.prefix.drop(texts)  # this task's utterances will not come back
+        self.scales.append(self._calibrate(held, task.intents, index))
+        self.prefix.drop(texts + [e.text for e in held])  # this task's utterances will not come back
         return cost
+
+    @torch.no_grad()
+    def _calibrate(self, held: list, intents: tuple[str, ...], index: int) -> float | None:
+        """Task `index`'s score scale fitted on its held-out examples `held` (None when none was held out); its
+        router thresholds admit them (`RoutedConfig.admit`)."""
+        if not held:
+            return None
+        self.router.admit(index, self.encoder().frozen([e.text for e in held]), quantile=self.cfg.admit)
+        cosines = self.encoder().for_task(index).scores([e.text for e in held], self.names[index])
+        return fit_scale(cosines, torch.tensor([intents.index(e.label) for e in held], dtype=torch.long))
+
+    def scale(self, task: int) -> float:
+        """The logit scale of texts routed to `task` (`FROZEN`: the frozen model): fitted, else as trained."""
+        fitted = self.scales[task] if task != FROZEN else None
+        return self.train.scale if fitted is None else fitted
 
     @torch.no_grad()
     def _adapter_prototypes(self, texts: list[str], labels: torch.Tensor, index: int, classes: int):
@@ -479,6 +518,7 @@ class RoutedAdapters:
             "router": self.router.state_dict(),
             "names": [list(n) for n in self.names],
             "adapter_prototypes": list(self.adapter_prototypes),
+            "scales": list(self.scales),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -501,6 +541,7 @@ class RoutedAdapters:
             raise EcruError(f"{self.name}: the checkpoint holds adapter prototypes for {len(kept)} tasks, not "
                             f"{len(names)}; fix: start this method's run again (delete its checkpoint folder)")  # fmt: skip
         self.adapter_prototypes = kept
+        self.scales = list(state.get("scales", [None] * len(names)))
 
     def add_trained(self, weights: dict[str, torch.Tensor], router: dict[str, Any], names: list[str],
                     adapter_prototypes: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
@@ -509,6 +550,8 @@ class RoutedAdapters:
         index = len(self.router)
         if index >= len(self.adapters):
             self._add_adapter(index)
+        router = dict(router)
+        scale = router.pop("scales", [None])[0]  # the task's fitted score scale travels with its router state
         result = set_peft_model_state_dict(self.peft, weights, adapter_name=self.adapters[index])
         if any(self.adapters[index] in k for k in getattr(result, "missing_keys", [])):
             raise EcruError("the stored adapter does not fit this model's layers; relearn the task")
@@ -518,6 +561,7 @@ class RoutedAdapters:
         self.router.load_state_dict(merged)
         self.names.append(list(names))
         self.adapter_prototypes.append(adapter_prototypes)
+        self.scales.append(scale)
         self.peft.base_model.set_adapter(self.adapters[index])
         self.model.eval()
 
@@ -527,11 +571,13 @@ class RoutedAdapters:
         """Task `index`'s adapter weights (peft's saved form), its peft config, its router state and its
         adapter prototypes with their counts (None: not kept)."""
         weights = get_peft_model_state_dict(self.peft, adapter_name=self.adapters[index])
-        state = self.router.state_dict()
+        state = {k: v[index : index + 1] for k, v in self.router.state_dict().items()}
+        if self.scales[index] is not None:
+            state["scales"] = [self.scales[index]]
         return (
             weights,
             self.peft.peft_config[self.adapters[index]],
-            {k: v[index : index + 1] for k, v in state.items()},
+            state,
             self.adapter_prototypes[index],
         )
 

@@ -1,0 +1,45 @@
+"""Temperature scaling, expected calibration error and the held-out split, against hand-computed values."""
+
+import pytest
+import torch
+
+from ecru.lifelong.calibration import SCALE_RANGE, expected_calibration_error, fit_scale, holdout_split
+
+
+def test_ece_matches_a_hand_computed_value():
+    # 15 bins of width 1/15: 0.95 and 0.97 share bin 15 (acc 1/2, conf 0.96), 0.5 is alone in bin 8 (acc 1),
+    # 0.1 alone in bin 2 (acc 0): ECE = (2 |0.5 - 0.96| + |1 - 0.5| + |0 - 0.1|) / 4 = (0.92 + 0.5 + 0.1) / 4
+    conf = torch.tensor([0.95, 0.97, 0.5, 0.1], dtype=torch.float64)
+    correct = torch.tensor([True, False, True, False])
+    assert expected_calibration_error(conf, correct) == pytest.approx(0.38, abs=1e-12)
+
+
+def test_ece_of_perfect_and_empty_inputs():
+    conf = torch.tensor([1.0, 1.0, 0.0])  # a confidence of 0 falls in the first bin, not out of range
+    assert expected_calibration_error(conf, torch.tensor([True, True, False])) == pytest.approx(0.0)
+    assert expected_calibration_error(torch.tensor([]), torch.tensor([], dtype=torch.bool)) == 0.0
+
+
+def test_fit_scale_recovers_the_scale_that_generated_the_labels():
+    g = torch.Generator().manual_seed(0)
+    cosines = torch.rand(4000, 5, generator=g) * 2 - 1
+    labels = torch.multinomial(torch.softmax(7.0 * cosines, -1), 1, generator=g)[:, 0]
+    assert fit_scale(cosines, labels) == pytest.approx(7.0, rel=0.08)
+
+
+def test_fit_scale_goes_up_the_range_when_every_answer_is_right():
+    cosines = torch.tensor([[0.9, 0.1], [0.2, 0.8]], dtype=torch.float64)
+    scale = fit_scale(cosines, torch.tensor([0, 1]))
+    # the smallest scale whose loss is 0 in float64: every right answer at probability 1
+    assert 40 < scale <= SCALE_RANGE[1]
+    assert torch.softmax(scale * cosines, -1).diagonal().min().item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_holdout_split_is_per_label_deterministic_and_keeps_two_of_each():
+    labels = ["a"] * 10 + ["b"] * 3 + ["c"] * 2
+    kept, held = holdout_split(labels, 0.3, seed=1)
+    assert sorted(kept + held) == list(range(15)) and not set(kept) & set(held)
+    assert [labels[i] for i in held].count("a") == 3 and [labels[i] for i in held].count("b") == 1
+    assert all(labels[i] != "c" for i in held)  # two texts only: both stay for training
+    assert holdout_split(labels, 0.3, seed=1) == (kept, held)
+    assert holdout_split(labels, 0.0, seed=1) == (list(range(15)), [])
