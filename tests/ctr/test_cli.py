@@ -233,6 +233,73 @@ def test_hashing_folder_and_avazu_round_trip(tmp_path, capsys):
         capsys,
     )
     assert rc == 2 and "reads avazu files" in err
+    # --id-column: the id beside each probability, one row per input line (a blank line -> nan, id "")
+    blanked = tmp_path / "blank.csv"
+    lines = (tmp_path / "score.csv").read_text().splitlines(keepends=True)
+    blanked.write_text("".join(lines[:51] + ["\n"] + lines[51:]))
+    predict = ["ctr", "predict", "--model", str(out), "--data", f"avazu:{blanked}", "--id-column", "id"]
+    rc, _, _ = run([*predict, "--out", str(tmp_path / "s.csv")], capsys)
+    table = (tmp_path / "s.csv").read_text().splitlines()
+    assert rc == 0 and table[0] == "id,probability" and len(table) == 1 + 201
+    assert table[51] == ",nan" and [r.split(",")[0] for r in table[1:51]] == [
+        str(i) for i in range(1000, 1050)
+    ]
+    got = torch.tensor([float(r.split(",")[1]) for r in table[1:51] + table[52:]])
+    torch.testing.assert_close(got, probs, rtol=1e-6, atol=1e-7)
+    rc, _, _ = run([*predict, "--out", str(tmp_path / "s.jsonl")], capsys)
+    rows_out = [json.loads(r) for r in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert rc == 0 and len(rows_out) == 201 and rows_out[50] == {"id": "", "probability": None}
+    assert rows_out[0]["id"] == "1000" and abs(rows_out[0]["probability"] - float(probs[0])) < 1e-6
+    rc, _, err = run([*predict, "--out", str(tmp_path / "s.txt")], capsys)
+    assert rc == 2 and "FILE.csv or FILE.jsonl" in err and not (tmp_path / "s.txt").exists()
+    rc, _, err = run([*predict[:-1], "nope", "--out", str(tmp_path / "t.csv")], capsys)
+    assert rc == 2 and "no such column" in err and len(err.strip().splitlines()) == 1
+
+
+def test_predict_writes_one_line_per_input_line(files, trained, capsys):
+    """Issue 40: a blank line is a nan line, not a dropped one (200 lines in, 200 scores out)."""
+    lines = (files / "held.tsv").read_text().splitlines(keepends=True)[:199]
+    blank = files / "blank.tsv"
+    blank.write_text("".join(lines[:100] + ["\n"] + lines[100:]))
+    out = files / "blank_scores.txt"
+    rc, _, _ = run(
+        ["ctr", "predict", "--model", str(trained), "--data", f"criteo:{blank}", "--out", str(out)], capsys
+    )
+    values = out.read_text().splitlines()
+    plain = load_model(trained).predict(files / "held.tsv")[:199]
+    assert rc == 0 and len(values) == 200 and values[100] == "nan"
+    got = torch.tensor([float(v) for v in values[:100] + values[101:]])
+    torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-7)
+
+
+def test_undecodable_bytes_are_one_line_or_skipped(files, trained, capsys):
+    """Issue 40: invalid UTF-8 in a count or a categorical is file:line, exit 2 (not ArrowInvalid), or skipped."""
+    lines = (files / "held.tsv").read_bytes().splitlines(keepends=True)[:100]
+    for column, broken in ((3, b"1\xff2"), (20, b"ab\xffc")):
+        parts = lines[40].split(b"\t")
+        parts[column] = broken
+        bad = files / f"utf8_{column}.tsv"
+        bad.write_bytes(b"".join(lines[:40] + [b"\t".join(parts)] + lines[41:]))
+        out = files / f"utf8_{column}.txt"
+        argv = ["ctr", "predict", "--model", str(trained), "--data", f"criteo:{bad}", "--out", str(out)]
+        rc, _, err = run(argv, capsys)
+        assert rc == 2 and f"utf8_{column}.tsv:41:" in err and "invalid UTF-8" in err
+        assert len(err.strip().splitlines()) == 1 and not out.exists()
+        rc, _, _ = run([*argv, "--skip-malformed"], capsys)
+        values = out.read_text().splitlines()
+        assert (
+            rc == 0 and len(values) == 100 and values[40] == "nan" and "nan" not in values[:40] + values[41:]
+        )
+        train = ["ctr", "train", "--data", f"criteo:{bad}", "--epochs", "1", *FAST]
+        rc, _, err = run(train, capsys)
+        assert rc == 2 and f"utf8_{column}.tsv:41:" in err and len(err.strip().splitlines()) == 1
+
+
+def test_clip_note_says_why_it_is_near_zero():
+    from ecru.ctr.cli import clip_note
+
+    assert "0.00%" in clip_note(True, 0.0) and "mean loss" in clip_note(True, 0.0)
+    assert "docs/ctr.md" in clip_note(True, 0.0) and "off" in clip_note(False, 0.0)
 
 
 def test_missing_inputs_are_one_line(tmp_path, capsys):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from ecru.cliargs import (
     add_out_dir,
@@ -50,7 +51,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="criteo:FILE or avazu:FILE (or FILE: the model's format); label optional",
     )
-    p.add_argument("--out", required=True, metavar="FILE", help="one click probability per input row")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="one click probability per input line (nan: a blank or skipped line); with --id-column, "
+        "FILE.csv (id,probability) or FILE.jsonl",
+    )
+    p.add_argument(
+        "--id-column",
+        default=None,
+        metavar="COL",
+        help="write this column of the file (named in its header, e.g. Avazu's id) beside each probability",
+    )
     p.add_argument("--batch-size", type=positive_int, default=65536, help="rows scored at once")
     p.add_argument(
         "--skip-malformed", action="store_true", help="write nan for malformed lines instead of stopping"
@@ -314,6 +327,7 @@ def _report(args, res, info: dict, metrics: dict) -> None:
         f"logloss {res.logloss:.5f} ({res.steps} steps, {res.samples_per_s:,.0f} samples/s, "
         f"clipped {res.clip.clipped_fraction:.2%} of rows, ||g||/threshold max {res.clip.ratio_quantiles['max']:.3g})"
     )
+    print(clip_note(res.recipe.clip, res.clip.clipped_fraction))
     if args.patience:
         from ecru.ctr.training import best_epoch
 
@@ -326,6 +340,17 @@ def _report(args, res, info: dict, metrics: dict) -> None:
         print(f"group AUC (by field {metrics['group_field']}) {metrics['group_auc']:.5f}")
     if "oracle_auc" in info:
         print(f"oracle (teacher FM) AUC {info['oracle_auc']:.5f} logloss {info['oracle_logloss']:.5f}")
+
+
+def clip_note(clip_on: bool, clipped_fraction: float) -> str:
+    """One line saying what the CowClip clip did in a run, and why it is near zero under a mean loss."""
+    if not clip_on:
+        return "clip: off for this recipe (only --recipe cowclip clips embedding gradients)"
+    return (
+        f"clip: {clipped_fraction:.2%} of the id rows updated were clipped; near zero is expected: under a mean "
+        "loss each id's gradient is divided by the batch size and rarely exceeds its threshold "
+        "(docs/ctr.md, 'Why the clip rarely fires')"
+    )
 
 
 def _save_folder(out, args, cfg, res, train_data, metrics: dict) -> None:
@@ -355,6 +380,8 @@ def _predict(args: argparse.Namespace) -> int:
     from ecru.ctr.model_dir import load_model
     from ecru.errors import EcruError
 
+    if args.id_column and Path(args.out).suffix not in ID_SUFFIXES:
+        raise EcruError(f"--id-column writes FILE.csv or FILE.jsonl; got --out {args.out}")
     out = prepare_out_file(args.out)
     predictor = load_model(args.model)
     fmt, path = _data_spec(args.data) if ":" in args.data else (predictor.data_format, args.data)
@@ -362,16 +389,84 @@ def _predict(args: argparse.Namespace) -> int:
         _data_spec(f"{fmt}:{path}")
     if fmt != predictor.data_format:
         raise EcruError(f"the model in {args.model} reads {predictor.data_format} files, not {fmt}")
+    ids = read_id_column(path, args.id_column) if args.id_column else None
     probs, labels = predictor.predict_file(
         path, batch_size=args.batch_size, skip_malformed=args.skip_malformed
     )
-    atomic_write_text(out, "".join(f"{p:.7g}\n" for p in probs.tolist()))
+    probs, labels = (
+        with_blank_lines(probs, path, header=fmt == "avazu"),
+        with_blank_lines(labels, path, header=fmt == "avazu"),
+    )
+    atomic_write_text(out, score_lines(probs.tolist(), ids, out.suffix))
     line = f"wrote {len(probs):,} click probabilities to {out}"
     known = ~(labels.isnan() | probs.isnan())
     if known.any() and (labels[known] == 1).any() and (labels[known] == 0).any():
         line += f"; the file has labels: AUC {auc(labels[known], probs[known]):.5f} logloss {logloss(labels[known], probs[known]):.5f}"
     print(line)
     return 0
+
+
+def with_blank_lines(values, path: str, *, header: bool):
+    """`values` of the rows pyarrow read, with NaN inserted at the file's blank lines: one per input line."""
+    import numpy as np
+    import torch
+
+    from ecru.ctr.reader import blank_lines
+
+    blank = blank_lines(path)
+    blank = blank[blank > 0] - 1 if header else blank
+    if not len(blank):
+        return values
+    keep = np.ones(len(values) + len(blank), bool)
+    keep[blank] = False
+    full = torch.full((len(keep),), float("nan"), dtype=values.dtype)
+    full[torch.from_numpy(keep)] = values
+    return full
+
+
+def read_id_column(path: str, column: str) -> list[str]:
+    """The `column` of a file with a header (CSV, or TSV if its header has tabs), one entry per data line
+    ("" for a blank or short line), so ids stay aligned with the scores."""
+    import io
+
+    import pyarrow as pa
+
+    from ecru.errors import EcruError
+
+    with pa.input_stream(path, compression="detect") as raw:
+        lines = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
+        names = lines.readline().rstrip("\r\n")
+        sep = "\t" if "\t" in names else ","
+        if column not in names.split(sep):
+            raise EcruError(f"--id-column {column!r}: {path}'s header has no such column ({names[:200]})")
+        j = names.split(sep).index(column)
+        return [(parts[j] if len(parts := line.rstrip("\r\n").split(sep)) > j else "") for line in lines]
+
+
+ID_SUFFIXES = (".csv", ".jsonl")
+
+
+def score_lines(probs: list[float], ids: list[str] | None, suffix: str) -> str:
+    """One float per line; with ids, CSV (`id,probability`) or JSON lines (by the --out suffix)."""
+    import csv
+    import io
+    import json
+
+    from ecru.errors import EcruError
+
+    if ids is None:
+        return "".join(f"{p:.7g}\n" for p in probs)
+    if len(ids) != len(probs):
+        raise EcruError(f"{len(ids)} ids for {len(probs)} scores; cannot align them with the input lines")
+    rounded = [None if p != p else float(f"{p:.7g}") for p in probs]  # NaN (blank/skipped): JSON null
+    if suffix == ".jsonl":
+        rows = zip(ids, rounded, strict=True)
+        return "".join(json.dumps({"id": i, "probability": p}) + "\n" for i, p in rows)
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(["id", "probability"])
+    writer.writerows((i, "nan" if p is None else f"{p:.7g}") for i, p in zip(ids, rounded, strict=True))
+    return text.getvalue()
 
 
 def _synth(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ reported by file and line: the (slow) line-by-line parser below then locates the
 
 from __future__ import annotations
 
+import io
 import re
 from collections import Counter
 from collections.abc import Iterator
@@ -107,15 +108,24 @@ def malformed_lines(path: Path, fmt: str, *, labelled: bool) -> Iterator[tuple[i
     """(data row index, line number, reason) of every malformed line, by the line parser (slow: Python)."""
     parse = parse_criteo if fmt == "criteo" else parse_avazu
     row = 0
-    with pa.input_stream(str(path), compression="detect") as raw, open_text(raw) as f:
-        for line_no, line in enumerate(f, 1):
-            if (fmt == "avazu" and line_no == 1) or not line.rstrip("\r\n"):
+    with pa.input_stream(str(path), compression="detect") as raw:
+        for line_no, data in enumerate(io.BufferedReader(raw), 1):
+            if (fmt == "avazu" and line_no == 1) or not data.rstrip(b"\r\n"):
                 continue  # the header; empty lines are not rows (pyarrow skips them too)
             try:
-                parse(line, labelled=labelled)
+                parse(data.decode("utf-8", errors="replace"), labelled=labelled)
             except ValueError as exc:
-                yield row, line_no, str(exc)
+                yield row, line_no, _undecodable(data) or str(exc)
             row += 1
+
+
+def _undecodable(line: bytes) -> str | None:
+    """Why a line that does not parse does not: its invalid UTF-8 (the columnar checks reject the same rows)."""
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"undecodable bytes (invalid UTF-8) at byte {exc.start + 1}"
+    return None
 
 
 def first_bad_line(path: Path, fmt: str, *, labelled: bool) -> tuple[int, str] | None:
@@ -125,9 +135,28 @@ def first_bad_line(path: Path, fmt: str, *, labelled: bool) -> tuple[int, str] |
     return None
 
 
-def open_text(raw):
-    import io
+def blank_lines(path: str | Path, *, chunk_bytes: int = 16 << 20) -> np.ndarray:
+    """0-based numbers of the empty lines ("" or "\\r") of a file, found in byte chunks (pyarrow's parser skips
+    them, so scores are re-aligned with the input lines from these)."""
+    found, line0, carry, last = [], 0, 0, 0
+    with pa.input_stream(str(path), compression="detect") as raw:
+        while chunk := raw.read(chunk_bytes):
+            buf = np.frombuffer(chunk, np.uint8)
+            ends = np.flatnonzero(buf == 10)
+            if len(ends):
+                lengths = np.diff(ends, prepend=-1) - 1
+                lengths[0] += carry
+                before = np.where(ends > 0, buf[np.maximum(ends - 1, 0)], last)  # the byte before each "\n"
+                blank = (lengths == 0) | ((lengths == 1) & (before == 13))
+                found.append(line0 + np.flatnonzero(blank))
+                line0, carry = line0 + len(ends), len(buf) - int(ends[-1]) - 1
+            else:
+                carry += len(buf)
+            last = int(buf[-1])
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
 
+
+def open_text(raw):
     return io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
 
 
@@ -198,7 +227,9 @@ def _batches(path: Path, fmt: str, layout: Layout, cfg: ReaderConfig, bad: list)
     parse = pacsv.ParseOptions(
         delimiter="\t" if fmt == "criteo" else ",", quote_char=False, invalid_row_handler=invalid
     )
-    types = {n: pa.string() if n in layout.dense or n == "hour" else pa.binary() for n in layout.names}
+    types = {
+        n: pa.binary() for n in layout.names
+    }  # bytes: undecodable text is a bad row, not an ArrowInvalid
     convert = pacsv.ConvertOptions(
         column_types=types, include_columns=[c for c in layout.names if c != "id"]
     )  # empty cells stay "" (strings_can_be_null costs ~40% of the parse): counts pad them to "0"
@@ -228,7 +259,7 @@ def _valid_rows(batch: pa.RecordBatch, fmt: str, layout: Layout) -> np.ndarray:
         label = pc.is_in(batch.column(layout.label), pa.array([b"0", b"1"], pa.binary()))
         ok &= pc.fill_null(label, False).to_numpy(zero_copy_only=False)
     if fmt == "avazu":
-        hour = pc.match_substring_regex(batch.column("hour"), r"^[0-9]{8}$")
+        hour = pc.match_substring_regex(batch.column("hour"), rb"^[0-9]{8}$")
         ok &= pc.fill_null(hour, False).to_numpy(zero_copy_only=False)
     return ok
 
@@ -237,28 +268,33 @@ def _counts(batch: pa.RecordBatch, layout: Layout, ok: np.ndarray) -> np.ndarray
     """log(1 + max(x, 0)) of the counts (empty -> 0) [n, n_dense] float32; clears `ok` where one is not an int."""
     out = np.zeros((batch.num_rows, len(layout.dense)), np.float32)
     for j, name in enumerate(layout.dense):
-        col = pc.utf8_lpad(batch.column(name), width=1, padding="0")  # "" -> "0"
+        col = batch.column(name)
         try:  # the common case: every count parses; the regex runs only on a column where one does not
-            x = pc.cast(col, pa.int64())
-        except pa.ArrowInvalid:
-            good = pc.fill_null(pc.match_substring_regex(col, r"^-?[0-9]+$"), True)
+            x = pc.cast(_pad_empty(pc.cast(col, pa.string())), pa.int64())
+        except pa.ArrowInvalid:  # a non-integer or undecodable (invalid UTF-8) count
+            good = pc.fill_null(pc.match_substring_regex(col, rb"^-?[0-9]*$"), True)
             ok &= good.to_numpy(zero_copy_only=False)
-            x = pc.cast(pc.if_else(good, col, pa.scalar(None, pa.string())), pa.int64())
+            kept = pc.cast(pc.if_else(good, col, pa.scalar(None, pa.binary())), pa.string())
+            x = pc.cast(_pad_empty(kept), pa.int64())
         out[:, j] = np.log1p(np.maximum(pc.fill_null(x, 0).to_numpy(zero_copy_only=False), 0))
     return out
+
+
+def _pad_empty(col: pa.Array) -> pa.Array:
+    return pc.utf8_lpad(col, width=1, padding="0")  # "" -> "0"
 
 
 def _categoricals(batch: pa.RecordBatch, layout: Layout) -> list[pa.DictionaryArray]:
     """The categorical columns as distinct tokens + row indices (encoded once, checked and mapped from it)."""
     cols = [batch.column(n) for n in layout.cats]
     if layout.cats[-1] == "hour":  # Avazu: the hour of day (YYMMDDHH -> HH)
-        cols[-1] = pc.utf8_slice_codeunits(cols[-1], 6, 8).cast(pa.binary())
+        cols[-1] = pc.binary_slice(cols[-1], 6, 8)
     return [dictionary(c) for c in cols]
 
 
 def _hex_ok(column: pa.DictionaryArray) -> np.ndarray | None:
     """Rows whose token is hexadecimal (or empty), checked on the distinct tokens; None if all are."""
-    good = pc.match_substring_regex(column.dictionary.cast(pa.string()), r"^[0-9a-fA-F]*$")
+    good = pc.match_substring_regex(column.dictionary, rb"^[0-9a-fA-F]*$")
     if pc.all(good).as_py() is not False:
         return None
     index = column.indices.fill_null(-1).to_numpy(zero_copy_only=False)
@@ -390,6 +426,7 @@ def _rows(columns: list[np.ndarray]) -> np.ndarray:
 
 __all__ = [
     "FORMATS",
+    "blank_lines",
     "MalformedLineError",
     "ReaderConfig",
     "load_ctr_file",
