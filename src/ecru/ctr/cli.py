@@ -4,6 +4,8 @@ synthetic Criteo-format data.
 ecru ctr synth --rows 100000 --out day_0.tsv
 ecru ctr train --data criteo:day_0.tsv --batch-size 8192 --recipe cowclip --out runs/ctr
 ecru ctr predict --model runs/ctr --data criteo:new.tsv --out scores.txt
+ecru ctr schema --data clicks.csv > schema.json    # propose a schema for your own table
+ecru ctr train --data table:clicks.csv --schema schema.json --out runs/mine
 torchrun --nproc-per-node 2 -m ecru ctr train ...     # data parallel (gloo on CPU, nccl on GPU)
 """
 
@@ -49,7 +51,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         required=True,
-        help="criteo:FILE or avazu:FILE (or FILE: the model's format); label optional",
+        help="criteo:FILE, avazu:FILE or table:FILE (or FILE: the model's format); label optional",
+    )
+    p.add_argument(
+        "--schema", default=None, metavar="FILE", help="table: the schema (default: the model folder's)"
     )
     p.add_argument(
         "--out",
@@ -69,6 +74,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--skip-malformed", action="store_true", help="write nan for malformed lines instead of stopping"
     )
     p.set_defaults(func=_predict)
+    c = sub.add_parser("schema", help="propose a schema (JSON on stdout) for a CSV, TSV or Parquet table")
+    c.add_argument("--data", required=True, metavar="FILE", help="the table (its first --rows rows are read)")
+    c.add_argument("--rows", type=positive_int, default=10_000, help="rows sampled")
+    c.set_defaults(func=_schema)
     s = sub.add_parser("synth", help="write synthetic Criteo-shaped rows as Criteo TSV (with the oracle)")
     s.add_argument("--rows", type=positive_int, default=100_000, help="rows to write")
     s.add_argument("--scale", type=positive_float, default=1e-2, help="cardinalities x this")
@@ -81,7 +90,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _configure_train(t: argparse.ArgumentParser) -> None:
     t.add_argument("--model", choices=MODELS, default="deepfm", help="CTR architecture")
-    t.add_argument("--data", default="synthetic", help="synthetic | criteo:FILE | avazu:FILE")
+    t.add_argument(
+        "--data",
+        default="synthetic",
+        help="synthetic | criteo:FILE | avazu:FILE | table:FILE (with --schema)",
+    )
+    t.add_argument(
+        "--schema",
+        default=None,
+        metavar="FILE",
+        help="table:FILE's schema (JSON: label, dense, categorical, multi_hot; see docs/ctr.md)",
+    )
     t.add_argument("--batch-size", type=positive_int, default=1024, help="global batch size")
     t.add_argument(
         "--recipe", choices=RECIPES, default="cowclip", help="scaling rule relative to --base-batch"
@@ -152,6 +171,7 @@ def _data_id(spec: str, args: argparse.Namespace) -> str:
 
     source = spec if spec == "synthetic" else file_digest(spec.partition(":")[2])
     how = (args.split, args.test_fraction, args.seed, args.hash_buckets, args.min_count, args.skip_malformed)
+    how += (_table_schema(args).to_json(),) if spec.startswith("table:") else ()
     how += (args.val_fraction,) if args.patience else ()
     synthetic = (args.rows, args.scale) if spec == "synthetic" else ()
     import hashlib
@@ -163,8 +183,8 @@ def _data_spec(spec: str) -> tuple[str, str]:
     from ecru.errors import EcruError
 
     fmt, _, path = spec.partition(":")
-    if fmt not in ("criteo", "avazu") or not path:
-        raise EcruError(f"--data must be synthetic, criteo:FILE or avazu:FILE, got {spec!r}")
+    if fmt not in ("criteo", "avazu", "table") or not path:
+        raise EcruError(f"--data must be synthetic, criteo:FILE, avazu:FILE or table:FILE, got {spec!r}")
     try:
         existing_file(path)
     except argparse.ArgumentTypeError as exc:
@@ -184,10 +204,10 @@ def load_data(spec: str, args: argparse.Namespace):
         info = oracle_summary(data)
     else:
         fmt, path = _data_spec(spec)
-        cfg = ReaderConfig(
-            hash_buckets=args.hash_buckets, min_count=args.min_count, skip_malformed=args.skip_malformed
-        )
-        data, skipped = load_ctr_file(path, fmt, cfg=cfg)
+        schema = _table_schema(args) if fmt == "table" else None
+        buckets = schema.hash_buckets if schema else args.hash_buckets
+        cfg = ReaderConfig(hash_buckets=buckets, min_count=args.min_count, skip_malformed=args.skip_malformed)
+        data, skipped = load_ctr_file(path, schema or fmt, cfg=cfg)
         if skipped:
             print(f"skipped {skipped:,} malformed line(s) of {path}", file=sys.stderr)
         if data.labels.isnan().any():
@@ -202,9 +222,21 @@ def load_data(spec: str, args: argparse.Namespace):
     )
     if spec == "synthetic":
         info["oracle_auc"], info["oracle_logloss"] = realised_oracle(split[1])
-    elif not args.hash_buckets:  # the vocabulary must be the training split's alone
+    elif not cfg.hash_buckets and not data.sequence_fields:  # the vocabulary: the training split's alone
         split = restrict_vocabulary_to_train(*split, min_count=args.min_count)
     return split[0], split[1], info
+
+
+def _table_schema(args: argparse.Namespace):
+    """The --schema of a table:FILE (read once per run)."""
+    from ecru.ctr.schema import load_schema
+    from ecru.errors import EcruError
+
+    if not args.schema:
+        raise EcruError("--data table:FILE needs --schema FILE (`ecru ctr schema --data FILE` proposes one)")
+    if not hasattr(args, "_schema"):
+        args._schema = load_schema(args.schema)
+    return args._schema
 
 
 def _init_distributed(device: str) -> tuple[int, str]:
@@ -249,10 +281,17 @@ def _train(args: argparse.Namespace) -> int:
     import torch
 
     from ecru.ctr.training import TrainConfig, train
+    from ecru.errors import EcruError
 
-    out, json_file = _prepare_outputs(args)
     if args.data != "synthetic":
         _data_spec(args.data)
+    if args.data.startswith("table:"):  # the schema and the file's columns, before --out is created
+        from ecru.ctr.reader import sniff_layout
+
+        sniff_layout(Path(_data_spec(args.data)[1]), _table_schema(args))
+    elif args.schema:
+        raise EcruError("--schema describes a table; give --data table:FILE")
+    out, json_file = _prepare_outputs(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, device = _init_distributed(args.device)
@@ -366,9 +405,11 @@ def _save_folder(out, args, cfg, res, train_data, metrics: dict) -> None:
         res.model,
         encoder,
         name=args.model,
-        data_format="avazu" if args.data.startswith("avazu:") else "criteo",
+        data_format=args.data.partition(":")[0] if args.data.startswith(("avazu:", "table:")) else "criteo",
         extra=extra,
     )
+    if args.data.startswith("table:"):  # the model folder reads tables with it (`predict`)
+        atomic_write_json(out / "schema.json", _table_schema(args).to_json())
     atomic_write_json(out / "metrics.json", metrics)
     note = "" if encoder else " (synthetic ids: `predict` needs a model trained on a file)"
     print(f"model saved to {out}/ (model.safetensors, config.json, metrics.json){note}")
@@ -390,19 +431,57 @@ def _predict(args: argparse.Namespace) -> int:
     if fmt != predictor.data_format:
         raise EcruError(f"the model in {args.model} reads {predictor.data_format} files, not {fmt}")
     ids = read_id_column(path, args.id_column) if args.id_column else None
-    probs, labels = predictor.predict_file(
-        path, batch_size=args.batch_size, skip_malformed=args.skip_malformed
-    )
-    probs, labels = (
-        with_blank_lines(probs, path, header=fmt == "avazu"),
-        with_blank_lines(labels, path, header=fmt == "avazu"),
-    )
+    probs, labels = _scores(args, predictor, fmt, path)
+    if not (fmt == "table" and _is_parquet(path)):  # text: one output line per input line
+        header = fmt != "criteo"
+        probs, labels = (
+            with_blank_lines(probs, path, header=header),
+            with_blank_lines(labels, path, header=header),
+        )
     atomic_write_text(out, score_lines(probs.tolist(), ids, out.suffix))
     line = f"wrote {len(probs):,} click probabilities to {out}"
     known = ~(labels.isnan() | probs.isnan())
     if known.any() and (labels[known] == 1).any() and (labels[known] == 0).any():
         line += f"; the file has labels: AUC {auc(labels[known], probs[known]):.5f} logloss {logloss(labels[known], probs[known]):.5f}"
     print(line)
+    return 0
+
+
+def _scores(args: argparse.Namespace, predictor, fmt: str, path: str):
+    """(probabilities, labels) of every data row of the file (NaN for a skipped malformed one)."""
+    if fmt != "table":
+        return predictor.predict_file(path, batch_size=args.batch_size, skip_malformed=args.skip_malformed)
+    from ecru.ctr.schema import load_schema, predict_table
+    from ecru.errors import EcruError
+
+    if args.schema and load_schema(args.schema).to_json() | {"label": None} != load_schema(
+        Path(args.model) / "schema.json"
+    ).to_json() | {"label": None}:
+        raise EcruError(
+            f"--schema {args.schema} differs from the schema the model in {args.model} was trained with"
+        )
+    return predict_table(args.model, path, batch_size=args.batch_size, skip_malformed=args.skip_malformed)
+
+
+def _is_parquet(path: str) -> bool:
+    from ecru.ctr.reader import _is_parquet as parquet
+
+    return parquet(Path(path))
+
+
+def _schema(args: argparse.Namespace) -> int:
+    import json
+
+    from ecru.ctr.schema import propose_schema
+
+    schema, facts = propose_schema(args.data, rows=args.rows)
+    for name, seen in facts.items():
+        print(
+            f"{name}: {seen['kind']}, {seen['distinct']:,} distinct, {seen['empty']:,} empty", file=sys.stderr
+        )
+    if schema["label"] is None:
+        print('no 0/1 column named like a label was found: set "label" yourself', file=sys.stderr)
+    print(json.dumps(schema, indent=1))
     return 0
 
 
@@ -433,6 +512,14 @@ def read_id_column(path: str, column: str) -> list[str]:
 
     from ecru.errors import EcruError
 
+    if _is_parquet(path):
+        import pyarrow.parquet as pq
+
+        names = pq.ParquetFile(path).schema_arrow.names
+        if column not in names:
+            raise EcruError(f"--id-column {column!r}: {path} has no such column ({names[:30]})")
+        ids = pq.read_table(path, columns=[column]).column(0).cast(pa.string()).fill_null("")
+        return ids.to_pylist()
     with pa.input_stream(path, compression="detect") as raw:
         lines = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
         names = lines.readline().rstrip("\r\n")
