@@ -393,7 +393,9 @@ def _counts(batch: pa.RecordBatch, layout: Layout, ok: np.ndarray) -> np.ndarray
             x = pc.cast(_pad_empty(pc.utf8_trim_whitespace(kept)), kind)
         v = pc.fill_null(x, 0).to_numpy(zero_copy_only=False)
         out[:, j] = np.log1p(np.maximum(v, 0)) if counts else np.sign(v) * np.log1p(np.abs(v))
-    ok &= np.isfinite(out).all(1)
+    if counts:
+        return out
+    ok &= np.isfinite(out).all(1)  # "inf", "nan" parse as floats but are not values to learn from
     return np.nan_to_num(out, nan=0.0, posinf=0.0, neginf=0.0)
 
 
