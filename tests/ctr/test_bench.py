@@ -198,3 +198,19 @@ def test_decisive_accepts_result_files_recording_the_dropped_knob_seeds(monkeypa
     assert not decisive.same_setting({**recorded, "knob_seeds": [0]}, decisive.CPU)  # knobs on fewer seeds
     assert not decisive.same_setting({**recorded, "rows": 1}, decisive.CPU)
     assert not decisive.same_setting(recorded, decisive.QUICK)
+
+
+def test_peers_summary_takes_medians_and_checks_the_targets():
+    """bench/ctr_peers.py's summary (the peer itself runs in its own venv: not part of the test run)."""
+    peers = load_bench_script("ctr_peers")
+    run = {"logloss": 0.5, "peak_rss_mb": 100.0}
+    runs = [
+        {**run, "system": "ecru", "auc": 0.780, "samples_per_s": 130.0},
+        {**run, "system": "deepctr-torch", "auc": 0.781, "samples_per_s": 100.0},
+        {**run, "system": "deepctr-torch", "auc": 0.781, "samples_per_s": 100.0},
+        {**run, "system": "ecru", "auc": 0.780, "samples_per_s": 150.0},
+    ]
+    summary = peers.summarise(runs)
+    assert summary["ecru"]["samples_per_s"] == 140.0 and abs(summary["speedup"] - 1.4) < 1e-12
+    assert abs(summary["auc_gap"] + 0.001) < 1e-12
+    assert summary["targets"] == {"speedup >= 1.3": True, "|auc gap| <= 0.002": True}

@@ -1,5 +1,5 @@
-"""CTR prediction: DeepFM / Wide&Deep / DCN / DCN-v2 (with multi-hot fields), columnar Criteo and Avazu
-readers, a synthetic data set with a known optimum, a training loop with CowClip and large-batch scaling
+"""CTR prediction: DeepFM / Wide&Deep / DCN / DCN-v2 (with multi-hot fields), columnar Criteo, Avazu and
+own-table (CSV/TSV/Parquet with a schema) readers, a synthetic data set with a known optimum, a training loop with CowClip and large-batch scaling
 rules, and model folders (`save_model` / `load_model`) that score new files.
 
 The public names load lazily (PEP 562), so `ecru --help`, which imports `ecru.ctr.cli`, does not import torch.
@@ -13,6 +13,7 @@ _EXPORTS = {
     "ecru.ctr.data": ("CTRData",),
     "ecru.ctr.reader": ("MalformedLineError", "ReaderConfig", "load_ctr_file", "read_ctr_file"),
     "ecru.ctr.tokens": ("Encoder", "HashingEncoder", "VocabularyEncoder"),
+    "ecru.ctr.schema": ("TableSchema", "load_schema", "predict_table", "propose_schema"),
     "ecru.ctr.metrics": ("auc", "group_auc", "logloss"),
     "ecru.ctr.model_dir": ("CTRPredictor", "load_model", "save_model"),
     "ecru.ctr.models": (
