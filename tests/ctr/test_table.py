@@ -162,3 +162,37 @@ def test_table_without_schema_is_one_line(table, capsys):
 def test_schema_command_prints_json(table, capsys):
     rc, out, err = run(["ctr", "schema", "--data", str(table[0] / "train.csv"), "--rows", "500"], capsys)
     assert rc == 0 and json.loads(out)["label"] == "clicked" and "tags: multi_hot:|" in err
+
+
+def test_table_predict_keeps_one_line_per_input_line(table, capsys):
+    """A blank line and a malformed row (--skip-malformed) are nan lines in place; a quoted cell with the
+    delimiter in it is one cell."""
+    root, held_rows = table[0], table[1][:50]
+    if not (root / "model").exists():
+        pytest.skip("needs the model of test_own_table_trains_from_the_cli_and_scores_held_out_rows")
+    write_csv(root / "small.csv", held_rows, drop=("clicked",))
+    lines = (root / "small.csv").read_text().splitlines(keepends=True)
+    bad = lines[11].split(",")
+    bad[1] = "not-a-number"  # price
+    quoted = lines[21].split(",")
+    quoted[4] = f'"{quoted[4]},x"'  # item: a token with a comma in it
+    mixed = root / "mixed.csv"
+    mixed.write_text(
+        "".join(
+            lines[:6]
+            + ["\n"]
+            + lines[6:11]
+            + [",".join(bad)]
+            + lines[12:21]
+            + [",".join(quoted)]
+            + lines[22:]
+        )
+    )
+    predict = ["ctr", "predict", "--model", str(root / "model"), "--data", f"table:{mixed}"]
+    rc, _, err = run([*predict, "--out", str(root / "m.txt")], capsys)
+    assert rc == 2 and "mixed.csv:13:" in err and "price" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = run([*predict, "--skip-malformed", "--out", str(root / "m.txt")], capsys)
+    values = (root / "m.txt").read_text().splitlines()
+    assert rc == 0, err
+    assert len(values) == 51 and values[5] == "nan" and values[11] == "nan"
+    assert sum(v == "nan" for v in values) == 2
