@@ -8,6 +8,7 @@ import torch
 
 from ecru.cli import main
 from ecru.ctr import auc, load_model
+from ecru.errors import EcruError
 
 FAST = ["--mlp", "8", "--batch-size", "256", "--base-batch", "256", "--min-count", "1"]
 
@@ -135,8 +136,30 @@ def test_a_torn_model_folder_is_refused(files, trained):
     shutil.copytree(trained, torn)
     config = json.loads((torn / "config.json").read_text())
     (torn / "config.json").write_text(json.dumps({**config, "generation": "0" * 32}))
-    with pytest.raises(Exception, match="does not belong"):
+    with pytest.raises(EcruError, match="checksum mismatch in .*config.json"):
         load_model(torn)
+    # a folder of version 1 (before manifests) is still checked by its generation strings
+    (torn / "manifest.json").unlink()
+    (torn / "config.json").write_text(json.dumps({**config, "version": 1, "generation": "0" * 32}))
+    with pytest.raises(EcruError, match="does not belong"):
+        load_model(torn)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_damaged_weights_are_refused_in_one_line(files, trained, damage, capsys):
+    bad = files / f"damaged-{damage}"
+    shutil.copytree(trained, bad)
+    weights = bad / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x04
+    else:
+        del data[len(data) // 2 :]
+    weights.write_bytes(bytes(data))
+    rc, _, err = run(["ctr", "predict", "--model", str(bad), "--data", f"criteo:{files / 'train.tsv'}",
+                      "--out", str(files / f"p-{damage}.txt")], capsys)  # fmt: skip
+    assert rc == 2 and "checksum mismatch in" in err and "model.safetensors" in err
+    assert len(err.strip().splitlines()) == 1 and not (files / f"p-{damage}.txt").exists()
 
 
 @pytest.mark.parametrize(

@@ -407,9 +407,8 @@ def _save_folder(out, args, cfg, res, train_data, metrics: dict) -> None:
         name=args.model,
         data_format=args.data.partition(":")[0] if args.data.startswith(("avazu:", "table:")) else "criteo",
         extra=extra,
+        schema=_table_schema(args).to_json() if args.data.startswith("table:") else None,
     )
-    if args.data.startswith("table:"):  # the model folder reads tables with it (`predict`)
-        atomic_write_json(out / "schema.json", _table_schema(args).to_json())
     atomic_write_json(out / "metrics.json", metrics)
     note = "" if encoder else " (synthetic ids: `predict` needs a model trained on a file)"
     print(f"model saved to {out}/ (model.safetensors, config.json, metrics.json){note}")

@@ -5,11 +5,14 @@
     DIR/config.json         what rebuilds the model and reads new files: model name, CTRConfig, data format,
                             encoder (vocabulary or hashing settings), training settings, data content hash
     DIR/metrics.json        held-out metrics of the run (written by the CLI)
+    DIR/schema.json         a table's schema (models trained on `table:FILE`)
+    DIR/manifest.json       sha256 and size of the files above (ecru.io), written last: the commit point
     DIR/checkpoint.pt       the training checkpoint (model + optimizer state, every epoch; `--resume`)
 
-Each file is written to a temporary name and renamed into place, config.json last. config.json and the
-safetensors files carry the same random `generation` string, so a folder caught between two saves (a crash
-after the weights, before the config) is refused on load instead of mixing two models.
+Each file is written atomically (ecru.io), the manifest last; loading checks every file against it, so a
+truncated, damaged or changed file is refused in one line. config.json and the safetensors files also carry
+the same random `generation` string (folders of version 1, written before manifests, are checked by it
+alone), so a folder caught between two saves is refused instead of mixing two models.
 """
 
 from __future__ import annotations
@@ -17,25 +20,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
-from ecru.cliargs import atomic_write_json
 from ecru.ctr.data import CTRData
 from ecru.ctr.models import CTRConfig, CTRModel, build_model
 from ecru.ctr.reader import FORMATS, ReaderConfig, load_ctr_file, malformed_lines, sniff_layout
 from ecru.ctr.tokens import Encoder, load_encoder
 from ecru.errors import EcruError, MissingAssetError
+from ecru.io import atomic_write_json, load_tensors, save_tensors, verify_manifest, write_manifest
 
-FOLDER_FORMAT, FOLDER_VERSION = "ecru-ctr-model", 1
+FOLDER_FORMAT, FOLDER_VERSION = "ecru-ctr-model", 2
+_RETRAIN = "train again with --out"
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
@@ -47,26 +48,6 @@ def file_digest(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _save_tensors(tensors: dict[str, Tensor], path: Path, generation: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, {"generation": generation}
-        )
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 otherwise: the file gets the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_model(
     out: str | os.PathLike[str],
     model: CTRModel,
@@ -75,19 +56,26 @@ def save_model(
     name: str,
     data_format: str,
     extra: dict,
+    schema: dict | None = None,
 ) -> Path:
-    """Write `model` (built as `name`) and `encoder` into the folder `out` (see the module docstring).
+    """Write `model` (built as `name`), `encoder` and a table's `schema` into the folder `out` (see the
+    module docstring).
 
     `encoder` None: the model was trained on ids without tokens (synthetic data); it cannot score files.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     generation = uuid.uuid4().hex
-    _save_tensors(model.state_dict(), out / "model.safetensors", generation)
+    files = ["model.safetensors", "config.json"]
+    save_tensors(out / "model.safetensors", model.state_dict(), {"generation": generation})
     state = encoder.state() if encoder else {}
     vocab = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
     if vocab:
-        _save_tensors(vocab, out / "vocab.safetensors", generation)
+        save_tensors(out / "vocab.safetensors", vocab, {"generation": generation})
+        files.append("vocab.safetensors")
+    if schema is not None:
+        atomic_write_json(out / "schema.json", schema)
+        files.append("schema.json")
     config = {
         "format": FOLDER_FORMAT,
         "version": FOLDER_VERSION,
@@ -100,22 +88,19 @@ def save_model(
         **extra,
     }
     atomic_write_json(out / "config.json", config)
+    write_manifest(out, files)
     return out
 
 
 def _load_tensors(path: Path, generation: str) -> dict[str, Tensor]:
     if not path.is_file():
-        raise MissingAssetError(f"{path} is missing; the model folder is incomplete (train again with --out)")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get("generation") != generation:
-                raise EcruError(
-                    f"{path} does not belong to {path.parent / 'config.json'} (a save was interrupted); "
-                    "train again with --out"
-                )
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise EcruError(f"{path} is unreadable ({exc}); train again with --out") from None
+        raise MissingAssetError(f"{path} is missing; the model folder is incomplete ({_RETRAIN})")
+    tensors, metadata = load_tensors(path, hint=_RETRAIN)
+    if metadata.get("generation") != generation:
+        raise EcruError(
+            f"{path} does not belong to {path.parent / 'config.json'} (a save was interrupted); {_RETRAIN}"
+        )
+    return tensors
 
 
 @dataclass
@@ -203,7 +188,7 @@ def _read_config(folder: Path) -> dict:
         raise EcruError(f"{path} is unreadable ({exc}); train again with --out") from None
     if not isinstance(config, dict) or config.get("format") != FOLDER_FORMAT:
         raise EcruError(f"{path} is not an ecru CTR model config")
-    if config.get("version") != FOLDER_VERSION or config.get("data_format") not in FORMATS:
+    if config.get("version") not in (1, FOLDER_VERSION) or config.get("data_format") not in FORMATS:
         raise EcruError(f"{path}: unsupported version {config.get('version')} or data format")
     return config
 
@@ -212,6 +197,8 @@ def load_model(folder: str | os.PathLike[str], *, device: str = "cpu") -> CTRPre
     """Load a folder written by `save_model` (`ecru ctr train --out DIR`)."""
     folder = Path(folder).expanduser()
     config = _read_config(folder)
+    if config["version"] >= 2:  # every file as written; version 1 folders predate manifests
+        verify_manifest(folder)
     generation = config["generation"]
     cfg = config["ctr_config"]
     ctr = CTRConfig(**{**cfg, "cardinalities": tuple(cfg["cardinalities"]), "mlp": tuple(cfg["mlp"])})
