@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ecru.cliargs import atomic_write_text
+from ecru.io import atomic_write_text
 from ecru.lifelong.evaluate import Evaluator
 from ecru.lifelong.methods import ROUTED
 from ecru.lifelong.router import FROZEN, LDARouter

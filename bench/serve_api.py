@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from ecru.cliargs import atomic_write_json, prepare_out_file
+    from ecru.cliargs import prepare_out_file
+    from ecru.io import atomic_write_json
     from ecru.serve.detok import Decoder
     from ecru.serve.models import ServedModel
     from ecru.serve.prompts import load_prompts

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from ecru.cliargs import ArgumentParser, atomic_write_json, positive_int, prepare_out_file
+from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file
+from ecru.io import atomic_write_json
 from ecru.serve.engine import GenerationConfig, generate_static
 from ecru.serve.models import ServedModel
 from ecru.serve.predictors import ProbePredictor, length_metrics, spearman

@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from ecru.cliargs import ArgumentParser, atomic_write_json, positive_int, prepare_out_file
+from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file
+from ecru.io import atomic_write_json
 from ecru.serve import EmbeddingPredictor, MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
 from ecru.serve.online import OnlineConfig, OnlineRequest, poisson_arrivals, simulate_online

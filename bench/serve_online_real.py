@@ -59,14 +59,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ecru.cliargs import (
-    ArgumentParser,
-    atomic_write_json,
-    non_negative_float,
-    positive_float,
-    positive_int,
-    prepare_out_file,
-)
+from ecru.cliargs import ArgumentParser, non_negative_float, positive_float, positive_int, prepare_out_file
+from ecru.io import atomic_write_json
 from ecru.serve import EmbeddingPredictor, MiniLMPredictor
 from ecru.serve.cost import CostModel, StepWork, fit_cost_model, measure_cost_model, record_forwards
 from ecru.serve.models import ServedModel

@@ -23,14 +23,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from ecru.cliargs import (
-    ArgumentParser,
-    atomic_write_json,
-    existing_file,
-    non_negative_float,
-    positive_int,
-    prepare_out_file,
-)
+from ecru.cliargs import ArgumentParser, existing_file, non_negative_float, positive_int, prepare_out_file
+from ecru.io import atomic_write_json
 from ecru.serve.cost import CostModel
 from ecru.serve.online import PREEMPT_MODES, OnlineConfig, poisson_arrivals, simulate_online
 from serve_online import build_trace, resample, saturated_capacity

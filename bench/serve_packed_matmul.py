@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch import nn
 
-    from ecru.cliargs import atomic_write_json, prepare_out_file
+    from ecru.cliargs import prepare_out_file
+    from ecru.io import atomic_write_json
     from ecru.serve.packed import PackedLinear, packing_available
 
     prepare_out_file(args.json, flag="--json")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ecru.cliargs import atomic_write_json
+from ecru.io import atomic_write_json
 from ecru.serve import length_metrics
 from ecru.serve.labels import read_labels
 from ecru.serve.models import load_model

@@ -5,7 +5,6 @@ import pytest
 
 from ecru.cliargs import (
     ArgumentParser,
-    atomic_write_json,
     config_from,
     existing_file,
     fraction,
@@ -17,6 +16,7 @@ from ecru.cliargs import (
     prepare_out_file,
 )
 from ecru.errors import EcruError
+from ecru.io import atomic_write_json
 
 
 @pytest.mark.parametrize(

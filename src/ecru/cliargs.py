@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from ecru.errors import EcruError
-from ecru.io import atomic_write_bytes, atomic_write_json, atomic_write_text  # noqa: F401 - moved to ecru.io
 
 EXIT_USAGE = 2  # bad arguments and bad inputs alike: one line on stderr, this status
 T = TypeVar("T")

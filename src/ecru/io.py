@@ -136,6 +136,16 @@ def clean_leftovers(folder: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def decode_line(raw: bytes) -> str:
+    """A line of a user's file as text; `ValueError` saying where, if it is not valid UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); save the file as UTF-8"
+        ) from None
+
+
 def inside(folder: str | os.PathLike, name: str) -> Path:
     """`folder/name`, refused unless it resolves to a path strictly inside `folder` (no `..`, no absolute
     path, no symlink out): names read from a file must not reach outside its folder."""

@@ -57,7 +57,13 @@ def trained(files):
 
 def test_train_writes_a_self_contained_folder(trained):
     names = {p.name for p in trained.iterdir()}
-    assert {"model.safetensors", "vocab.safetensors", "config.json", "metrics.json", "checkpoint.pt"} <= names
+    assert {
+        "model.safetensors",
+        "vocab.safetensors",
+        "config.json",
+        "metrics.json",
+        "checkpoint.safetensors",
+    } <= names
     metrics = json.loads((trained / "metrics.json").read_text())
     assert metrics["skipped_lines"] == 3 and 0.5 < metrics["auc"] <= 1
     assert not [n for n in names if n.endswith(".tmp")]
@@ -125,7 +131,7 @@ def test_resume_refuses_another_file_and_a_corrupted_checkpoint(files, trained, 
     ]
     rc, _, err = run(argv, capsys)
     assert rc == 2 and "other data" in err and len(err.strip().splitlines()) == 1
-    (other / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    (other / "checkpoint.safetensors").write_bytes(b"not a checkpoint")
     argv[3] = f"criteo:{files / 'train.tsv'}"
     rc, _, err = run([*argv, "--skip-malformed"], capsys)
     assert rc == 2 and "unreadable" in err and "Traceback" not in err

@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from ecru.cowclip import Recipe
 from ecru.ctr import SyntheticConfig, TrainConfig, generate, train
 from ecru.errors import EcruError
+from ecru.io import load_state
 
 SMALL = dict(mlp=(16, 16), embed_dim=4, progress=False, base_batch=128)
 
@@ -114,7 +115,7 @@ def test_early_stopping_stops_on_the_validation_auc_and_keeps_the_best_epoch(mon
     for k, v in res.model.state_dict().items():
         assert torch.equal(v, snapshots[1][k])
     assert not all(torch.equal(v, snapshots[3][k]) for k, v in res.model.state_dict().items())
-    assert torch.load(tmp_path / "c.pt", weights_only=True)["best_model"].keys() == snapshots[1].keys()
+    assert load_state(tmp_path / "c.pt")["best_model"].keys() == snapshots[1].keys()
     with pytest.raises(EcruError, match="validation rows"):
         train(TrainConfig(batch_size=128, patience=1, **SMALL), tr, te)
     with pytest.raises(EcruError, match="patience"):

@@ -17,7 +17,7 @@ def test_run_writes_the_result_json(tmp_path, capsys):
     assert len(got["R"]) == 2 and len(got["heldout"]) == 3
     assert got["tasks"] == ["banking", "credit_cards"] and got["config"]["stream"]["tasks"] == 2
     assert "seqlora: task-agnostic last" in capsys.readouterr().out
-    assert (tmp_path / "ckpt" / "last.pt").is_file()
+    assert (tmp_path / "ckpt" / "last.safetensors").is_file()
 
 
 def test_bad_arguments_fail_cleanly(capsys):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ecru.errors import EcruError
+from ecru.io import load_state, save_state
 from ecru.lifelong import METHODS, TeacherCache, TrainConfig, make_method, run_stream
 from ecru.lifelong.methods import DISTILLING
 
@@ -180,9 +181,9 @@ def test_resume_checks_the_stream_texts_not_only_their_sizes(tiny_model, tiny_ev
             log=lambda s: None,
         )
     # a checkpoint written before the texts were signed resumes, and says so
-    ckpt = torch.load(tmp_path / "last.pt", weights_only=False)
+    ckpt = load_state(tmp_path / "last.safetensors")
     del ckpt["signature"]["texts"]
-    torch.save(ckpt, tmp_path / "last.pt")
+    save_state(tmp_path / "last.safetensors", ckpt)
     said = []
     run_stream(
         make_method("seqft", tiny_model(), train=TRAIN),

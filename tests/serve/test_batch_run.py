@@ -90,6 +90,28 @@ def test_skip_invalid_counts_and_serves_the_rest(chat_model_dir, tmp_path, capsy
     assert "2 invalid line(s) skipped" in captured.out and f"{src}:3:" in captured.err
 
 
+def test_undecodable_bytes_are_an_invalid_line(chat_model_dir, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"prompt": "fine"}\n{"prompt": "bad \xff"}\n{"prompt": "also fine"}\n')
+    out = tmp_path / "out.jsonl"
+    assert run(chat_model_dir, src, out, "--max-new-tokens", "4") == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"ecru: error: {src}:2: not valid UTF-8 (byte 0xff at column 17)")
+    assert run(chat_model_dir, src, out, "--max-new-tokens", "4", "--skip-invalid") == 0
+    assert [r["id"] for r in answers(out)] == [1, 3]
+
+
+def test_a_whole_last_answer_without_its_newline_is_kept_and_appending_goes_on(tmp_path):
+    from ecru.serve.batch_run import read_answers
+
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 1, "text": "a"}\n{"id": 2, "text": "b"}')  # killed before the newline
+    assert [r["id"] for r in read_answers(out)] == [1, 2]
+    assert out.read_text().endswith('"b"}\n')
+    out.write_text(out.read_text() + '{"id": 3, "te')  # torn mid-line
+    assert [r["id"] for r in read_answers(out)] == [1, 2] and out.read_text().endswith('"b"}\n')
+
+
 def test_killed_mid_run_then_rerun_answers_each_id_once(chat_model_dir, tmp_path):
     n = 24
     src = write_lines(

@@ -314,7 +314,7 @@ def _train(args: argparse.Namespace) -> int:
         dataset=dataset,
         mlp=tuple(args.mlp),
         seed=args.seed,
-        checkpoint=str(out / "checkpoint.pt") if out else None,
+        checkpoint=str(out / "checkpoint.safetensors") if out else None,
         resume=args.resume,
         device=device,
         data_id=_data_id(args.data, args),
@@ -328,7 +328,7 @@ def _train(args: argparse.Namespace) -> int:
     if out:
         _save_folder(out, args, cfg, res, train_data, metrics)
     if json_file:
-        from ecru.cliargs import atomic_write_json
+        from ecru.io import atomic_write_json
 
         atomic_write_json(json_file, metrics)
     return 0
@@ -395,8 +395,8 @@ def clip_note(clip_on: bool, clipped_fraction: float) -> str:
 def _save_folder(out, args, cfg, res, train_data, metrics: dict) -> None:
     from dataclasses import asdict
 
-    from ecru.cliargs import atomic_write_json
     from ecru.ctr.model_dir import save_model
+    from ecru.io import atomic_write_json
 
     encoder = train_data.info.get("encoder")
     extra = {"train_config": asdict(cfg), "recipe": asdict(res.recipe), "data": args.data}
@@ -415,10 +415,11 @@ def _save_folder(out, args, cfg, res, train_data, metrics: dict) -> None:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from ecru.cliargs import atomic_write_text, prepare_out_file
+    from ecru.cliargs import prepare_out_file
     from ecru.ctr.metrics import auc, logloss
     from ecru.ctr.model_dir import load_model
     from ecru.errors import EcruError
+    from ecru.io import atomic_write_text
 
     if args.id_column and Path(args.out).suffix not in ID_SUFFIXES:
         raise EcruError(f"--id-column writes FILE.csv or FILE.jsonl; got --out {args.out}")

@@ -7,7 +7,7 @@
     DIR/metrics.json        held-out metrics of the run (written by the CLI)
     DIR/schema.json         a table's schema (models trained on `table:FILE`)
     DIR/manifest.json       sha256 and size of the files above (ecru.io), written last: the commit point
-    DIR/checkpoint.pt       the training checkpoint (model + optimizer state, every epoch; `--resume`)
+    DIR/checkpoint.safetensors  the training checkpoint (model + optimizer state, every epoch; `--resume`)
 
 Each file is written atomically (ecru.io), the manifest last; loading checks every file against it, so a
 truncated, damaged or changed file is refused in one line. config.json and the safetensors files also carry

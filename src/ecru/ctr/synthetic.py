@@ -12,8 +12,6 @@ Bayes-optimal, so the oracle AUC and logloss bound every model. The rows can be 
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from torch import Tensor
 
 from ecru.ctr.data import CTRData
 from ecru.ctr.metrics import auc, logloss
+from ecru.io import atomic_path
 
 CRITEO_CARDINALITIES = (
     1460,
@@ -156,22 +155,11 @@ def write_criteo_tsv(data: CTRData, path: str | Path) -> Path:
     temporary file renamed into place: never a half-written file)."""
     path = Path(path)
     counts, cats = data.info["counts"].long().tolist(), data.cats.long().tolist()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; the data file gets the usual permissions
-    try:
-        with os.fdopen(fd, "w") as f:
-            for y, row_counts, row_cats in zip(data.labels.long().tolist(), counts, cats, strict=True):
-                ints = ["" if c < 0 else str(c) for c in row_counts]
-                hexes = [
-                    f"{(i * 2654435761 + fld * 40503 + 1) % 2**32:08x}" for fld, i in enumerate(row_cats)
-                ]
-                f.write("\t".join([str(y), *ints, *hexes]) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        for y, row_counts, row_cats in zip(data.labels.long().tolist(), counts, cats, strict=True):
+            ints = ["" if c < 0 else str(c) for c in row_counts]
+            hexes = [f"{(i * 2654435761 + fld * 40503 + 1) % 2**32:08x}" for fld, i in enumerate(row_cats)]
+            f.write("\t".join([str(y), *ints, *hexes]) + "\n")
     return path
 
 

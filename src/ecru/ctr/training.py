@@ -29,6 +29,7 @@ from ecru.ctr.data import CTRData
 from ecru.ctr.metrics import auc, logloss
 from ecru.ctr.models import MODELS, CTRConfig, CTRModel, build_model
 from ecru.errors import EcruError
+from ecru.io import load_state, save_state
 
 
 @dataclass(frozen=True)
@@ -376,8 +377,18 @@ def _save(
     }
     if best_state is not None:
         state["best_model"] = best_state
-    torch.save(state, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").replace(path)  # never leave a half-written checkpoint
+    save_state(path, state)  # atomic, and no pickle: safetensors with a JSON skeleton (ecru.io)
+
+
+def _to_device(state, device: torch.device):
+    """`state` with every tensor on `device` (as a `map_location` load would place them)."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device)
+    if isinstance(state, dict):
+        return {k: _to_device(v, device) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_to_device(v, device) for v in state)
+    return state
 
 
 def _plain(value):
@@ -386,13 +397,13 @@ def _plain(value):
 
 def _load_checkpoint(cfg: TrainConfig) -> dict:
     try:
-        state = torch.load(cfg.checkpoint, weights_only=True, map_location=cfg.device)
+        state = load_state(cfg.checkpoint)
         state["config"], state["model"]  # noqa: B018 - a file without these is not a checkpoint
-    except Exception as exc:  # torch raises many types on a damaged file (pickle, zip, runtime errors)
+    except (EcruError, KeyError, TypeError) as exc:
         raise EcruError(
             f"checkpoint {cfg.checkpoint} is unreadable ({type(exc).__name__}); delete it to start over"
         ) from None
-    return state
+    return _to_device(state, torch.device(cfg.device))
 
 
 def _resume(cfg: TrainConfig, model, embed_opt, dense_opt, sched) -> tuple[int, list, dict | None]:

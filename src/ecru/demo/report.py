@@ -7,7 +7,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ecru.cliargs import atomic_write_json, atomic_write_text
+from ecru.io import atomic_write_json, atomic_write_text
 
 
 @dataclass

@@ -398,7 +398,7 @@ def _summary(args: argparse.Namespace, engine, losses: list[float], tokens: int,
 
 
 def _report(result: dict, out: Path) -> None:
-    from ecru.cliargs import atomic_write_json
+    from ecru.io import atomic_write_json
 
     print(
         f"model {result['model']} ({result['parameters'] / 1e6:.1f}M params) on {result['device']}, "

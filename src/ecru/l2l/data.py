@@ -82,16 +82,14 @@ def read_texts(path: str | Path) -> list[str]:
 def _decoded_lines(path: Path) -> list[str]:
     """The file's lines as UTF-8 text; a line that is not valid UTF-8 is one error naming file and line."""
     from ecru.errors import EcruError
+    from ecru.io import decode_line
 
     lines = []
     for n, raw in enumerate(path.read_bytes().splitlines(), 1):
         try:
-            lines.append(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise EcruError(
-                f"--data {path}, line {n}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                f"{exc.start + 1}); save the file as UTF-8"
-            ) from None
+            lines.append(decode_line(raw))
+        except ValueError as exc:
+            raise EcruError(f"--data {path}, line {n}: {exc}") from None
     return lines
 
 

@@ -8,8 +8,6 @@ import json
 import sys
 
 from ecru.cliargs import (
-    atomic_write_json,
-    atomic_write_text,
     existing_file,
     non_negative_int,
     positive_int,
@@ -17,6 +15,7 @@ from ecru.cliargs import (
     prepare_out_file,
     probability,
 )
+from ecru.io import atomic_write_json, atomic_write_text
 
 METHOD_NAMES = ("zeroshot", "ncm", "seqft", "lwf", "replay", "wise-ft", "zscl", "independent", "joint",
                 "seqlora", "lora-per-task", "shared-lora-zscl", "routed-lora", "routed-lora-proto",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ecru.io import load_tensors, save_tensors
 from ecru.lifelong.evaluate import Encoder, encode_sorted
 
 
@@ -28,18 +29,19 @@ class TeacherCache:
         self, texts: tuple[str, ...], teacher: Encoder, *, model_id: str, folder: Path | None = None
     ):
         self.texts, self.teacher = tuple(texts), teacher
-        self.path = None if folder is None else Path(folder) / f"teacher-{_key(self.texts, model_id)}.pt"
+        self.path = (
+            None if folder is None else Path(folder) / f"teacher-{_key(self.texts, model_id)}.safetensors"
+        )
         self.computed = 0
         """How many times the teacher actually encoded the reference set (tests check it stays <= 1)."""
         self._emb: torch.Tensor | None = None
 
     def embeddings(self) -> torch.Tensor:
         if self._emb is None and self.path is not None and self.path.is_file():
-            self._emb = torch.load(self.path, weights_only=True)
+            self._emb = load_tensors(self.path, hint="delete it to encode again")[0]["embeddings"]
         if self._emb is None:
             self._emb = encode_sorted(self.teacher, list(self.texts))
             self.computed += 1
             if self.path is not None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(self._emb, self.path)
+                save_tensors(self.path, {"embeddings": self._emb})
         return self._emb

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import torch
 
 from ecru.errors import EcruError
+from ecru.io import load_state, save_state
 from ecru.lifelong.evaluate import EvalRow, Evaluator
 from ecru.lifelong.methods.base import Method, TaskCost, tensor_bytes
 from ecru.lifelong.metrics import cl_metrics
@@ -100,16 +100,16 @@ class _Progress:
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """A run checkpoint, loaded safely (tensors and plain containers only, no pickled code)."""
     try:
-        return torch.load(path, weights_only=True)
-    except Exception as exc:  # an unpickling error names the offending global; say what to do instead
+        return load_state(path)
+    except EcruError as exc:  # damaged, or an older pickle checkpoint (never unpickled)
         raise EcruError(
-            f"{path}: not a checkpoint this version of ecru reads ({type(exc).__name__}); "
+            f"{path}: not a checkpoint this version of ecru reads ({exc}); "
             "fix: delete that folder to start the run again"
         ) from None
 
 
 def _checkpoint(folder: Path | None) -> Path | None:
-    return None if folder is None else Path(folder) / "last.pt"
+    return None if folder is None else Path(folder) / "last.safetensors"
 
 
 def stream_digest(stream) -> str:
@@ -205,17 +205,13 @@ def run_stream(
         log(f"{method.name}: task {i + 1}/{len(tasks)} ({tasks[i].name}) learned: acc {r.ti[i]:.1f}, "
             f"mean over tasks {sum(r.ti) / len(r.ti):.1f}, held-out {r.heldout:.1f}")  # fmt: skip
         if ckpt is not None:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {
-                    "method": method.state_dict(),
-                    "progress": progress.state(),
-                    "r0": asdict(r0),
-                    "signature": signature(method, evaluator),
-                },
-                ckpt.with_suffix(".tmp"),
-            )
-            ckpt.with_suffix(".tmp").replace(ckpt)  # atomic: a kill mid-save keeps the previous checkpoint
+            state = {
+                "method": method.state_dict(),
+                "progress": progress.state(),
+                "r0": asdict(r0),
+                "signature": signature(method, evaluator),
+            }
+            save_state(ckpt, state)  # atomic: a kill mid-save keeps the previous checkpoint; no pickle
     return _result(method.name, tasks, r0, progress)
 
 

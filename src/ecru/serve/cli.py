@@ -34,7 +34,7 @@ MODEL_HELP = "smollm2 (bundled), tiny (random, for tests) or the path of a local
 
 
 def _write_json(data: dict, path: str | None) -> None:
-    from ecru.cliargs import atomic_write_json
+    from ecru.io import atomic_write_json
 
     if path:
         atomic_write_json(path, data)
@@ -706,7 +706,7 @@ def _greedy_answers(args: argparse.Namespace, served, lines, config) -> tuple[li
 def _fit_and_save(args: argparse.Namespace, served, prompts, answers, out) -> tuple[dict, dict]:
     """Fit the remaining-length probe and the prompt-length predictor, write them and their held-out
     reports (probe.json) to `out`; the two reports."""
-    from ecru.cliargs import atomic_write_json
+    from ecru.io import atomic_write_json
     from ecru.serve.predictors import fit_length_predictor
     from ecru.serve.remaining import fit_probe, model_key
 

@@ -120,7 +120,7 @@ class CostModel:
         return CostModel(*values, source=source or f"{self.source} x {factor:.3g}")
 
     def save(self, path: str | Path) -> None:
-        from ecru.cliargs import atomic_write_json
+        from ecru.io import atomic_write_json
 
         atomic_write_json(path, asdict(self))
 

@@ -130,7 +130,7 @@ def save_ridge(path: Path, w: torch.Tensor, b: torch.Tensor, *, meta_key: str, m
     written atomically."""
     from safetensors.torch import save
 
-    from ecru.cliargs import atomic_write_bytes
+    from ecru.io import atomic_write_bytes
 
     data = save({"w": w.contiguous(), "b": b.reshape(1)}, metadata={meta_key: json.dumps(meta)})
     return atomic_write_bytes(path, data)
