@@ -343,3 +343,16 @@ def test_missing_inputs_are_one_line(tmp_path, capsys):
     assert rc == 2 and "config.json" in err and len(err.strip().splitlines()) == 1
     rc, _, err = run(["ctr", "train", "--resume", "--rows", "100"], capsys)
     assert rc == 2 and "--resume" in err
+
+
+def test_a_finished_run_is_refused_without_resume_or_overwrite(files, trained, capsys):
+    out = files / "again"
+    shutil.copytree(trained, out)
+    argv = ["ctr", "train", "--data", f"criteo:{files / 'train.tsv'}", "--skip-malformed", "--out", str(out)]
+    rc, _, err = run([*argv, *FAST], capsys)
+    assert rc == 2 and "already holds a run" in err and "--overwrite" in err
+    assert len(err.strip().splitlines()) == 1
+    rc, _, err = run([*argv, *FAST, "--resume", "--overwrite"], capsys)
+    assert rc == 2 and "not allowed with argument" in err
+    rc, _, _ = run([*argv, *FAST, "--overwrite"], capsys)
+    assert rc == 0 and json.loads((out / "metrics.json").read_text())["epochs"] >= 1

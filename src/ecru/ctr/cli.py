@@ -160,7 +160,7 @@ def _configure_train(t: argparse.ArgumentParser) -> None:
         "--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's)"
     )
     t.add_argument("--device", default="cpu", help="cpu or cuda")
-    add_out_dir(t)
+    add_out_dir(t, overwrite=True)
     t.add_argument("--json", default=None, metavar="FILE", help="also write the metrics JSON here")
     t.set_defaults(func=_train)
 
@@ -265,14 +265,32 @@ def _close_distributed() -> None:
         dist.destroy_process_group()
 
 
+RUN_FILES = (
+    "checkpoint.safetensors",
+    "manifest.json",
+    "config.json",
+    "model.safetensors",
+    "vocab.safetensors",
+)
+RUN_FILES += ("schema.json", "metrics.json")  # what a run writes in --out (--overwrite deletes them)
+
+
 def _prepare_outputs(args: argparse.Namespace):
     """The --out folder and --json file, created and checked writable before any work."""
     from ecru.cliargs import prepare_out_dir, prepare_out_file
     from ecru.errors import EcruError
 
-    if args.resume and not args.out:
-        raise EcruError("--resume continues from the checkpoint in --out DIR; give --out")
+    if (args.resume or args.overwrite) and not args.out:
+        raise EcruError("--resume and --overwrite act on the run in --out DIR; give --out")
+    held = [f for f in RUN_FILES if args.out and (Path(args.out) / f).exists()]
+    if held and not (args.resume or args.overwrite):
+        raise EcruError(
+            f"--out {args.out} already holds a run ({held[0]}); pass --resume to continue it, --overwrite to "
+            "start again, or choose another --out"
+        )
     out = prepare_out_dir(args.out) if args.out else None
+    for name in held if args.overwrite else ():
+        (out / name).unlink(missing_ok=True)
     json_file = prepare_out_file(args.json, flag="--json") if args.json else None
     return out, json_file
 

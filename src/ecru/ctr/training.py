@@ -268,8 +268,10 @@ def train(
     )
     net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     start_epoch, history, best_state = _resume(cfg, model, embed_opt, dense_opt, sched)
+    if history and _stopped(cfg, history):  # an early-stopped run is finished: resuming adds no epoch
+        start_epoch = cfg.epochs
     shard = cfg.batch_size // world
-    losses, steps, wall = [], 0, 0.0
+    losses = []
     for epoch in range(start_epoch, cfg.epochs):
         bar = tqdm(
             total=steps_per_epoch,
@@ -277,7 +279,7 @@ def train(
             disable=not cfg.progress or rank != 0,
             leave=False,
         )
-        start = time.perf_counter()
+        start, steps = time.perf_counter(), 0
         for dense, cats, labels in train_data.batches(
             cfg.batch_size, seed=cfg.seed * 1000 + epoch, drop_last=True
         ):
@@ -300,14 +302,15 @@ def train(
             embed_opt.flush()  # every row up to date before evaluating and saving
         if cfg.device.startswith("cuda"):
             torch.cuda.synchronize()
-        wall += time.perf_counter() - start
-        history.append(_epoch_metrics(cfg, model, epoch, test_data, val_data))
+        # each epoch keeps its own steps and time: after a resume the totals still cover the whole run
+        timing = {"steps": steps, "wall_s": time.perf_counter() - start}
+        history.append({**_epoch_metrics(cfg, model, epoch, test_data, val_data), **timing})
         if cfg.progress and rank == 0:
             tqdm.write(_epoch_line(history[-1]))
         if cfg.patience is not None and best_epoch(history) is history[-1]:
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         _save(cfg, rank, model, embed_opt, dense_opt, sched, epoch, history, best_state)
-        if cfg.patience is not None and epoch + 1 - best_epoch(history)["epoch"] >= cfg.patience:
+        if _stopped(cfg, history):
             break
     if not history:
         raise EcruError(f"checkpoint {cfg.checkpoint} already has all {cfg.epochs} epochs; raise --epochs")
@@ -316,6 +319,8 @@ def train(
         final = best_epoch(history)
         if final is not history[-1] and best_state is not None:
             model.load_state_dict(best_state)
+    steps = sum(h.get("steps", 0) for h in history)
+    wall = sum(h.get("wall_s", 0.0) for h in history)
     samples = steps * cfg.batch_size
     return TrainResult(
         final["auc"],
@@ -343,6 +348,11 @@ def _epoch_metrics(cfg: TrainConfig, model, epoch: int, test_data: CTRData, val_
 def _epoch_line(entry: dict) -> str:
     line = f"epoch {entry['epoch']}: test AUC {entry['auc']:.5f} logloss {entry['logloss']:.5f}"
     return line + (f" (validation AUC {entry['val_auc']:.5f})" if "val_auc" in entry else "")
+
+
+def _stopped(cfg: TrainConfig, history: list[dict]) -> bool:
+    """Early stopping: `patience` epochs without a better validation AUC."""
+    return cfg.patience is not None and history[-1]["epoch"] - best_epoch(history)["epoch"] >= cfg.patience
 
 
 def best_epoch(history: list[dict]) -> dict:
