@@ -380,3 +380,45 @@ def test_leftovers_of_a_killed_learn_are_cleaned_by_the_next_writer(store, tmp_p
     (fresh / "tasks" / ".t.ecru-tmp-0002").mkdir(parents=True)
     (fresh / ".ecru.lock").write_text("123\n")
     assert KnowledgeStore(fresh).tasks() == []
+
+
+def test_two_concurrent_learns_on_one_new_store_keep_both_tasks(tmp_path, data):
+    """Two processes learn at once into a store that does not exist yet: both exit 0 and both tasks are
+    there (each commits under the store's lock against the store.json it then reads)."""
+    import os
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    store = tmp_path / "shared"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ecru",
+                "lifelong",
+                "learn",
+                "--store",
+                str(store),
+                "--task",
+                task,
+                "--data",
+                str(data[task]),
+                "--epochs",
+                "1",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for task in ("banking", "travel")
+    ]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    tasks = KnowledgeStore(store).tasks()
+    assert sorted(t["task"] for t in tasks) == ["banking", "travel"]
+    folders = sorted(p.name for p in (store / "tasks").iterdir())
+    assert len(folders) == 2  # no orphan, no leftover
