@@ -257,3 +257,18 @@ def test_the_server_serves_cb_srpt_with_a_probe(probe_dir, chat_model_dir, monke
             with ThreadPoolExecutor(6) as pool:  # concurrent: rows fill, requests wait, rows may be swapped
                 texts[policy] = list(pool.map(ask, PROMPTS[:6]))
     assert seen.rows > 0 and texts["cb"] == texts["cb-srpt"]
+
+
+def test_a_probe_folder_with_a_damaged_file_is_refused(model, tmp_path):
+    from ecru.io import write_manifest
+
+    ids = [[5, 6, 7], [9, 9, 30, 41], [12], [50, 3, 3], [8, 8]]
+    p = EmbeddingPredictor(model, None, lam=0.3, cap=24, key="m").fit_ids(ids, [3.0, 20.0, 7.0, 15.0, 9.0])
+    write_manifest(tmp_path, [p.save(tmp_path).name])  # as `ecru serve probe` leaves its folder
+    EmbeddingPredictor.load(tmp_path, model, None)
+    path = tmp_path / LENGTH_FILE
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x20
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum mismatch in .*length_predictor.safetensors"):
+        EmbeddingPredictor.load(tmp_path, model, None)

@@ -706,7 +706,7 @@ def _greedy_answers(args: argparse.Namespace, served, lines, config) -> tuple[li
 def _fit_and_save(args: argparse.Namespace, served, prompts, answers, out) -> tuple[dict, dict]:
     """Fit the remaining-length probe and the prompt-length predictor, write them and their held-out
     reports (probe.json) to `out`; the two reports."""
-    from ecru.io import atomic_write_json
+    from ecru.io import atomic_write_json, write_manifest
     from ecru.serve.predictors import fit_length_predictor
     from ecru.serve.remaining import fit_probe, model_key
 
@@ -720,8 +720,8 @@ def _fit_and_save(args: argparse.Namespace, served, prompts, answers, out) -> tu
     meta = {"model": model_key(served.name), "cap": args.max_new_tokens, "held_out": report,
             "length_predictor_held_out": length_report}  # fmt: skip
     atomic_write_json(out / "probe.json", meta)  # the report first: the weight files are what serving reads
-    probe.save(out)
-    length.save(out)
+    files = [probe.save(out).name, length.save(out).name, "probe.json"]
+    write_manifest(out, files)  # checked when either is loaded: a damaged file is refused in one line
     return report, length_report
 
 

@@ -141,6 +141,12 @@ def read_ridge(path: Path, *, meta_key: str, what: str, fields) -> tuple[dict, t
     weights and the bias (float32). ValueError, in one line, when the file is missing or is not `what`."""
     from safetensors import SafetensorError, safe_open
 
+    from ecru.io import ChecksumError, verify_manifest
+
+    try:
+        verify_manifest(path.parent, [path.name], required=False)  # a folder of `ecru serve probe`
+    except ChecksumError as exc:
+        raise ValueError(str(exc)) from None
     if not path.is_file():
         raise ValueError(
             f"{path.parent}: no {path.name} in it; fit one with `ecru serve probe --out {path.parent}`"
