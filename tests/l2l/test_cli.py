@@ -189,6 +189,11 @@ def test_a_lora_run_resumes_exactly(tmp_path, monkeypatch):
     a = load_file(straight / "adapter" / "adapter_model.safetensors")
     b = load_file(out / "adapter" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the checkpoint keeps the adapter (and buffers), not a copy of the frozen base
+    from ecru.l2l.checkpoint import load
+
+    kept = load(out / "checkpoint")["model"]
+    assert kept and all("lora_" in k for k in kept if k.endswith("weight"))
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ def save(engine: L2L, path: str | os.PathLike, *, meta: dict[str, Any] | None = 
         "options": engine.parts.options,
         "steps": engine.steps,
         "config": dataclasses.asdict(engine.config),
-        "model": {k: v.detach().cpu() for k, v in engine.state_dict().items()},
+        "model": _trained_state(engine),
         "optimizers": engine.store.optimizer_state(),
         "loss_scale": dataclasses.asdict(engine.scaler) if engine.scaler else None,
         "rng": {
@@ -57,6 +57,14 @@ def save(engine: L2L, path: str | os.PathLike, *, meta: dict[str, Any] | None = 
         if _STATE.fullmatch(old.name) and old.name != name:
             old.unlink(missing_ok=True)
     return target
+
+
+def _trained_state(engine: L2L) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint must keep: all of them, or with frozen parameters (a LoRA run) only the
+    trainable ones and the buffers; resume reads the frozen base from the model it is given."""
+    frozen = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    state = engine.state_dict()
+    return {k: v.detach().cpu() for k, v in state.items() if k not in frozen}
 
 
 def load(path: str | os.PathLike) -> dict:
@@ -106,7 +114,7 @@ def resume(
             config=config,
             reduction=payload["options"].get("reduction", "mean"),
         )
-    engine.load_state_dict(payload["model"])
+    engine.load_state_dict(payload["model"], frozen_from_model=True)
     engine.store.load_optimizer_state(payload["optimizers"])
     engine.steps = payload["steps"]
     if engine.scaler and payload["loss_scale"]:

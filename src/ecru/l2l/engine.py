@@ -498,9 +498,21 @@ class L2L:
         finally:
             self.store.release()
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(
+        self, state_dict: dict[str, torch.Tensor], *, frozen_from_model: bool = False
+    ) -> None:
+        """Load a state dict (strict); with `frozen_from_model`, frozen parameters it lacks keep the model's."""
         self.store.synchronize()
-        self.model.load_state_dict(state_dict, strict=True)
+        if frozen_from_model:
+            frozen = {
+                n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad
+            }
+            missing = set(self.model.state_dict()) - set(state_dict)
+            if missing - frozen:
+                raise ValueError(f"the state dict lacks trainable weights: {sorted(missing - frozen)[:3]}")
+            self.model.load_state_dict(state_dict, strict=False)
+        else:
+            self.model.load_state_dict(state_dict, strict=True)
         self.store.refresh()
 
     def save(self, path, *, meta: dict | None = None) -> None:
