@@ -1,0 +1,53 @@
+"""Fault injection: `ecru l2l train` killed with SIGKILL at many instants (while starting, between and
+inside checkpoint writes, during the export) is finished by the same command with `--resume`, and the
+result equals a run that was never interrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+ARGS = ["l2l", "train", "--batch-size", "4", "--micro-batch-size", "2", "--lr", "3e-3", "--steps", "8"]
+
+
+def _cmd(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ecru", *ARGS, "--save-every", "1", "--out", str(out), *extra]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+
+
+def _kill_after(cmd: list[str], seconds: float) -> None:
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_l2l_train_killed_at_many_instants_is_finished_by_resume(tmp_path, store):
+    straight = tmp_path / "straight"
+    subprocess.run(_cmd(straight, "--store", store), env=_env(), check=True, capture_output=True)
+    out = tmp_path / "killed"
+    # instants from the interpreter's start to the export (import ~2-4 s, 8 steps of ~0.05 s, checkpoints)
+    for seconds in (0.2, 2.5, 3.2, 3.6, 4.0, 4.5, 5.5):
+        _kill_after(_cmd(out, "--store", store, "--resume"), seconds)
+    done = subprocess.run(_cmd(out, "--store", store, "--resume"), env=_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = json.loads((straight / "metrics.json").read_text())
+    got = json.loads((out / "metrics.json").read_text())
+    assert got["losses"] == want["losses"] and got["steps"] == 8
+    a, b = load_file(straight / "hf" / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
