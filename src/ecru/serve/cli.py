@@ -15,20 +15,13 @@ from ecru.cliargs import (
     positive_int,
 )
 from ecru.errors import EcruError
-from ecru.serve.policies import STATIC_POLICIES
-from ecru.serve.queues import CONTINUOUS_POLICIES, DEFAULT_AGING
+from ecru.serve.names import ENGINE_POLICIES, SJF_POLICIES
+from ecru.serve.names import POLICIES as POLICY_NAMES
+from ecru.serve.queues import DEFAULT_AGING
 
 PENALTY = number_in(float, "a number", lambda v: -2 <= v <= 2, "between -2 and 2")  # OpenAI's range
 PORT = number_in(int, "an integer", lambda v: 1 <= v <= 65535, "a TCP port, 1..65535")
 API_KEY_ENV = "ECRU_API_KEY"
-POLICY_NAMES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
-ENGINE_POLICIES = (
-    "cb",
-    "cb-sjf",
-    "cb-srpt",
-    "cb-kv",
-)  # request_engine's (no torch import here; tested alike)
-SJF_POLICIES = ("cb-sjf", "cb-srpt")
 
 MODEL_HELP = "smollm2 (bundled), tiny (random, for tests) or the path of a local Hugging Face model folder"
 

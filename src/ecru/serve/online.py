@@ -44,10 +44,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ecru.serve.cost import CostModel
+from ecru.serve.names import ONLINE_POLICIES, PREEMPT_MODES
 from ecru.serve.queues import DEFAULT_AGING, past_fcfs_deadline
-
-ONLINE_POLICIES = ("fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt")
-PREEMPT_MODES = ("recompute", "keep")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-STATIC_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "fcr+vbs+bins", "oracle")
+from ecru.serve.names import STATIC_POLICIES
 
 
 @dataclass(frozen=True)

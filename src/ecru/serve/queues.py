@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from ecru.serve.names import CONTINUOUS_POLICIES
+
 
 class RequestQueue(Protocol):
     """Where waiting requests are held; `pop` returns the index of the next request to admit (`now`: the
@@ -178,9 +180,6 @@ class SJFQueue:
 
     def __len__(self) -> int:
         return len(self._live)
-
-
-CONTINUOUS_POLICIES = ("cb", "cb-sjf", "cb-ljf", "cb-kv")
 
 
 def make_queue(

@@ -57,6 +57,7 @@ from ecru.serve.continuous import (
 from ecru.serve.detok import Decoder, TextStream
 from ecru.serve.engine import forward, forward_pooled, forward_states, left_pad, new_cache
 from ecru.serve.kv_cache import HeadroomLayer, row_kv
+from ecru.serve.names import ENGINE_POLICIES, PREEMPT_MODES, SJF_POLICIES
 from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix
 from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue
 from ecru.serve.sampling import SamplingParams, next_token_ids, token_logprobs
@@ -64,9 +65,6 @@ from ecru.serve.sampling import SamplingParams, next_token_ids, token_logprobs
 if TYPE_CHECKING:
     from ecru.serve.predictors import StatePredictor
 
-ENGINE_POLICIES = ("cb", "cb-sjf", "cb-srpt", "cb-kv")
-PREEMPT_MODES = ("keep", "recompute")
-SJF_POLICIES = ("cb-sjf", "cb-srpt")
 
 PredictLength = Callable[[Sequence[int], SamplingParams], float]
 """A request's predicted answer length from its prompt ids and sampling (cb-sjf's and cb-srpt's queue key;

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 from ecru.serve.continuous import ContinuousConfig, generate_continuous, kv_budget_config
 from ecru.serve.engine import GenerationConfig, generate_static, resume_static
-from ecru.serve.policies import STATIC_POLICIES, PlanConfig, plan_batches, rerun_batches
-from ecru.serve.queues import CONTINUOUS_POLICIES, DEFAULT_AGING, make_queue
-
-POLICIES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
+from ecru.serve.names import CONTINUOUS_POLICIES, POLICIES
+from ecru.serve.policies import PlanConfig, plan_batches, rerun_batches
+from ecru.serve.queues import DEFAULT_AGING, make_queue
 
 
 @dataclass

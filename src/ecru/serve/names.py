@@ -1,0 +1,29 @@
+"""Every serving policy name and preemption mode, defined once. Torch-free: `ecru --help` imports it.
+
+A policy name means the same thing wherever it appears: `ecru serve api/run/bench/simulate`, the
+simulators and the benchmarks' JSON."""
+
+STATIC_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "fcr+vbs+bins", "oracle")
+"""Whole batches, planned before they run (`ecru.serve.policies.plan_batches`)."""
+CONTINUOUS_POLICIES = ("cb", "cb-sjf", "cb-ljf", "cb-kv")
+"""Continuous batching in the batch runner and its simulator (`ecru.serve.queues.make_queue`)."""
+POLICIES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
+"""What `ecru serve bench` and `ecru serve simulate` run."""
+ENGINE_POLICIES = ("cb", "cb-sjf", "cb-srpt", "cb-kv")
+"""The request engine's (`ecru serve api`, `ecru serve run`)."""
+SJF_POLICIES = ("cb-sjf", "cb-srpt")
+"""The engine's policies that queue requests by a predicted length."""
+ONLINE_POLICIES = ("fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt")
+"""The online (Poisson arrivals) simulator's."""
+PREEMPT_MODES = ("keep", "recompute")
+"""What happens to a preempted request's KV: kept, or dropped and recomputed."""
+
+__all__ = [
+    "CONTINUOUS_POLICIES",
+    "ENGINE_POLICIES",
+    "ONLINE_POLICIES",
+    "POLICIES",
+    "PREEMPT_MODES",
+    "SJF_POLICIES",
+    "STATIC_POLICIES",
+]
