@@ -299,6 +299,8 @@ def test_predict_writes_one_line_per_input_line(files, trained, capsys):
     assert rc == 0 and len(values) == 200 and values[100] == "nan"
     got = torch.tensor([float(v) for v in values[:100] + values[101:]])
     torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-7)
+    api = load_model(trained).predict(blank)  # the Python API aligns the same way
+    assert len(api) == 200 and api[100].isnan() and not api[:100].isnan().any()
 
 
 def test_undecodable_bytes_are_one_line_or_skipped(files, trained, capsys):

@@ -449,13 +449,7 @@ def _predict(args: argparse.Namespace) -> int:
     if fmt != predictor.data_format:
         raise EcruError(f"the model in {args.model} reads {predictor.data_format} files, not {fmt}")
     ids = read_id_column(path, args.id_column) if args.id_column else None
-    probs, labels = _scores(args, predictor, fmt, path)
-    if not (fmt == "table" and _is_parquet(path)):  # text: one output line per input line
-        header = fmt != "criteo"
-        probs, labels = (
-            with_blank_lines(probs, path, header=header),
-            with_blank_lines(labels, path, header=header),
-        )
+    probs, labels = _scores(args, predictor, fmt, path)  # one per input line, NaN for a blank one
     atomic_write_text(out, score_lines(probs.tolist(), ids, out.suffix))
     line = f"wrote {len(probs):,} click probabilities to {out}"
     known = ~(labels.isnan() | probs.isnan())
@@ -501,24 +495,6 @@ def _schema(args: argparse.Namespace) -> int:
         print('no 0/1 column named like a label was found: set "label" yourself', file=sys.stderr)
     print(json.dumps(schema, indent=1))
     return 0
-
-
-def with_blank_lines(values, path: str, *, header: bool):
-    """`values` of the rows pyarrow read, with NaN inserted at the file's blank lines: one per input line."""
-    import numpy as np
-    import torch
-
-    from ecru.ctr.reader import blank_lines
-
-    blank = blank_lines(path)
-    blank = blank[blank > 0] - 1 if header else blank
-    if not len(blank):
-        return values
-    keep = np.ones(len(values) + len(blank), bool)
-    keep[blank] = False
-    full = torch.full((len(keep),), float("nan"), dtype=values.dtype)
-    full[torch.from_numpy(keep)] = values
-    return full
 
 
 def read_id_column(path: str, column: str) -> list[str]:

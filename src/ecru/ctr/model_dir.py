@@ -30,7 +30,14 @@ from torch import Tensor
 
 from ecru.ctr.data import CTRData
 from ecru.ctr.models import CTRConfig, CTRModel, build_model
-from ecru.ctr.reader import FORMATS, ReaderConfig, load_ctr_file, malformed_lines, sniff_layout
+from ecru.ctr.reader import (
+    FORMATS,
+    ReaderConfig,
+    load_ctr_file,
+    malformed_lines,
+    sniff_layout,
+    with_blank_lines,
+)
 from ecru.ctr.tokens import Encoder, load_encoder
 from ecru.errors import EcruError, MissingAssetError
 from ecru.io import atomic_write_json, load_tensors, save_tensors, verify_manifest, write_manifest
@@ -146,18 +153,21 @@ class CTRPredictor:
     def predict_file(
         self, path: str | os.PathLike[str], *, batch_size: int = 65536, skip_malformed: bool = False
     ) -> tuple[Tensor, Tensor]:
-        """(probabilities, labels) per data line of the file, in order; NaN where a line is malformed (with
-        `skip_malformed`) and labels NaN if the file has none."""
+        """(probabilities, labels), one per line of the file (after a header), in order; NaN where a line is
+        blank or malformed (with `skip_malformed`), labels NaN if the file has none."""
         data = self.read(path, skip_malformed=skip_malformed)
         probs = self.predict_data(data, batch_size=batch_size)
         skipped = data.info.get("skipped_lines", 0)
-        if not skipped:
-            return probs, data.labels
-        rows = _aligned_rows(Path(path), self.data_format, len(data), skipped)
-        full_p = torch.full((len(data) + skipped,), float("nan"))
-        full_y = full_p.clone()
-        full_p[rows], full_y[rows] = probs, data.labels
-        return full_p, full_y
+        if skipped:
+            rows = _aligned_rows(Path(path), self.data_format, len(data), skipped)
+            full_p = torch.full((len(data) + skipped,), float("nan"))
+            full_y = full_p.clone()
+            full_p[rows], full_y[rows] = probs, data.labels
+            probs, labels = full_p, full_y
+        else:
+            labels = data.labels
+        header = self.data_format != "criteo"  # one value per input line: NaN at a blank one
+        return with_blank_lines(probs, path, header=header), with_blank_lines(labels, path, header=header)
 
 
 def _aligned_rows(path: Path, fmt: str, n_good: int, skipped: int) -> Tensor:

@@ -168,6 +168,22 @@ def first_bad_line(
     return None
 
 
+def with_blank_lines(values, path: str | Path, *, header: bool):
+    """`values` of the rows pyarrow read, with NaN inserted at the file's blank lines: one per input line."""
+    import numpy as np
+    import torch
+
+    blank = blank_lines(path)
+    blank = blank[blank > 0] - 1 if header else blank
+    if not len(blank):
+        return values
+    keep = np.ones(len(values) + len(blank), bool)
+    keep[blank] = False
+    full = torch.full((len(keep),), float("nan"), dtype=values.dtype)
+    full[torch.from_numpy(keep)] = values
+    return full
+
+
 def blank_lines(path: str | Path, *, chunk_bytes: int = 16 << 20) -> np.ndarray:
     """0-based numbers of the empty lines ("" or "\\r") of a file, found in byte chunks (pyarrow's parser skips
     them, so scores are re-aligned with the input lines from these)."""

@@ -199,19 +199,21 @@ def predict_table(
     import torch
 
     from ecru.ctr.model_dir import _aligned_rows, load_model
-    from ecru.ctr.reader import ReaderConfig, load_ctr_file
+    from ecru.ctr.reader import ReaderConfig, _is_parquet, load_ctr_file, with_blank_lines
 
     predictor, schema = load_model(folder), load_schema(Path(folder) / "schema.json")
     cfg = ReaderConfig(skip_malformed=skip_malformed)
     data, skipped = load_ctr_file(path, schema, cfg=cfg, encoder=predictor.encoder)
-    probs = predictor.predict_data(data, batch_size=batch_size)
-    if not skipped:
-        return probs, data.labels
-    rows = _aligned_rows(Path(path), schema, len(data), skipped)
-    full_p = torch.full((len(data) + skipped,), float("nan"))
-    full_y = full_p.clone()
-    full_p[rows], full_y[rows] = probs, data.labels
-    return full_p, full_y
+    probs, labels = predictor.predict_data(data, batch_size=batch_size), data.labels
+    if skipped:
+        rows = _aligned_rows(Path(path), schema, len(data), skipped)
+        full_p = torch.full((len(data) + skipped,), float("nan"))
+        full_y = full_p.clone()
+        full_p[rows], full_y[rows] = probs, data.labels
+        probs, labels = full_p, full_y
+    if _is_parquet(Path(path)):
+        return probs, labels
+    return with_blank_lines(probs, path, header=True), with_blank_lines(labels, path, header=True)
 
 
 __all__ = [
