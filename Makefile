@@ -35,7 +35,6 @@ test-all: install
 bench: install
 	$(BIN)/python bench/l2l.py --quick --json bench/results/l2l_quick.json
 	$(BIN)/python bench/l2l_memory.py --quick --json bench/results/l2l_memory_quick.json
-	$(BIN)/python bench/l2l_optimizer.py --quick --json bench/results/l2l_optimizer_quick.json
 	$(BIN)/python bench/ctr_scaling.py --quick --json bench/results/ctr_quick.json
 	$(BIN)/python bench/lifelong.py --quick --json bench/results/lifelong_agnostic_quick.json
 

@@ -8,17 +8,17 @@ and a deep narrow random Llama (width 256, 32 or 48 blocks, SmolLM2's vocabulary
 the blocks ~3.75x (forward, a recompute that skips each Llama layer's down projection, whose output
 value the backward never reads (ecru.l2l.recompute), 2x backward) against 3x in plain training, the
 head 3x in both, so a FLOP count predicts ~1.16 for deep-narrow, less the optimizer time L2L hides
-behind the backward. Measured per phase (bench/l2l_profile.py --quick, thread CPU ms/step): the
+behind the backward. Measured per phase (bench/experiments/l2l_profile.py --quick, thread CPU ms/step): the
 recompute costs deep-narrow 363 (419 before the lean recompute), smollm2-shape 917 (1159), 18-21% of a
 plain step, and the elementwise / attention work in it is recomputed in full; deep-narrow's 256-token
 matmuls cost no more per token than plain's 512-token ones (torch.profiler by shape); the rest of L2L's
-bookkeeping (store calls, optimizer hand-off waits) is under 1%. `bench/l2l_profile.py --quick --sweep`
+bookkeeping (store calls, optimizer hand-off waits) is under 1%. `bench/experiments/l2l_profile.py --quick --sweep`
 times the backward's block work alone with both recomputes alternating: the lean one saves 48 ms/step
 (4.0%, deep-narrow, 15 reps) and 298 ms/step (8.1%, smollm2-shape, 7 reps), paired medians.
 The cases share one process: after smollm2-shape the heap keeps enough freed memory that deep-narrow
 runs without page faults in both modes (measured: plain 1.94 -> 1.57 CPU s/step, L2L 2.47 -> 2.09), so
 its ratio is the compute ratio (~1.33, measured with the ordinary recompute). The warm heap is not
-guaranteed: a bench/l2l_profile.py run of both cases did fault in deep-narrow. Alone in a fresh process
+guaranteed: a bench/experiments/l2l_profile.py run of both cases did fault in deep-narrow. Alone in a fresh process
 both pay ~0.25 s/step of system time for faults (the head's 50 MB logits), which dilutes the ratio to
 ~1.22-1.28.
 A third mode, `l2l_keep`, is L2L with `keep_graph_blocks` = ceil(blocks / 3): the last third of the

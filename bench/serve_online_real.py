@@ -33,7 +33,7 @@ re-predictions on the cached greedy test answers) is then replayed through the o
 (`simulated_own_cost`: overheads only one policy has, such as cb-srpt's KV copies, stay with it). The
 predictor's time is charged as `add_request` pays it, one request per call (MiniLM reads the text, the
 embedding predictor the token ids; each run's `predict_s_per_request` is what it paid). `engine_cost_model`, fitted on every round's steps, is what
-`bench/serve_online_seeds.py --cost-from ... --cost-key engine_cost_model` replays on 3,000 requests. The
+`bench/experiments/serve_online_seeds.py --cost-from ... --cost-key engine_cost_model` replays on 3,000 requests. The
 engine keeps its default prefix cache; the simulator does not model it, the fitted prefill coefficient
 prices it in.
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ecru.cowclip import scaled_recipe
-from tests.bench_scripts import load_bench_script
+from tests.bench_scripts import EXPERIMENTS, load_bench_script, load_experiment_script
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "ctr_scaling.py"
 KEYS = {
@@ -34,6 +34,16 @@ def bench(monkeypatch):
     spec = importlib.util.spec_from_file_location("ctr_scaling", BENCH)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "ctr_scaling", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def decisive(monkeypatch):
+    """The study bench/experiments/ctr_decisive.py."""
+    spec = importlib.util.spec_from_file_location("ctr_decisive", EXPERIMENTS / "ctr_decisive.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ctr_decisive", module)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -118,7 +128,8 @@ def test_sparse_only_plan(bench, tmp_path, monkeypatch):
 
 
 def test_recipe_search_on_a_tiny_setting(bench, tmp_path, monkeypatch):
-    search = load_bench_script("ctr_recipe_search")  # `from ctr_scaling import QUICK`: the fixture's module
+    # `from ctr_scaling import QUICK` in the study: the fixture's module
+    search = load_experiment_script("ctr_recipe_search")
     monkeypatch.setattr(search, "QUICK", _tiny_setting(bench, rows=4000))
     out = tmp_path / "search.json"
     assert search.main(["--seeds", "0,1", "--batch", "512", "--json", str(out)]) == 0
@@ -135,12 +146,7 @@ def test_recipe_search_on_a_tiny_setting(bench, tmp_path, monkeypatch):
     assert rule == pytest.approx(asdict(scaled_recipe("tempered", 512, base_batch=128)))
 
 
-def test_decisive_on_a_tiny_setting(tmp_path, monkeypatch):
-    path = BENCH.parent / "ctr_decisive.py"
-    spec = importlib.util.spec_from_file_location("ctr_decisive", path)
-    decisive = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "ctr_decisive", decisive)  # dataclasses look their module up
-    spec.loader.exec_module(decisive)
+def test_decisive_on_a_tiny_setting(decisive, tmp_path, monkeypatch):
     tiny = decisive.Setting(
         rows=3000, test_fraction=0.25, scale=1e-3, mlp=(8,), epochs=1, base=64, large=512, seeds=(0, 1)
     )
@@ -185,11 +191,7 @@ def test_decisive_on_a_tiny_setting(tmp_path, monkeypatch):
     assert merged["summary"]["summed-loss"]["gaps"] == pytest.approx(summary["summed-loss"]["gaps"][1:])
 
 
-def test_decisive_accepts_result_files_recording_the_dropped_knob_seeds(monkeypatch):
-    spec = importlib.util.spec_from_file_location("ctr_decisive", BENCH.parent / "ctr_decisive.py")
-    decisive = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "ctr_decisive", decisive)  # dataclasses look their module up
-    spec.loader.exec_module(decisive)
+def test_decisive_accepts_result_files_recording_the_dropped_knob_seeds(decisive):
     recorded = json.loads(json.dumps(asdict(decisive.CPU)))
     assert "knob_seeds" not in recorded and decisive.same_setting(recorded, decisive.CPU)
     # written while Setting had knob_seeds: all of the seeds (or None, meaning them) is the same setting

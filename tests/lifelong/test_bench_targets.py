@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.bench_scripts import load_bench_script
+from tests.bench_scripts import load_bench_script, load_experiment_script
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_routing_shares_on_separated_clusters():
     import torch
     import torch.nn.functional as F
 
-    routing = load_bench_script("lifelong_routing")
+    routing = load_experiment_script("lifelong_routing")
     torch.manual_seed(0)
     centers = F.normalize(torch.randn(3, 16, dtype=torch.float64), dim=-1) * 3
 

@@ -336,9 +336,9 @@ def test_lda_router_pools_the_covariance_and_separates_what_cosine_cannot():
 
 def test_the_rules_bench_scores_the_routers_own_lda_head():
     from ecru.lifelong.router import LDARouter
-    from tests.bench_scripts import load_bench_script
+    from tests.bench_scripts import load_experiment_script
 
-    rules = load_bench_script("lifelong_rules")
+    rules = load_experiment_script("lifelong_rules")
     torch.manual_seed(0)
     sizes, dim = (3, 2, 4), 16  # classes per task
     cols = list(torch.randperm(sum(sizes)).split(sizes))  # a task's label columns, in its class order
@@ -376,9 +376,9 @@ def test_lda_router_survives_a_task_whose_texts_repeat_verbatim():
 
 
 def test_the_rules_bench_per_class_threshold_is_the_lowest_leave_one_out_cosine_at_percentile_0():
-    from tests.bench_scripts import load_bench_script
+    from tests.bench_scripts import load_experiment_script
 
-    rules = load_bench_script("lifelong_rules")
+    rules = load_experiment_script("lifelong_rules")
     torch.manual_seed(0)
     emb = F.normalize(torch.randn(7, 5), dim=-1)
     col = torch.tensor([2, 2, 2, 0, 0, 0, 3])  # label columns; column 1 has no text, column 3 one text
@@ -440,9 +440,9 @@ def test_adapter_prototype_weight_adds_the_adapter_cosine_to_them_within_the_tas
 
 def test_the_rules_bench_reproduces_the_method_s_own_scores(routed, tmp_path):
     from ecru.lifelong.evaluate import Evaluator
-    from tests.bench_scripts import load_bench_script
+    from tests.bench_scripts import load_experiment_script
 
-    diagnose, rules = load_bench_script("lifelong_diagnose"), load_bench_script("lifelong_rules")
+    diagnose, rules = load_experiment_script("lifelong_diagnose"), load_experiment_script("lifelong_rules")
     method, stream = routed
     torch.save(
         diagnose.cache_of(method, stream, Evaluator(stream), {"train_per_intent": 6}), tmp_path / "c.pt"
@@ -548,9 +548,9 @@ def test_rmd_percentile_needs_the_lda_router():
 def test_the_open_set_bench_answers_unlearned_label_sets_as_the_method_does(routed):
     from ecru.lifelong.evaluate import Evaluator
     from ecru.lifelong.router import LDARouter
-    from tests.bench_scripts import load_bench_script
+    from tests.bench_scripts import load_experiment_script
 
-    bench = load_bench_script("lifelong_open_set")
+    bench = load_experiment_script("lifelong_open_set")
     method, stream = routed
     ev = Evaluator(stream)
     sc = bench.Scored(ev, bench.stream_embeddings(bench.Frozen(), stream, ev))

@@ -250,10 +250,10 @@ def test_refusals(model, gen, probe):
 
 
 def test_bench_script_runs_every_policy_on_the_tiny_model(tmp_path):
-    from tests.bench_scripts import load_bench_script
+    from tests.bench_scripts import load_experiment_script
 
     out = tmp_path / "arrival.json"
-    load_bench_script("serve_arrival").main(
+    load_experiment_script("serve_arrival").main(
         ["--json", str(out), "--model", "tiny", "--train", "6", "--test", "6", "--cap", "8"]
     )
     result = json.loads(out.read_text())

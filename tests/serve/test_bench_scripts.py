@@ -1,16 +1,16 @@
-"""bench/serve_predictors.py's cap study helpers: the mixture median, out-of-fold CV, prefix features."""
+"""bench/experiments/serve_predictors.py's cap study helpers: mixture median, out-of-fold CV, prefixes."""
 
 import json
 
 import numpy as np
 import pytest
 
-from tests.bench_scripts import load_bench_script
+from tests.bench_scripts import load_bench_script, load_experiment_script
 
 
 @pytest.fixture(scope="module")
 def study():
-    return load_bench_script("serve_predictors")
+    return load_experiment_script("serve_predictors")
 
 
 def test_mixture_median_by_hand(study):
@@ -50,7 +50,7 @@ def test_cap_features_on_the_tiny_model(study):
 
 @pytest.fixture(scope="module")
 def bounds():
-    return load_bench_script("serve_bounds")
+    return load_experiment_script("serve_bounds")
 
 
 def test_calibrated_predictions_keep_the_marginal_and_the_correlation(bounds):
@@ -123,7 +123,7 @@ def test_bench_serve_simulates_every_policy_it_ran():
 
 
 def test_serve_kv_replays_a_bench_setup(tmp_path):
-    kv = load_bench_script("serve_kv")
+    kv = load_experiment_script("serve_kv")
     # 6 short answers and 2 at the cap, prompts of 4 tokens, batch 2, cap 32
     setup = {"prompt_lens": [4] * 8, "true_lengths": [3, 4, 32, 5, 3, 32, 4, 6], "batch_size": 2,
              "max_new_tokens": 32, "predicted_lengths": [4.0] * 8, "n": 8}  # fmt: skip
@@ -145,7 +145,7 @@ def test_serve_kv_replays_a_bench_setup(tmp_path):
 
 
 def test_label_summary_and_greedy_agreement_by_hand(tmp_path):
-    labels = load_bench_script("serve_labels")
+    labels = load_experiment_script("serve_labels")
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     rows = [("p1", [10, 30, 8, 12]), ("p2", [64, 64, 20, 5]), ("p3", [20, 10, 40, 64])]
     a.write_text(
@@ -162,7 +162,7 @@ def test_label_summary_and_greedy_agreement_by_hand(tmp_path):
 def test_serve_self_predict_scores_both_readouts_of_one_adapter():
     from ecru.serve.self_predict import SelfLoRAConfig
 
-    bench = load_bench_script("serve_self_predict")
+    bench = load_experiment_script("serve_self_predict")
 
     class Stub:  # the greedy readout ties two prompts, the expected one ranks them
         config = SelfLoRAConfig()
@@ -183,7 +183,7 @@ def test_serve_self_predict_scores_both_readouts_of_one_adapter():
 
 
 def test_serve_self_predict_chooses_per_readout_among_the_asked_lrs():
-    bench = load_bench_script("serve_self_predict")
+    bench = load_experiment_script("serve_self_predict")
     point = lambda g, e: {"greedy": {"spearman": g}, "expected": {"spearman": e}}  # noqa: E731
     validation = {
         "0.0005": {"1": point(0.70, 0.74), "2": point(None, 0.77)},  # greedy: one number for all at epoch 2

@@ -182,7 +182,8 @@ def test_instruction_prompts_are_the_workload_s_and_its_labels_are_the_default(t
         return {json.loads(line)["prompt"] for line in REPO_LABELS.with_name(name).read_text().splitlines()}
 
     # the instruction workload in its own order: its first 240 test prompts are the ones
-    # bench/serve_workload.py --test 240 labelled (the labels file is in labelling order), and so on
+    # bench/experiments/serve_workload.py --test 240 labelled (the labels file is in labelling order), and so
+    # on
     got = load_prompts("instructions", n=240, split="test")
     assert got == [p.prompt for p in build_mixed_workload()["test"][:240]]
     assert set(got) == committed("serve_workload_labels_test.jsonl")

@@ -175,9 +175,9 @@ def test_engine_on_a_packed_model_answers_as_generate_on_the_plain_one(packed_mo
 
 
 def test_the_matmul_benchmark_writes_a_ratio_per_shape_and_row_count(tmp_path):
-    from tests.bench_scripts import load_bench_script
+    from tests.bench_scripts import load_experiment_script
 
-    bench = load_bench_script("serve_packed_matmul")
+    bench = load_experiment_script("serve_packed_matmul")
     out = tmp_path / "m.json"
     assert bench.main(["--pairs", "1", "--json", str(out)]) == 0
     ratios = json.loads(out.read_text())["plain_over_packed"]
@@ -187,9 +187,9 @@ def test_the_matmul_benchmark_writes_a_ratio_per_shape_and_row_count(tmp_path):
 
 @pytest.mark.slow
 def test_the_in_model_benchmark_times_each_rule_on_smollm2(tmp_path):
-    from tests.bench_scripts import load_bench_script
+    from tests.bench_scripts import load_experiment_script
 
-    bench = load_bench_script("serve_packed_matmul")
+    bench = load_experiment_script("serve_packed_matmul")
     out = tmp_path / "m.json"
     assert bench.main(["--pairs", "1", "--in-model", "--rounds", "1", "--json", str(out)]) == 0
     model = json.loads(out.read_text())["in_model"]
@@ -199,9 +199,9 @@ def test_the_in_model_benchmark_times_each_rule_on_smollm2(tmp_path):
 
 
 def test_the_in_model_comparison_counts_rounds_pair_by_pair():
-    from tests.bench_scripts import load_bench_script
+    from tests.bench_scripts import load_experiment_script
 
-    bench = load_bench_script("serve_packed_matmul")
+    bench = load_experiment_script("serve_packed_matmul")
     times = {"plain": [2.0, 2.0, 2.0], "old": [1.5, 1.0, 1.5], "shipped": [1.0, 1.2, 1.0]}
     got = bench.pairwise(times, "shipped")
     assert got["plain"] == {"median_ratio": 2.0, "faster_rounds": 3}

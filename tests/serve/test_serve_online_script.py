@@ -9,7 +9,7 @@ import torch
 
 from ecru.serve.cost import SMOLLM2_CPU, CostModel, StepWork
 from ecru.serve.online import OnlineConfig
-from tests.bench_scripts import load_bench_script
+from tests.bench_scripts import load_bench_script, load_experiment_script
 
 from .conftest import RunsLong
 
@@ -207,7 +207,7 @@ def test_concurrent_runs_each_item_in_its_own_process_in_order(tmp_path):
 
 
 def test_seeds_refuses_a_cost_key_the_json_lacks(tmp_path, capsys):
-    seeds = load_bench_script("serve_online_seeds")
+    seeds = load_experiment_script("serve_online_seeds")
     source = tmp_path / "online.json"
     out = tmp_path / "seeds.json"
     source.write_text(json.dumps({"cost_model": SMOLLM2_CPU.__dict__, "engine_cost": {"steps": 3}}))
@@ -218,7 +218,7 @@ def test_seeds_refuses_a_cost_key_the_json_lacks(tmp_path, capsys):
 
 
 def test_seeds_refuses_a_predictor_the_json_lacks(tmp_path, capsys):
-    seeds = load_bench_script("serve_online_seeds")
+    seeds = load_experiment_script("serve_online_seeds")
     source = tmp_path / "online.json"
     source.write_text(
         json.dumps({"cost_model": SMOLLM2_CPU.__dict__, "per_prompt": {"predicted": {"minilm": []}}})

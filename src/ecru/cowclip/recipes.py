@@ -118,8 +118,8 @@ def scaled_recipe(
     rare rows at large batch; L2 x sqrt(s) measured better. A whole-epoch warm-up would spend most of a
     few-step run warming up. Chosen among 9 candidate rules on the quick benchmark's setting (seed 0), then
     checked against 3 others on held-out seeds 10-12 (data, teacher, init and batch order;
-    bench/ctr_recipe_search.py, bench/results/ctr_recipe_search.json): 32x within 0.0018 AUC of 1K on
-    each. Measured on that synthetic setting at ~30 large-batch steps, not proven in general.
+    bench/experiments/ctr_recipe_search.py, bench/results/ctr_recipe_search.json): 32x within 0.0018 AUC of
+    1K on each. Measured on that synthetic setting at ~30 large-batch steps, not proven in general.
     """
     name = _ALIASES.get(name, name)
     s = _scale(batch_size, base_batch, dataset)

@@ -35,7 +35,7 @@ _warned: set[str] = set()
 
 def _warn_if_slow(optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
     """Once per process: an Adam/AdamW host optimizer without `fused=True` (measured 5-7x slower on CPU,
-    bench/l2l_optimizer.py); the host update is usually the binding limit of L2L."""
+    bench/experiments/l2l_optimizer.py); the host update is usually the binding limit of L2L."""
     if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and not optimizer.defaults.get("fused"):
         name = type(optimizer).__name__
         if name not in _warned:

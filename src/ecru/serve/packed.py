@@ -21,7 +21,8 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 ROWS = (2, 64)  # packed for 2..64 rows: one row, or a long prefill, gain nothing over F.linear
-MIN_SIZE = 1 << 16  # every SmolLM2 weight (bench/serve_packed_matmul.py --in-model); not LoRA's small ones
+# every SmolLM2 weight (bench/experiments/serve_packed_matmul.py --in-model); not LoRA's small ones
+MIN_SIZE = 1 << 16
 PACK_HINT = 16  # the row count oneDNN chooses the packed layout for
 
 

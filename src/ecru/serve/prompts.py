@@ -62,7 +62,8 @@ def load_prompts(source: str, *, n: int | None = None, split: str = "test", seed
 
     A file's prompts keep their order; bundled sources use the `split` ("train" or "test") so that a
     predictor trained on train-split labels is evaluated on held-out test queries. "instructions" keeps the
-    workload's own (random) order: its first n test prompts are those `bench/serve_workload.py --test n` uses.
+    workload's own (random) order: its first n test prompts are those
+    `bench/experiments/serve_workload.py --test n` uses.
     """
     if source in SOURCES:
         texts = _bundled(source, split)

@@ -68,14 +68,14 @@ ROUTED: dict[str, RoutedConfig] = {
     # per-task LoRA adapters routed by streaming LDA over the frozen embeddings (class means, pooled Ledoit-Wolf
     # covariance), the prototype threshold for "no learned task", within the routed task the adapter's cosine
     # plus 0.05 / scale x the LDA logit. Chosen on VALIDATION splits from cached embeddings
-    # (bench/lifelong_diagnose.py; docs/lifelong.md): task-agnostic Last over ncm's +1.2 / +2.7 / +4.1 points
-    # (4 / 16 / 50 training texts per intent), against routed-lora-proto's +0.9 / +1.9 / +1.5. Plus the
+    # (bench/experiments/lifelong_diagnose.py; docs/lifelong.md): task-agnostic Last over ncm's +1.2 / +2.7 /
+    # +4.1 points (4 / 16 / 50 training texts per intent), against routed-lora-proto's +0.9 / +1.9 / +1.5. Plus the
     # adapter prototypes (issue 17, weight 1.5, half weight at 8 texts per label), chosen on validation caches
     # with 4 / 16 / 100 texts per intent: Last +0.11 / +0.27 / +0.34 over the same rule without them. The open-set
     # test (issue 17): the prototype test at percentile 10 as before, plus the relative Mahalanobis test at 5,
     # which only rejects more (silent with few texts per label); on 3 full-size VALIDATION streams
-    # (bench/lifelong_open_set.py) transfer retention -0.53 -> -0.32, Banking77 change -1.66 -> -1.17, learned
-    # texts kept among their own labels with Banking77's as candidates 79.6 -> 78.4 (a stricter prototype test
+    # (bench/experiments/lifelong_open_set.py) transfer retention -0.53 -> -0.32, Banking77 change -1.66 -> -1.17,
+    # learned texts kept among their own labels with Banking77's as candidates 79.6 -> 78.4 (a stricter prototype test
     # alone, percentile 12: -0.51, -1.56, 77.9). The margin (issue 17): -0.05, an unlearned label within 0.05
     # cosine of the routed task's best name wins; on the same VALIDATION streams transfer retention -0.32 ->
     # -0.22, Banking77 change -1.17 -> -0.44, kept 78.4 -> 74.2: the largest `kept` among the margins 0 to -0.06

@@ -1,6 +1,6 @@
 """What scheduling can gain on a measured length distribution, and how good a length predictor must be.
 
-    OMP_NUM_THREADS=1 python bench/serve_bounds.py --labels bench/results/serve_labels_smollm2.jsonl \
+    OMP_NUM_THREADS=1 python bench/experiments/serve_bounds.py --labels bench/results/serve_labels_smollm2.jsonl \
         --max-new-tokens 256 --cost-model bench/results/serve_cost_cpu.json --json bench/results/serve_bounds.json
 
 Replays the true response lengths through the simulator (static policies and continuous batching, the
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
             "mean_length": float(arr.mean()),
             "median_length": float(np.median(arr)),
             "cap_share": float((arr >= cap).mean()),
-            "command": "python bench/serve_bounds.py "
+            "command": "python bench/experiments/serve_bounds.py "
             + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
             "wall_s": time.perf_counter() - t0,
         },

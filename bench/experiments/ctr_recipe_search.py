@@ -5,7 +5,7 @@ bench/ctr_scaling.py); every candidate and the 1K reference run in the faithful 
 that the benchmark does not report (the default 10,11,12), then check the winner with
 `bench/ctr_scaling.py --quick --seed 0/1`.
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python bench/ctr_recipe_search.py \
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python bench/experiments/ctr_recipe_search.py \
         --json bench/results/ctr_recipe_search.json
 """
 
@@ -21,9 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ctr_scaling import QUICK
 from ecru.cowclip import Recipe, scaled_recipe
 from ecru.ctr import SyntheticConfig, TrainConfig, generate, train
+
+BENCH = Path(__file__).resolve().parents[1]  # bench/: the product benchmark this study builds on
+if str(BENCH) not in sys.path:
+    sys.path.append(str(BENCH))
+from ctr_scaling import QUICK  # noqa: E402
 
 
 def candidates(batch: int, base: int) -> dict[str, Recipe]:
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{label:>20} {t['mean_gap']:9.5f} {t['max_gap']:9.5f}  {' '.join(f'{g:.5f}' for g in t['gaps'])}"
         )
     out = {
-        "command": " ".join(["python", "bench/ctr_recipe_search.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python", "bench/experiments/ctr_recipe_search.py", *(argv or sys.argv[1:])]),
         "setting": asdict(setting),
         "batch": args.batch,
         "seeds": seeds,

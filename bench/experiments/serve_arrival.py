@@ -16,7 +16,7 @@ Reported per policy: mean / p90 / max completion time and mean time to first tok
 moment every request was handed to the engine), wall time, forwards, peak KV tokens, whether the outputs
 equal cb's. --repeats runs every policy again in a rotated order (the CPU is shared).
 
-    OMP_NUM_THREADS=1 python bench/serve_arrival.py --json bench/results/serve_arrival.json
+    OMP_NUM_THREADS=1 python bench/experiments/serve_arrival.py --json bench/results/serve_arrival.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.responses import read_responses
 from ecru.serve.sampling import SamplingParams
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 CACHE_CAP = 256  # the cached answers' cap; a greedy answer's first `cap` tokens are its answer under `cap`
 POLICIES = ("cb", "cb+arrival", "cb-sjf+arrival", "cb-sjf+probe")
 
@@ -177,7 +177,7 @@ def main(argv=None) -> None:
     out = {
         "model": args.model,
         "workload": "mixed (ecru.serve.workload): --test unseen test prompts drawn with --seed, all arriving at once",
-        "command": "python bench/serve_arrival.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python bench/experiments/serve_arrival.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {**config.__dict__, "train_prompts": len(train), "test_prompts": len(test)},
         "policies": summarize(runs, y_test),
         "probe_on_test": {**length_metrics(standalone, y_test), "spearman": spearman(standalone, y_test),

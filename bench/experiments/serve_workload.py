@@ -9,7 +9,7 @@ cached in --labels-dir (resumable); `--labels-only` just generates them. With `-
 learn the longest of N sampled answers per train prompt (the paper's label, T = 0, 0.3, 0.5, 0.7) and are
 still scored, and simulated, against the test prompts' greedy answer lengths (what greedy serving makes).
 
-    OMP_NUM_THREADS=2 python bench/serve_workload.py --train 1000 --test 240 --self-lora-epochs 2 \
+    OMP_NUM_THREADS=2 python bench/experiments/serve_workload.py --train 1000 --test 240 --self-lora-epochs 2 \
         --json bench/results/serve_workload_1000.json
 """
 
@@ -132,7 +132,8 @@ def main(argv=None) -> None:
         n: simulate_policies(prompt_lens, y_test, *preds[n], args.cap, cost, resume=True) for n in predictors
     }
     out = {
-        "command": "python bench/serve_workload.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python bench/experiments/serve_workload.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "workload": "mixed (ecru.serve.workload)",
         "cap": args.cap,
         "labels": "one greedy sample per prompt"

@@ -15,12 +15,12 @@ settings (the reference), and at s x the base batch with, one knob at a time:
 each over the same seeds (data, teacher, init, batch order). The verdict: each variant's mean gap to the
 reference (and its spread over seeds), the large-batch step count, and the fraction of rows clipped.
 
-    python bench/ctr_decisive.py --quick --json bench/results/ctr_decisive_quick.json    # ~5-8 min, 2 CPU cores
-    nohup nice python bench/ctr_decisive.py --setting cpu --resume --json bench/results/ctr_decisive.json &
+    python bench/experiments/ctr_decisive.py --quick --json bench/results/ctr_decisive_quick.json    # ~5-8 min, 2 CPU cores
+    nohup nice python bench/experiments/ctr_decisive.py --setting cpu --resume --json bench/results/ctr_decisive.json &
         # the run made: 3,000 steps at 32K (98M samples per run, the 1K reference 96,090 steps) on a reduced
         # table and model, ~8 min of one core per 1K reference and ~2-3 min per 32K run; the JSON is rewritten
         # after every run and --resume continues from it
-    python bench/ctr_decisive.py --setting full --device cuda --json ...   # Criteo-sized: meant for a GPU
+    python bench/experiments/ctr_decisive.py --setting full --device cuda --json ...   # Criteo-sized: meant for a GPU
 """
 
 from __future__ import annotations
@@ -322,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown variants {sorted(unknown)}; choose from {sorted(specs)}")
         specs = {k: v for k, v in specs.items() if k in keep}
     out = Path(args.json)
-    args_line = " ".join(["python", "bench/ctr_decisive.py", *(argv if argv is not None else sys.argv[1:])])
+    args_line = " ".join(
+        ["python", "bench/experiments/ctr_decisive.py", *(argv if argv is not None else sys.argv[1:])]
+    )
     runs, oracle, wall = [], {}, 0.0
     sources = ([out] if args.resume or args.merge else []) + [Path(f) for f in args.merge or []]
     for path in sources:

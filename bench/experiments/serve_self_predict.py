@@ -2,7 +2,7 @@
 and scored on the mixed workload's unseen test prompts, with both readouts of `SelfLoRAConfig.readout`:
 "greedy" (the number it generates, the paper's) and "expected" (bucket numbers weighed by its probabilities).
 
-Labels are the committed ones (`bench/serve_workload.py` made them): the longest of `--samples` answers per
+Labels are the committed ones (`bench/experiments/serve_workload.py` made them): the longest of `--samples` answers per
 train prompt; the test prompts' greedy lengths are the truth. Selection: the last `--val` train prompts are
 held out, an adapter is tuned on the rest for `--epochs` epochs at each `--lrs` value and scored after every
 epoch, both readouts, against those prompts' labels (the max of `--samples`, what the adapter learns). Each
@@ -11,7 +11,7 @@ the test prompts (both readouts of that adapter are recorded). The JSON is rewri
 rate and each test fit; a rerun with the same `--json` and the same settings skips what is done (other
 settings are refused).
 
-    OMP_NUM_THREADS=2 python bench/serve_self_predict.py --lrs 5e-4,2e-4 --epochs 2 \
+    OMP_NUM_THREADS=2 python bench/experiments/serve_self_predict.py --lrs 5e-4,2e-4 --epochs 2 \
         --json bench/results/serve_self_predict_max4.json
 """
 
@@ -35,7 +35,7 @@ from ecru.serve.predictors import spearman, timed_predict
 from ecru.serve.self_predict import READOUTS, SelfLoRAConfig, SelfLoRAPredictor
 from ecru.serve.workload import HELD_OUT_FORMS, WorkloadConfig, build_mixed_workload
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def scores(predictor, prompts, lengths, forms) -> dict:
@@ -121,7 +121,7 @@ def main(argv=None) -> None:
         raise SystemExit(
             f"{path} holds results for other settings ({out.get('settings')}): give another --json"
         )
-    out.update(command="python bench/serve_self_predict.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    out.update(command="python bench/experiments/serve_self_predict.py " + " ".join(sys.argv[1:] if argv is None else argv),
                train_prompts=len(fit) + len(val), val_prompts=len(val), test_prompts=len(test), labels=(
                f"fit and validation: the longest of {args.samples} sampled answers; test: the greedy answer's "
                "length"))  # fmt: skip

@@ -1,6 +1,6 @@
 """Host optimizer throughput: AdamW fused vs foreach vs for-loop on the CPU, against the memory bound.
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python bench/l2l_optimizer.py --quick --json bench/results/l2l_optimizer_quick.json
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python bench/experiments/l2l_optimizer.py --quick --json bench/results/l2l_optimizer_quick.json
 
 One L2L block's update is one `optimizer.step()` over the block's fp32 masters. AdamW touches 28 bytes
 per parameter (reads parameter, gradient, m, v: 16 B; writes parameter, m, v: 12 B), so its ceiling

@@ -1,13 +1,13 @@
 """Length predictors compared on the held-out prompts of a `bench/serve.py` run (its true lengths).
 
-    OMP_NUM_THREADS=1 python bench/serve_predictors.py --bench bench/results/serve_bench.json \
+    OMP_NUM_THREADS=1 python bench/experiments/serve_predictors.py --bench bench/results/serve_bench.json \
         --labels bench/results/serve_labels_smollm2.jsonl --json bench/results/serve_predictors.json
 
 Every predictor is trained on the same train-split labels (self-lora reuses the adapter the bench cached),
 predicts the bench's prompts (timed), and its predictions are replayed through the simulator's static
 policies on the measured lengths, next to the constant-median baseline and the oracle.
 
-    OMP_NUM_THREADS=1 python bench/serve_predictors.py --cap-study \
+    OMP_NUM_THREADS=1 python bench/experiments/serve_predictors.py --cap-study \
         --labels bench/results/serve_labels_smollm2.jsonl --json bench/results/serve_cap_study.json
 
 `--cap-study` asks whether a cheap feature separates the answers that run to the cap (34% at cap 256,
@@ -20,7 +20,7 @@ probability p, else the train non-cap lengths), scored by MAE / Acc-50 / Acc-100
 median. The out-of-fold predictions (split 0) are replayed through the simulator (cost model: SmolLM2 on
 one CPU thread, prediction charged as the forward passes it needs).
 
-    OMP_NUM_THREADS=1 python bench/serve_predictors.py --learning-curve \
+    OMP_NUM_THREADS=1 python bench/experiments/serve_predictors.py --learning-curve \
         --labels bench/results/serve_labels_smollm2.jsonl --bench bench/results/serve_bench_target.json \
         --json bench/results/serve_learning_curve.json
 

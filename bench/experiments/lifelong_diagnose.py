@@ -1,11 +1,11 @@
 """Where `routed-lora` loses points, and cheap what-ifs: train the adapters once, cache every embedding, then
 score decision rules offline in seconds (task-agnostic protocol, validation split by default).
 
-    python bench/lifelong_diagnose.py --cache runs/diag/quick_val.pt                      # quick stream, val
-    python bench/lifelong_diagnose.py --cache runs/diag/medium_val.pt --tasks 5 --train-per-intent 16 \
+    python bench/experiments/lifelong_diagnose.py --cache runs/diag/quick_val.pt                      # quick stream, val
+    python bench/experiments/lifelong_diagnose.py --cache runs/diag/medium_val.pt --tasks 5 --train-per-intent 16 \
         --test-per-intent 10 --heldout-per-class 5
 
-Then `python bench/lifelong_rules.py CACHE...` scores decision rules on the caches. The cache holds, for the
+Then `python bench/experiments/lifelong_rules.py CACHE...` scores decision rules on the caches. The cache holds, for the
 evaluation texts (every task's val texts, then the Banking77 probe), the frozen embeddings, each learned
 adapter's embeddings (an adapter never changes after its task, so the final adapters give every row of the
 accuracy matrix) and the method's own scores after the last task; for the training texts, their frozen

@@ -1,6 +1,6 @@
 """Where `ecru-text` (text routing) loses own-task accuracy: the router's shares, routed vs forced adapters.
 
-    OMP_NUM_THREADS=1 python bench/lifelong_routing.py --json bench/results/lifelong_routing.json
+    OMP_NUM_THREADS=1 python bench/experiments/lifelong_routing.py --json bench/results/lifelong_routing.json
 
 On CLINC's validation split (never test), full data (100 training utterances per intent):
 1. The router alone (frozen embeddings, the first 4 domains learned): for each threshold percentile, the

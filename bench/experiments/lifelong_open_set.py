@@ -1,7 +1,7 @@
 """`routed-lora`'s open-set test, measured on the full configuration from the frozen embeddings alone.
 
-    python bench/lifelong_open_set.py --split val --json bench/results/lifelong_open_set_full_val.json    # choice
-    python bench/lifelong_open_set.py --split test --json bench/results/lifelong_open_set_full_test.json  # report
+    python bench/experiments/lifelong_open_set.py --split val --json bench/results/lifelong_open_set_full_val.json    # choice
+    python bench/experiments/lifelong_open_set.py --split test --json bench/results/lifelong_open_set_full_test.json  # report
 
 Whether a text belongs to a learned task at all (the router's reject test), and how close an unlearned name
 must come to overrule the route (`RoutedConfig.margin`), decide two of issue 17's targets, the Banking77

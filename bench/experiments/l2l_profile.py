@@ -1,6 +1,6 @@
 """Where one L2L step spends its time against one plain step (CPU, fp32): phase timers and op totals.
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python bench/l2l_profile.py --quick [--only deep-narrow] [--ops]
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python bench/experiments/l2l_profile.py --quick [--only deep-narrow] [--ops]
 
 For each `bench/l2l.py` case it times, on one thread, alternating, medians of --reps steps:
   plain        forward, backward, optimizer step of ordinary training;
@@ -32,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+BENCH = Path(__file__).resolve().parents[1]  # bench/: the product benchmark this study builds on
+if str(BENCH) not in sys.path:
+    sys.path.append(str(BENCH))
 from l2l import CASES, QUICK, Plain, build, make_batch, make_runner  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Where cb-kv's gain comes from: the length predictor, or reserving anything below the cap?
 
-    OMP_NUM_THREADS=1 python bench/serve_kv.py --bench bench/results/serve_bench_target.json \
+    OMP_NUM_THREADS=1 python bench/experiments/serve_kv.py --bench bench/results/serve_bench_target.json \
         --cost-model bench/results/serve_cost_cpu.json --json bench/results/serve_kv.json
 
 Replays a `bench/serve.py` run's true lengths (and its predictor's lengths) through continuous batching in
@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         "bench": args.bench,
         "cost_model": cost.source,
         "rows": rows,
-        "command": " ".join(["python", *(sys.argv if argv is None else ["bench/serve_kv.py", *argv])]),
+        "command": " ".join(
+            ["python", *(sys.argv if argv is None else ["bench/experiments/serve_kv.py", *argv])]
+        ),
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1))

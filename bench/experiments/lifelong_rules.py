@@ -1,6 +1,6 @@
-"""Decision rules of `routed-lora` scored offline on `bench/lifelong_diagnose.py` caches, in seconds.
+"""Decision rules of `routed-lora` scored offline on `bench/experiments/lifelong_diagnose.py` caches, in seconds.
 
-    python bench/lifelong_rules.py runs/diag/quick_val.pt [more caches] --json bench/results/lifelong_rules.json
+    python bench/experiments/lifelong_rules.py runs/diag/quick_val.pt [more caches] --json bench/results/lifelong_rules.json
 
 For each cache (one trained run: frozen and per-adapter embeddings of every evaluation text), every rule's
 task-agnostic metrics (as `bench/lifelong.py` computes them: last, avg, transfer_retention, heldout_change,
@@ -392,7 +392,9 @@ def analyse(path: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("caches", type=Path, nargs="+", help="caches written by bench/lifelong_diagnose.py")
+    p.add_argument(
+        "caches", type=Path, nargs="+", help="caches written by bench/experiments/lifelong_diagnose.py"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     args = p.parse_args(argv)
     out = []

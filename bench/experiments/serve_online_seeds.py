@@ -12,7 +12,7 @@ per seed, their mean and standard deviation.
 --cost-key engine_cost_model the one bench/serve_online_real.py fitted on the real engine's steps), all
 else unchanged. No model runs: seconds.
 
-    python bench/serve_online_seeds.py --json bench/results/serve_online_seeds.json
+    python bench/experiments/serve_online_seeds.py --json bench/results/serve_online_seeds.json
 """
 
 from __future__ import annotations
@@ -27,9 +27,13 @@ from ecru.cliargs import ArgumentParser, existing_file, non_negative_float, posi
 from ecru.io import atomic_write_json
 from ecru.serve.cost import CostModel
 from ecru.serve.online import PREEMPT_MODES, OnlineConfig, poisson_arrivals, simulate_online
-from serve_online import build_trace, resample, saturated_capacity
 
-RESULTS = Path(__file__).parent / "results"
+BENCH = Path(__file__).resolve().parents[1]  # bench/: the product benchmark this study builds on
+if str(BENCH) not in sys.path:
+    sys.path.append(str(BENCH))
+from serve_online import build_trace, resample, saturated_capacity  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def ratios_over_seeds(
@@ -121,7 +125,7 @@ def main(argv=None) -> None:
         print(f"{name:>30}: mean x cb {r['mean_x_cb']:.3f} ± {r['mean_x_cb_std']:.3f} (max {r['mean_x_cb_max']:.3f}),"
               f" p99 x cb {r['p99_x_cb_mean']:.3f} (max {r['p99_x_cb_max']:.3f})")  # fmt: skip
     atomic_write_json(out_path, {
-        "command": "python bench/serve_online_seeds.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python bench/experiments/serve_online_seeds.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "source": str(args.source), "cost_model_from": str(args.cost_from or args.source), "cost_key": args.cost_key,
         "cost_model": cost.__dict__, "load": 1.2, "requests": args.requests, "predictor": args.predictor,
         "predict_s_per_request": predict_s, "repredict_s_per_row": repredict_s, "seeds": args.seeds,

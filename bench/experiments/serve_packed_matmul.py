@@ -1,7 +1,7 @@
 """Pre-packed weights against `F.linear`, per SmolLM2 weight shape and row count, and in the engine on
 SmolLM2 (the rule in `ecru.serve.packed`: which weights to pack, for how many rows).
 
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python bench/serve_packed_matmul.py [--in-model] --json out.json
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python bench/experiments/serve_packed_matmul.py [--in-model] --json out.json
 
 Per shape: random fp32 weights of SmolLM2's linear shapes (attention 576 x 576 and 192 x 576, MLP 1536 x 576 and
 576 x 1536, LM head 49152 x 576), inputs of 4, 8 and 16 rows. Per shape and row count, `--pairs` pairs of
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAPES = {"attention_q_o": (576, 576), "attention_k_v": (192, 576), "mlp_up_gate": (1536, 576),
           "mlp_down": (576, 1536), "lm_head": (49152, 576)}  # fmt: skip
 ROWS = (4, 8, 16)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if model:
         print("in the engine, plain / rule:", {r: f"{v:.2f}x" for r, v in model["plain_over_rule"].items()})
     atomic_write_json(args.json, {
-        "command": "python bench/serve_packed_matmul.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python bench/experiments/serve_packed_matmul.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "measure": "median over pairs of F.linear time / PackedLinear time (> 1: packing is faster)",
         "shapes": {k: list(v) for k, v in SHAPES.items()}, "rows": list(ROWS), "pairs": args.pairs,
         "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
