@@ -49,7 +49,7 @@ _LAZY: dict[str, str] = {
     "SelfLoRAPredictor": "ecru.serve.self_predict",
     "SimResult": "ecru.serve.simulator",
     "TraceRequest": "ecru.serve.simulator",
-    "generate_continuous": "ecru.serve.continuous",
+    "generate_continuous": "ecru.serve.request_engine",
     "generate_static": "ecru.serve.engine",
     "resume_static": "ecru.serve.engine",
     "is_failure": "ecru.serve.policies",
@@ -82,12 +82,7 @@ _LAZY: dict[str, str] = {
 if TYPE_CHECKING:  # static analysers see the real imports
     from ecru.serve.api_guard import APIConfig
     from ecru.serve.background import EngineThread
-    from ecru.serve.continuous import (
-        ContinuousConfig,
-        ContinuousResult,
-        generate_continuous,
-        kv_budget_config,
-    )
+    from ecru.serve.continuous import ContinuousConfig, ContinuousResult, kv_budget_config
     from ecru.serve.cost import (
         SMOLLM2_CPU,
         CostModel,
@@ -125,7 +120,7 @@ if TYPE_CHECKING:  # static analysers see the real imports
     )
     from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue, make_queue
     from ecru.serve.remaining import RemainingProbe
-    from ecru.serve.request_engine import EngineConfig, Request, RequestEngine
+    from ecru.serve.request_engine import EngineConfig, Request, RequestEngine, generate_continuous
     from ecru.serve.runner import POLICIES, PolicyRun, run_policy
     from ecru.serve.sampling import SamplingParams
     from ecru.serve.self_predict import PiAPredictor, SelfLoRAConfig, SelfLoRAPredictor

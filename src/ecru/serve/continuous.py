@@ -13,7 +13,6 @@ prompts known, arrivals in decode steps), with exactly the admissions the simula
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ecru.serve.engine import GenerationConfig, new_cache
+from ecru.serve.engine import new_cache
 from ecru.serve.queues import RequestQueue
 
 KV_ACCOUNTING = ("reserved", "padded")
@@ -315,53 +314,3 @@ class RunningBatch:
         self.mask = self.mask[:, first:]
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys[index, :, first:], layer.values[index, :, first:]
-
-
-def generate_continuous(
-    model,
-    prompts: Sequence[Sequence[int]],
-    *,
-    queue: RequestQueue,
-    gen: GenerationConfig,
-    config: ContinuousConfig,
-    arrivals: Sequence[int] | None = None,
-    reserve: Sequence[float] | None = None,
-) -> ContinuousResult:
-    """Serve every prompt on the request engine; request i joins `queue` at decode step `arrivals[i]` (all
-    at 0 by default). With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the
-    cap; see `Admitter`); a preempted request restarts from its prompt, as the simulator models it."""
-    from ecru.serve.request_engine import EngineConfig, RequestEngine
-    from ecru.serve.sampling import SamplingParams
-
-    if gen.temperature != 0:
-        raise ValueError("continuous batching here is greedy only (temperature=0)")
-    if reserve is not None and len(reserve) != len(prompts):
-        raise ValueError(f"reserve has {len(reserve)} entries for {len(prompts)} prompts")
-    # no prefix caching: the static baselines and the simulator this front end is compared with have none
-    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
-                           config=EngineConfig(prefix_cache=0), context_len=10**9, queue=queue, limits=config,
-                           discard_preempted=True)  # fmt: skip
-    engine.admission_log = []
-    arrivals = list(arrivals) if arrivals is not None else [0] * len(prompts)
-    incoming = deque(sorted(range(len(prompts)), key=lambda i: arrivals[i]))
-    params, requests = SamplingParams(max_tokens=config.max_new_tokens), {}
-    start = time.perf_counter()
-    while incoming or engine.has_unfinished():
-        step = engine.stats.decode_steps
-        while incoming and arrivals[incoming[0]] <= step:
-            i = incoming.popleft()
-            extra = {} if reserve is None else {"reserve": reserve[i]}
-            requests[i] = engine.add_request(prompts[i], params, key=i, **extra)
-        engine.upcoming = len(incoming)
-        engine.step()
-        if (
-            engine.stats.decode_steps == step
-            and incoming
-            and not engine.num_waiting
-            and not engine.num_running
-        ):
-            engine.stats.decode_steps = max(step + 1, arrivals[incoming[0]])  # idle until the next arrival
-    reqs = [requests[i] for i in range(len(prompts))]
-    s = engine.stats
-    return ContinuousResult([r.output for r in reqs], [r.finish_s - start for r in reqs], s.decode_steps,
-                            s.tokens, s.prefills, engine.admission_log, s.preemptions, s.peak_kv_tokens)  # fmt: skip

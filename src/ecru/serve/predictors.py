@@ -125,6 +125,11 @@ def ridge_cv(
     return scores
 
 
+def model_key(name: str) -> str:
+    """How a fitted predictor names its model: a bundled model's name, or a model folder's resolved path."""
+    return str(Path(name).resolve()) if Path(name).exists() else name
+
+
 def save_ridge(path: Path, w: torch.Tensor, b: torch.Tensor, *, meta_key: str, meta: dict) -> Path:
     """Fitted ridge weights and bias with their JSON metadata under `meta_key`, as one safetensors file
     written atomically."""
@@ -338,7 +343,6 @@ def fit_length_predictor(
     answers' `lengths`. Every `holdout`-th prompt is first held out to report how well predictions of
     unseen prompts rank and match (with the penalty chosen on the others, `held_out_lam`); the predictor
     returned is then fitted on all (its penalty chosen on all, `lam`)."""
-    from ecru.serve.remaining import model_key
 
     test = set(range(0, len(prompts), holdout))
     train = [i for i in range(len(prompts)) if i not in test]

@@ -20,14 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ecru.serve.predictors import length_metrics, read_ridge, ridge_fit, save_ridge, spearman
+from ecru.serve.predictors import length_metrics, model_key, read_ridge, ridge_fit, save_ridge, spearman
 
 PROBE_FILE = "remaining_probe.safetensors"
-
-
-def model_key(name: str) -> str:
-    """How a probe names its model: a bundled model's name, or a model folder's resolved path."""
-    return str(Path(name).resolve()) if Path(name).exists() else name
 
 
 @torch.no_grad()

@@ -39,6 +39,7 @@ import enum
 import itertools
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -50,12 +51,13 @@ from ecru.serve.continuous import (
     PREFILL_OVERHEAD_TOKENS,
     Admitter,
     ContinuousConfig,
+    ContinuousResult,
     RunningBatch,
     admissions,
     prefill_groups,
 )
 from ecru.serve.detok import Decoder, TextStream
-from ecru.serve.engine import forward, forward_pooled, forward_states, left_pad, new_cache
+from ecru.serve.engine import GenerationConfig, forward, forward_pooled, forward_states, left_pad, new_cache
 from ecru.serve.kv_cache import HeadroomLayer, row_kv
 from ecru.serve.names import ENGINE_POLICIES, PREEMPT_MODES, SJF_POLICIES
 from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix
@@ -687,3 +689,50 @@ class RequestEngine:
             self._finish(req, reason)
         self.run = RunningBatch(self.model)
         return failed
+
+
+def generate_continuous(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    queue: RequestQueue,
+    gen: GenerationConfig,
+    config: ContinuousConfig,
+    arrivals: Sequence[int] | None = None,
+    reserve: Sequence[float] | None = None,
+) -> ContinuousResult:
+    """Serve every prompt on the request engine; request i joins `queue` at decode step `arrivals[i]` (all
+    at 0 by default). With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the
+    cap; see `Admitter`); a preempted request restarts from its prompt, as the simulator models it."""
+    if gen.temperature != 0:
+        raise ValueError("continuous batching here is greedy only (temperature=0)")
+    if reserve is not None and len(reserve) != len(prompts):
+        raise ValueError(f"reserve has {len(reserve)} entries for {len(prompts)} prompts")
+    # no prefix caching: the static baselines and the simulator this front end is compared with have none
+    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                           config=EngineConfig(prefix_cache=0), context_len=10**9, queue=queue, limits=config,
+                           discard_preempted=True)  # fmt: skip
+    engine.admission_log = []
+    arrivals = list(arrivals) if arrivals is not None else [0] * len(prompts)
+    incoming = deque(sorted(range(len(prompts)), key=lambda i: arrivals[i]))
+    params, requests = SamplingParams(max_tokens=config.max_new_tokens), {}
+    start = time.perf_counter()
+    while incoming or engine.has_unfinished():
+        step = engine.stats.decode_steps
+        while incoming and arrivals[incoming[0]] <= step:
+            i = incoming.popleft()
+            extra = {} if reserve is None else {"reserve": reserve[i]}
+            requests[i] = engine.add_request(prompts[i], params, key=i, **extra)
+        engine.upcoming = len(incoming)
+        engine.step()
+        if (
+            engine.stats.decode_steps == step
+            and incoming
+            and not engine.num_waiting
+            and not engine.num_running
+        ):
+            engine.stats.decode_steps = max(step + 1, arrivals[incoming[0]])  # idle until the next arrival
+    reqs = [requests[i] for i in range(len(prompts))]
+    s = engine.stats
+    return ContinuousResult([r.output for r in reqs], [r.finish_s - start for r in reqs], s.decode_steps,
+                            s.tokens, s.prefills, engine.admission_log, s.preemptions, s.peak_kv_tokens)  # fmt: skip

@@ -6,11 +6,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ecru.serve.continuous import ContinuousConfig, generate_continuous, kv_budget_config
+from ecru.serve.continuous import ContinuousConfig, kv_budget_config
 from ecru.serve.engine import GenerationConfig, generate_static, resume_static
 from ecru.serve.names import CONTINUOUS_POLICIES, POLICIES
 from ecru.serve.policies import PlanConfig, plan_batches, rerun_batches
 from ecru.serve.queues import DEFAULT_AGING, make_queue
+from ecru.serve.request_engine import generate_continuous
 
 
 @dataclass
