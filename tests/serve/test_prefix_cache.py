@@ -146,8 +146,8 @@ def test_prefix_caching_survives_preemption_with_generates_tokens(model, gen, sh
 
 def test_offline_measurement_loop_runs_without_prefix_caching(model, gen, shared, monkeypatch):
     from ecru.serve.continuous import ContinuousConfig
-    from ecru.serve.request_engine import generate_continuous
     from ecru.serve.queues import FCFSQueue
+    from ecru.serve.request_engine import generate_continuous
 
     # the static baselines and the simulator it is compared with have no prefix caching
     monkeypatch.setattr(PrefixStore, "lookup", lambda *args: pytest.fail("the prefix cache was used"))
