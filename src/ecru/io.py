@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -55,8 +56,10 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+@functools.cache
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process umask, read once (os.umask can only be read by setting it, which races other threads)."""
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
