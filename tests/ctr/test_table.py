@@ -9,11 +9,12 @@ import json
 import pytest
 import torch
 
-from ecru.cli import main
 from ecru.ctr import auc
 from ecru.ctr.reader import ReaderConfig, load_ctr_file
 from ecru.ctr.schema import TableSchema, propose_schema
 from ecru.ctr.synthetic import _calibrate, zipf_ids
+
+from .test_cli import run
 
 SCHEMA = {
     "label": "clicked",
@@ -70,15 +71,6 @@ def table(tmp_path_factory):
     (root / "schema.json").write_text(json.dumps(SCHEMA))
     labels = torch.tensor([float(r["clicked"]) for r in held_rows])
     return root, held_rows, labels, held_prob
-
-
-def run(argv, capsys):
-    try:
-        rc = main(argv)
-    except SystemExit as exc:
-        rc = exc.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def test_own_table_trains_from_the_cli_and_scores_held_out_rows(table, capsys):

@@ -33,6 +33,7 @@ from ecru.ctr.models import CTRConfig, CTRModel, build_model
 from ecru.ctr.reader import (
     FORMATS,
     ReaderConfig,
+    _is_parquet,
     load_ctr_file,
     malformed_lines,
     sniff_layout,
@@ -158,16 +159,24 @@ class CTRPredictor:
         data = self.read(path, skip_malformed=skip_malformed)
         probs = self.predict_data(data, batch_size=batch_size)
         skipped = data.info.get("skipped_lines", 0)
-        if skipped:
-            rows = _aligned_rows(Path(path), self.data_format, len(data), skipped)
-            full_p = torch.full((len(data) + skipped,), float("nan"))
-            full_y = full_p.clone()
-            full_p[rows], full_y[rows] = probs, data.labels
-            probs, labels = full_p, full_y
-        else:
-            labels = data.labels
-        header = self.data_format != "criteo"  # one value per input line: NaN at a blank one
-        return with_blank_lines(probs, path, header=header), with_blank_lines(labels, path, header=header)
+        header = self.data_format != "criteo"
+        return line_aligned(probs, data.labels, Path(path), self.data_format, skipped, header=header)
+
+
+def line_aligned(
+    probs: Tensor, labels: Tensor, path: Path, layout, skipped: int, *, header: bool
+) -> tuple[Tensor, Tensor]:
+    """Scores and labels of the rows read, as one value per line of the file (after a header): NaN at a
+    skipped malformed line and, in a text file, at a blank one. `layout`: a format name or a TableSchema."""
+    if skipped:
+        rows = _aligned_rows(path, layout, len(probs), skipped)
+        full_p = torch.full((len(probs) + skipped,), float("nan"))
+        full_y = full_p.clone()
+        full_p[rows], full_y[rows] = probs, labels
+        probs, labels = full_p, full_y
+    if _is_parquet(path):
+        return probs, labels
+    return with_blank_lines(probs, path, header=header), with_blank_lines(labels, path, header=header)
 
 
 def _aligned_rows(path: Path, fmt: str, n_good: int, skipped: int) -> Tensor:

@@ -196,24 +196,14 @@ def predict_table(
 ):
     """(probabilities, labels) per data row of a table scored by a model trained on `table:FILE`, in file
     order; NaN for skipped malformed rows (with `skip_malformed`). The schema is the model folder's."""
-    import torch
-
-    from ecru.ctr.model_dir import _aligned_rows, load_model
-    from ecru.ctr.reader import ReaderConfig, _is_parquet, load_ctr_file, with_blank_lines
+    from ecru.ctr.model_dir import line_aligned, load_model
+    from ecru.ctr.reader import ReaderConfig, load_ctr_file
 
     predictor, schema = load_model(folder), load_schema(Path(folder) / "schema.json")
     cfg = ReaderConfig(skip_malformed=skip_malformed)
     data, skipped = load_ctr_file(path, schema, cfg=cfg, encoder=predictor.encoder)
-    probs, labels = predictor.predict_data(data, batch_size=batch_size), data.labels
-    if skipped:
-        rows = _aligned_rows(Path(path), schema, len(data), skipped)
-        full_p = torch.full((len(data) + skipped,), float("nan"))
-        full_y = full_p.clone()
-        full_p[rows], full_y[rows] = probs, data.labels
-        probs, labels = full_p, full_y
-    if _is_parquet(Path(path)):
-        return probs, labels
-    return with_blank_lines(probs, path, header=True), with_blank_lines(labels, path, header=True)
+    probs = predictor.predict_data(data, batch_size=batch_size)
+    return line_aligned(probs, data.labels, Path(path), schema, skipped, header=True)
 
 
 __all__ = [
