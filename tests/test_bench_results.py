@@ -1,6 +1,8 @@
 """bench/results/ holds only what a doc, a script, a test or the package names, and at most 80 files."""
 
+import io
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,3 +47,18 @@ def test_every_result_file_is_cited():
     text = _citing_texts()
     uncited = [name for name in _result_files() if not _is_cited(name, text)]
     assert not uncited, f"cite these from a doc or script, or remove them: {uncited}"
+
+
+def _code_without_comments(path: Path) -> str:
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline)
+    return " ".join(t.string for t in tokens if t.type != tokenize.COMMENT)
+
+
+def test_no_test_loads_a_study():
+    # Studies (bench/experiments/) are not the product: what a test needs lives in src/ecru or a bench/ script.
+    loads = [
+        p.relative_to(ROOT).as_posix()
+        for p in sorted((ROOT / "tests").rglob("*.py"))
+        if "experiments" in _code_without_comments(p) and p != Path(__file__).resolve()
+    ]
+    assert not loads, f"these tests name bench/experiments: {loads}"

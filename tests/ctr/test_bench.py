@@ -3,13 +3,11 @@
 import importlib.util
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from ecru.cowclip import scaled_recipe
-from tests.bench_scripts import EXPERIMENTS, load_bench_script, load_experiment_script
+from tests.bench_scripts import load_bench_script
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "ctr_scaling.py"
 KEYS = {
@@ -34,16 +32,6 @@ def bench(monkeypatch):
     spec = importlib.util.spec_from_file_location("ctr_scaling", BENCH)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "ctr_scaling", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def decisive(monkeypatch):
-    """The study bench/experiments/ctr_decisive.py."""
-    spec = importlib.util.spec_from_file_location("ctr_decisive", EXPERIMENTS / "ctr_decisive.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "ctr_decisive", module)  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -125,81 +113,6 @@ def test_sparse_only_plan(bench, tmp_path, monkeypatch):
     )
     with pytest.raises(SystemExit):  # the two mode filters exclude each other
         bench.main(["--no-sparse", "--sparse-only", "--json", str(out)])
-
-
-def test_recipe_search_on_a_tiny_setting(bench, tmp_path, monkeypatch):
-    # `from ctr_scaling import QUICK` in the study: the fixture's module
-    search = load_experiment_script("ctr_recipe_search")
-    monkeypatch.setattr(search, "QUICK", _tiny_setting(bench, rows=4000))
-    out = tmp_path / "search.json"
-    assert search.main(["--seeds", "0,1", "--batch", "512", "--json", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["seeds"] == [0, 1] and len(result["runs"]) == 2 * (1 + len(result["gaps_to_1k"]))
-    auc = {(r["seed"], r["label"]): r["auc"] for r in result["runs"]}
-    for label, row in result["gaps_to_1k"].items():
-        assert row["gaps"] == pytest.approx([auc[(s, "1k")] - auc[(s, label)] for s in (0, 1)])
-        assert row["max_gap"] == max(row["gaps"])
-    best = result["best_by_max_gap"]
-    assert result["gaps_to_1k"][best]["max_gap"] == min(r["max_gap"] for r in result["gaps_to_1k"].values())
-    # the candidate labelled as the tempered rule is the library's tempered recipe
-    rule = next(r for r in result["runs"] if r["label"] == "e1-d.75-l.5-w1/s")["settings"]
-    assert rule == pytest.approx(asdict(scaled_recipe("tempered", 512, base_batch=128)))
-
-
-def test_decisive_on_a_tiny_setting(decisive, tmp_path, monkeypatch):
-    tiny = decisive.Setting(
-        rows=3000, test_fraction=0.25, scale=1e-3, mlp=(8,), epochs=1, base=64, large=512, seeds=(0, 1)
-    )
-    monkeypatch.setattr(decisive, "QUICK", tiny)
-    out = tmp_path / "d.json"
-    assert decisive.main(["--quick", "--variants", "cowclip,no-clip,summed-loss", "--json", str(out)]) == 0
-    result = json.loads(out.read_text())
-    order = [(r["seed"], r["variant"]) for r in result["runs"]]
-    assert order == [(0, "reference"), (0, "cowclip"), (0, "no-clip"), (1, "reference"), (1, "cowclip")] + [
-        (1, "no-clip"),
-        (0, "summed-loss"),
-        (1, "summed-loss"),
-    ]
-    # a no-clip run is copied only where the CowClip run clipped nothing (that an inert clip is bit-identical
-    # to no clip is tests/cowclip/test_wrapper.py's test_nothing_clipped_equals_plain_adam_...)
-    for r in result["runs"]:
-        if r.get("identical_by_construction"):
-            cow = next(c for c in result["runs"] if c["variant"] == "cowclip" and c["seed"] == r["seed"])
-            assert cow["clipped_fraction"] == 0.0
-    summary = result["summary"]
-    ref = {r["seed"]: r["auc"] for r in result["runs"] if r["variant"] == "reference"}
-    gaps = [ref[r["seed"]] - r["auc"] for r in result["runs"] if r["variant"] == "no-clip"]
-    assert summary["no-clip"]["gap_to_reference_mean"] == pytest.approx(sum(gaps) / 2)
-    assert summary["cowclip"]["steps"] == 2250 // 512 and "2 seeds" in result["verdict"]
-    # the summed loss makes the clip fire where the mean loss leaves it inert
-    assert summary["summed-loss"]["clipped_fraction_mean"] > summary["cowclip"]["clipped_fraction_mean"]
-    assert out.with_suffix(".png").stat().st_size > 0
-    # a second process on one seed (resuming from a copy holding that seed's reference), then merged back
-    main = {**result, "runs": [r for r in result["runs"] if r["variant"] != "summed-loss"]}
-    out.write_text(json.dumps(main))
-    knobs = tmp_path / "k.json"
-    knobs.write_text(json.dumps(main))
-    argv = ["--quick", "--resume", "--seeds", "1", "--variants", "summed-loss", "--json", str(knobs)]
-    assert decisive.main(argv) == 0
-    ran = json.loads(knobs.read_text())["runs"]
-    assert [(r["seed"], r["variant"]) for r in ran][-1] == (1, "summed-loss") and len(ran) == len(
-        main["runs"]
-    ) + 1
-    assert decisive.main(["--quick", "--json", str(out), "--merge", str(knobs)]) == 0
-    merged = json.loads(out.read_text())
-    assert merged["summary"]["summed-loss"]["seeds"] == [1]
-    assert merged["summary"]["summed-loss"]["gaps"] == pytest.approx(summary["summed-loss"]["gaps"][1:])
-
-
-def test_decisive_accepts_result_files_recording_the_dropped_knob_seeds(decisive):
-    recorded = json.loads(json.dumps(asdict(decisive.CPU)))
-    assert "knob_seeds" not in recorded and decisive.same_setting(recorded, decisive.CPU)
-    # written while Setting had knob_seeds: all of the seeds (or None, meaning them) is the same setting
-    for knobs in (recorded["seeds"], None):
-        assert decisive.same_setting({**recorded, "knob_seeds": knobs}, decisive.CPU)
-    assert not decisive.same_setting({**recorded, "knob_seeds": [0]}, decisive.CPU)  # knobs on fewer seeds
-    assert not decisive.same_setting({**recorded, "rows": 1}, decisive.CPU)
-    assert not decisive.same_setting(recorded, decisive.QUICK)
 
 
 def test_peers_summary_takes_medians_and_checks_the_targets():

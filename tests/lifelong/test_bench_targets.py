@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.bench_scripts import load_bench_script, load_experiment_script
+from tests.bench_scripts import load_bench_script
 
 
 @pytest.fixture(scope="module")
@@ -126,26 +126,6 @@ def test_aggregate_keeps_both_protocols_and_leaves_unrecorded_costs_empty(bench)
     assert agg["cost"]["peak_rss_mb"] is None and agg["cost"]["wall_s"] == 10.0
     assert agg["agnostic"]["last"] == 85.0 and agg["agnostic_std"]["last"] == 5.0
     assert agg["gated"]["by_construction"] == ["transfer_retention", "heldout_change"]
-
-
-def test_routing_shares_on_separated_clusters():
-    import torch
-    import torch.nn.functional as F
-
-    routing = load_experiment_script("lifelong_routing")
-    torch.manual_seed(0)
-    centers = F.normalize(torch.randn(3, 16, dtype=torch.float64), dim=-1) * 3
-
-    def cluster(c, n):
-        return F.normalize(centers[c] + 0.2 * torch.randn(n, 16, dtype=torch.float64), dim=-1)
-
-    keys, own = [cluster(0, 40), cluster(1, 40)], [cluster(0, 20), cluster(1, 20)]
-    s = routing.route_shares(keys, own, {"far": cluster(2, 30)}, k=3, percentile=0.0)
-    assert s["own_to_own"] >= 90 and s["own_to_other"] == 0.0 and s["far_to_adapter"] <= 10
-    assert (
-        routing.route_shares(keys, own, {"far": cluster(2, 30)}, k=3, percentile=50.0)["own_to_own"]
-        < s["own_to_own"]
-    )
 
 
 def test_training_flags_build_the_train_config(bench):

@@ -334,30 +334,6 @@ def test_lda_router_pools_the_covariance_and_separates_what_cosine_cannot():
     torch.testing.assert_close(merged.logits(test_a, 1), lda.logits(test_a, 1))
 
 
-def test_the_rules_bench_scores_the_routers_own_lda_head():
-    from ecru.lifelong.router import LDARouter
-    from tests.bench_scripts import load_experiment_script
-
-    rules = load_experiment_script("lifelong_rules")
-    torch.manual_seed(0)
-    sizes, dim = (3, 2, 4), 16  # classes per task
-    cols = list(torch.randperm(sum(sizes)).split(sizes))  # a task's label columns, in its class order
-    router, emb, task, label = LDARouter(percentile=0.0), [], [], []
-    for t, classes in enumerate(sizes):
-        local = torch.arange(classes).repeat(3)[torch.randperm(3 * classes)]
-        x = F.normalize(torch.randn(classes, dim)[local] + 0.3 * torch.randn(len(local), dim), dim=-1)
-        if t == 1:
-            x[local == 0] = x[local == 0][0]  # a class whose texts coincide: no spread of its own
-        router.add_task(x, labels=local)
-        emb.append(x)
-        task.append(torch.full((len(local),), t))
-        label.append(cols[t][local])
-        cache = (torch.cat(emb).double(), torch.cat(task), torch.cat(label))  # as the cache holds them
-        weight, bias = rules.lda_head_after(cache, cols, t + 1)
-        want_weight, want_bias, _ = router.head()
-        assert torch.equal(weight, want_weight) and torch.equal(bias, want_bias)
-
-
 def test_lda_weight_needs_the_lda_router():
     with pytest.raises(EcruError, match="lda_weight"):
         RoutedConfig(router="prototypes", lda_weight=0.1)
@@ -373,23 +349,6 @@ def test_lda_router_survives_a_task_whose_texts_repeat_verbatim():
     router.add_task(emb, labels=torch.tensor([0, 0, 1, 1]))
     assert router.logits(emb, 0).isfinite().all()
     assert router(emb, open_set=False).eq(0).all() and router(-emb).eq(FROZEN).all()
-
-
-def test_the_rules_bench_per_class_threshold_is_the_lowest_leave_one_out_cosine_at_percentile_0():
-    from tests.bench_scripts import load_experiment_script
-
-    rules = load_experiment_script("lifelong_rules")
-    torch.manual_seed(0)
-    emb = F.normalize(torch.randn(7, 5), dim=-1)
-    col = torch.tensor([2, 2, 2, 0, 0, 0, 3])  # label columns; column 1 has no text, column 3 one text
-    cache = object.__new__(rules.Cache)
-    cache.names, cache.train = ["a", "b", "c", "d"], (emb.double(), torch.zeros(7, dtype=torch.long), col)
-    got = rules.class_thresholds_at(cache, 0.0)
-    for g in (0, 2):
-        rows = (col == g).nonzero().flatten().tolist()
-        loo = [F.cosine_similarity(emb[i], emb[[j for j in rows if j != i]].mean(0), dim=0) for i in rows]
-        torch.testing.assert_close(got[g], min(loo), atol=1e-6, rtol=0)
-    assert got[1] == float("-inf") and got[3] == float("-inf")  # no text, one text: never rejects
 
 
 def test_adapter_prototypes_are_class_means_through_the_task_s_own_adapter(routed):
@@ -436,23 +395,6 @@ def test_adapter_prototype_weight_adds_the_adapter_cosine_to_them_within_the_tas
         RoutedConfig(adapter_prototype_weight=-1.0)
     with pytest.raises(EcruError, match="adapter_prototype_support"):
         RoutedConfig(adapter_prototype_support=0.0)
-
-
-def test_the_rules_bench_reproduces_the_method_s_own_scores(routed, tmp_path):
-    from ecru.lifelong.evaluate import Evaluator
-    from tests.bench_scripts import load_experiment_script
-
-    diagnose, rules = load_experiment_script("lifelong_diagnose"), load_experiment_script("lifelong_rules")
-    method, stream = routed
-    torch.save(
-        diagnose.cache_of(method, stream, Evaluator(stream), {"train_per_intent": 6}), tmp_path / "c.pt"
-    )
-    c = rules.Cache(tmp_path / "c.pt")
-    assert c.AP is not None and rules.own_rule_matches(c) is True
-    # the adapter prototypes' term is live: the rule without it gives other scores
-    cfg = method.cfg
-    without = rules.routed(c, c.T, route="lda", w=0.0, lda_weight=cfg.lda_weight)
-    assert not torch.allclose(without, c.raw["scores"], atol=1e-4)
 
 
 def test_relative_mahalanobis_against_a_plain_reference():
@@ -543,50 +485,6 @@ def test_rmd_percentile_needs_the_lda_router():
         RoutedConfig(router="prototypes", rmd_percentile=10.0)
     with pytest.raises(EcruError, match="rmd_percentile"):
         RoutedConfig(router="lda", rmd_percentile=120.0)
-
-
-def test_the_open_set_bench_answers_unlearned_label_sets_as_the_method_does(routed):
-    from ecru.lifelong.evaluate import Evaluator
-    from ecru.lifelong.router import LDARouter
-    from tests.bench_scripts import load_experiment_script
-
-    bench = load_experiment_script("lifelong_open_set")
-    method, stream = routed
-    ev = Evaluator(stream)
-    sc = bench.Scored(ev, bench.stream_embeddings(bench.Frozen(), stream, ev))
-    # the preset's router, and a strict one whose relative Mahalanobis test rejects about half of every task's
-    # texts (the preset's rejects nothing with 6 texts per intent): each fitted by the bench and by the method
-    kept, unlearned = method.router, {}
-    try:
-        for rmd in (method.cfg.rmd_percentile, 50.0):
-            router = LDARouter(percentile=method.cfg.percentile, rmd_percentile=rmd)
-            method.router = LDARouter(percentile=method.cfg.percentile, rmd_percentile=rmd)
-            for train, labels, task in zip(sc.emb["train"], sc.emb["labels"], stream.tasks, strict=True):
-                router.add_task(train, labels=labels)
-                method.router.add_task(method.encoder().frozen([e.text for e in task.train]), labels=labels)
-            torch.testing.assert_close(
-                torch.tensor(router.rmd_thresholds), torch.tensor(method.router.rmd_thresholds)
-            )
-            unlearned[rmd] = _same_unlearned_answers(sc, router, method, ev)
-    finally:
-        method.router = kept
-    n = len(ev.texts) - sc.sp[sc.T]
-    assert 0 < unlearned[method.cfg.rmd_percentile] < unlearned[50.0] <= n  # the strict test rejects more
-
-
-def _same_unlearned_answers(sc, router, method, ev) -> int:
-    """Banking77 among the learned labels and its own: whether a text gets an unlearned label, and which, is
-    exactly the method's; returns how many do."""
-    r = slice(sc.sp[sc.T], len(ev.texts))
-    got = sc.answers(router, r, sc.held, method.cfg.margin)
-    learned = torch.tensor(sorted({c for cols in sc.task_cols for c in cols}))
-    candidates = sorted(set(learned.tolist()) | set(sc.held))
-    scores = method.encoder().scores(ev.texts[r], [ev.names[c] for c in candidates])
-    want = torch.tensor(candidates)[scores.argmax(-1)]
-    unlearned = ~torch.isin(want, learned)
-    assert torch.equal(unlearned, ~torch.isin(got, learned))
-    assert torch.equal(want[unlearned], got[unlearned])
-    return int(unlearned.sum())
 
 
 def test_admit_lowers_thresholds_to_the_held_out_quantile_and_never_raises_them():

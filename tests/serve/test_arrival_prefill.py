@@ -2,8 +2,6 @@
 KV kept until admission. Greedy outputs still equal Hugging Face `generate`; the model runs exactly one
 forward per arrival group and per decode step (no admission or prediction forward)."""
 
-import json
-
 import pytest
 import torch
 
@@ -247,22 +245,6 @@ def test_refusals(model, gen, probe):
         )
     with pytest.raises(ValueError, match="reserve"):
         make_engine(model, gen, probe).add_request([5, 6], GREEDY, reserve=3.0)
-
-
-def test_bench_script_runs_every_policy_on_the_tiny_model(tmp_path):
-    from tests.bench_scripts import load_experiment_script
-
-    out = tmp_path / "arrival.json"
-    load_experiment_script("serve_arrival").main(
-        ["--json", str(out), "--model", "tiny", "--train", "6", "--test", "6", "--cap", "8"]
-    )
-    result = json.loads(out.read_text())
-    policies = result["policies"]
-    assert set(policies) == {"cb", "cb+arrival", "cb-sjf+arrival", "cb-sjf+probe"}
-    assert all(p["outputs_equal_cb"] == 6 for p in policies.values())
-    assert policies["cb-sjf+arrival"]["admission_prefill_forwards"] == 0
-    assert policies["cb-sjf+probe"]["add_request_predict_s"] > 0
-    assert result["probe_on_test"]["arrival_vs_standalone_max_abs_diff"] < 1e-3
 
 
 def test_a_stop_string_in_the_first_token_ends_the_request_at_arrival(chat_model_dir):

@@ -3,7 +3,6 @@ fresh pack after the weight changes, `F.linear` itself outside the packed range,
 answers on a packed model equal to Hugging Face `generate` on the plain one."""
 
 import copy
-import json
 
 import pytest
 import torch
@@ -172,37 +171,3 @@ def test_engine_on_a_packed_model_answers_as_generate_on_the_plain_one(packed_mo
     reqs = engine.generate(prompts, SamplingParams(max_tokens=24))
     assert [r.output for r in reqs] == reference  # conftest: each prompt alone through `generate`, unpacked
     assert products.calls > 0  # the packed path ran
-
-
-def test_the_matmul_benchmark_writes_a_ratio_per_shape_and_row_count(tmp_path):
-    from tests.bench_scripts import load_experiment_script
-
-    bench = load_experiment_script("serve_packed_matmul")
-    out = tmp_path / "m.json"
-    assert bench.main(["--pairs", "1", "--json", str(out)]) == 0
-    ratios = json.loads(out.read_text())["plain_over_packed"]
-    assert set(ratios) == set(bench.SHAPES) and all(set(r) == {"4", "8", "16"} for r in ratios.values())
-    assert all(v > 0 for r in ratios.values() for v in r.values())
-
-
-@pytest.mark.slow
-def test_the_in_model_benchmark_times_each_rule_on_smollm2(tmp_path):
-    from tests.bench_scripts import load_experiment_script
-
-    bench = load_experiment_script("serve_packed_matmul")
-    out = tmp_path / "m.json"
-    assert bench.main(["--pairs", "1", "--in-model", "--rounds", "1", "--json", str(out)]) == 0
-    model = json.loads(out.read_text())["in_model"]
-    assert model["packed_layers"] == {"plain": 0, "min_2^19": 91, "min_2^18": 151, "shipped": 211}
-    assert model["plain_over_rule"]["plain"] == 1.0 and model["identical_greedy_outputs"]
-    assert all(len(t) == 1 and t[0] > 0 for t in model["times_s"].values())
-
-
-def test_the_in_model_comparison_counts_rounds_pair_by_pair():
-    from tests.bench_scripts import load_experiment_script
-
-    bench = load_experiment_script("serve_packed_matmul")
-    times = {"plain": [2.0, 2.0, 2.0], "old": [1.5, 1.0, 1.5], "shipped": [1.0, 1.2, 1.0]}
-    got = bench.pairwise(times, "shipped")
-    assert got["plain"] == {"median_ratio": 2.0, "faster_rounds": 3}
-    assert got["old"] == {"median_ratio": 1.5, "faster_rounds": 2}

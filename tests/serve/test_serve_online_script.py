@@ -1,15 +1,14 @@
 """bench/serve_online.py's helpers: arrivals, resampling, re-prediction metrics, static and online tables."""
 
-import json
 import os
 import time
 
 import pytest
 import torch
 
-from ecru.serve.cost import SMOLLM2_CPU, CostModel, StepWork
+from ecru.serve.cost import CostModel, StepWork
 from ecru.serve.online import OnlineConfig
-from tests.bench_scripts import load_bench_script, load_experiment_script
+from tests.bench_scripts import load_bench_script
 
 from .conftest import RunsLong
 
@@ -204,28 +203,6 @@ def test_concurrent_runs_each_item_in_its_own_process_in_order(tmp_path):
     for bad in (["--rate-from", "engine", "--mirror"], []):  # mirrored, or loaded against the simulator
         with pytest.raises(SystemExit):
             real.parse(both + bad)
-
-
-def test_seeds_refuses_a_cost_key_the_json_lacks(tmp_path, capsys):
-    seeds = load_experiment_script("serve_online_seeds")
-    source = tmp_path / "online.json"
-    out = tmp_path / "seeds.json"
-    source.write_text(json.dumps({"cost_model": SMOLLM2_CPU.__dict__, "engine_cost": {"steps": 3}}))
-    for key in ("engine_cost_model", "engine_cost"):  # absent, or not a cost model
-        with pytest.raises(SystemExit):
-            seeds.main(["--json", str(out), "--from", str(source), "--cost-key", key])
-        assert f"no cost model '{key}'" in capsys.readouterr().err and not out.exists()
-
-
-def test_seeds_refuses_a_predictor_the_json_lacks(tmp_path, capsys):
-    seeds = load_experiment_script("serve_online_seeds")
-    source = tmp_path / "online.json"
-    source.write_text(
-        json.dumps({"cost_model": SMOLLM2_CPU.__dict__, "per_prompt": {"predicted": {"minilm": []}}})
-    )
-    with pytest.raises(SystemExit):
-        seeds.main(["--json", str(tmp_path / "s.json"), "--from", str(source), "--predictor", "embed"])
-    assert "no predictions 'embed'" in capsys.readouterr().err
 
 
 def test_summary_lists_each_rounds_ratios_and_their_median():
