@@ -219,20 +219,6 @@ def test_peak_kv_tokens_counts_the_padded_cache(model):
     assert one.peak_kv_tokens == 3 + 3  # one row: its prompt plus the tokens fed back
 
 
-def test_demo_sentences_come_from_the_run():
-    from ecru.serve import demo
-
-    summary = {"real_cb_x_fcfs": 1.31, "real_oracle_x_fcfs": 1.12, "real_outputs_identical": "True",
-               "sim_sorted_x_fcfs": 1.0, "sim_fcr_x_fcfs": 0.97, "sim_oracle_x_fcfs": 1.6}  # fmt: skip
-    assert "1.31x the throughput" in demo._takeaway(summary) and "1.12x" in demo._takeaway(summary)
-    assert "FCR 0.97x" in demo._shortfall(summary) and "1.60x with the true lengths" in demo._shortfall(
-        summary
-    )
-    assert demo._shortfall({"real_cb_x_fcfs": 1.0}) == ""
-    slow = {**summary, "real_cb_x_fcfs": 0.93}
-    assert "measured 0.93x" in demo._takeaway(slow) and "1.37x" in demo._takeaway(slow)
-
-
 def test_bins_batches_never_mix_bins_and_run_at_the_bin_top():
     from ecru.serve.policies import bin_top
 
