@@ -98,14 +98,14 @@ class CowClip:
                 )
 
     def _full(self, table: nn.Parameter, ids: Tensor) -> Tensor:
+        # in place: .grad is the backward's own buffer (a fresh full-table copy costs more than the add)
         grad = table.grad.to_dense() if table.grad.is_sparse else table.grad
         if self.weight_decay:
-            grad = grad.add(table, alpha=self.weight_decay)  # as torch.optim.Adam(weight_decay=...) does
+            grad.add_(table, alpha=self.weight_decay)  # as torch.optim.Adam(weight_decay=...) does
         if not self.clip or table.shape[1] == 1:
             return grad
         uniq, counts = id_counts(ids, table.shape[0])
         scale = self._scale(grad[uniq], table[uniq], counts)
-        grad = grad.clone() if grad is table.grad else grad
         grad[uniq] = grad[uniq] * scale[:, None]
         return grad
 

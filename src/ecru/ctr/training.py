@@ -70,6 +70,12 @@ class TrainConfig:
     """Seed of the model initialisation and of the per-epoch shuffles."""
     eval_batch: int = 65536
     """Batch size of the held-out evaluation."""
+    eval_every: int = 0
+    """Also evaluate the test rows every this many steps (0: only at the end of each epoch); every
+    evaluation is a point of `TrainResult.curve`, timed in training seconds (evaluations excluded)."""
+    target_auc: float | None = None
+    """Stop once an evaluation of the test rows reaches this AUC: for measuring the time to an AUC (the
+    test split then decides when to stop; early stopping on validation rows is `patience`)."""
     checkpoint: str | None = None
     """File written at the end of every epoch (rank 0); None: no checkpoints."""
     resume: bool = False
@@ -91,6 +97,10 @@ class TrainConfig:
             raise EcruError(f"mode must be 'full' or 'sparse', got {self.mode!r}")
         if self.embed_lr is not None and not self.embed_lr > 0:
             raise EcruError(f"embed_lr must be > 0, got {self.embed_lr}")
+        if self.eval_every < 0:
+            raise EcruError(f"eval_every must be >= 0 (0: at epoch ends only), got {self.eval_every}")
+        if self.target_auc is not None and not 0 < self.target_auc < 1:
+            raise EcruError(f"target_auc must lie in (0, 1), got {self.target_auc}")
         if self.patience is not None and self.patience < 1:
             raise EcruError(f"patience must be >= 1 (or None: no early stopping), got {self.patience}")
         if self.init_std <= 0:
@@ -113,6 +123,9 @@ class TrainResult:
     recipe: Recipe
     history: list[dict] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    curve: list[dict] = field(default_factory=list)
+    """Test AUC over training, this call's epochs: {"step", "train_s" (training seconds so far, evaluations
+    excluded), "auc"} at every `eval_every` steps and at each epoch's end."""
     model: CTRModel | None = field(default=None, repr=False, compare=False)
     """The trained model (left out of `as_dict`)."""
 
@@ -192,9 +205,13 @@ def make_optimizers(
 ):
     """The two Adams, the dense warm-up and CowClip; `loss_scale` multiplies the L2 term with the loss."""
     tables = model.embedding_tables()
-    embed_cls = RowSparseAdam if mode == "sparse" else torch.optim.Adam
-    embed_opt = embed_cls(tables, lr=recipe.embed_lr, eps=recipe.eps)
-    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=recipe.dense_lr, eps=recipe.eps)
+    # fused: Adam's update in one pass over each tensor (the full-table step is ~3x faster than foreach's
+    # seven passes on a CPU); the same formula, equal to torch.optim.Adam's default to float round-off
+    if mode == "sparse":
+        embed_opt = RowSparseAdam(tables, lr=recipe.embed_lr, eps=recipe.eps)
+    else:
+        embed_opt = torch.optim.Adam(tables, lr=recipe.embed_lr, eps=recipe.eps, fused=True)
+    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=recipe.dense_lr, eps=recipe.eps, fused=True)
     warmup = max(1.0, recipe.warmup_epochs * steps_per_epoch)
     sched = torch.optim.lr_scheduler.LambdaLR(dense_opt, lambda step: min(1.0, (step + 1) / warmup))
     clipper = CowClip(
@@ -271,8 +288,9 @@ def train(
     if history and _stopped(cfg, history):  # an early-stopped run is finished: resuming adds no epoch
         start_epoch = cfg.epochs
     shard = cfg.batch_size // world
-    losses = []
+    losses, curve, reached = [], [], False
     for epoch in range(start_epoch, cfg.epochs):
+        done = sum(h.get("steps", 0) for h in history), sum(h.get("wall_s", 0.0) for h in history)
         bar = tqdm(
             total=steps_per_epoch,
             desc=f"epoch {epoch + 1}/{cfg.epochs} b={cfg.batch_size}",
@@ -297,6 +315,13 @@ def train(
             if len(losses) < 1000:
                 losses.append(_global_mean(loss.detach(), world))
             bar.update()
+            if cfg.eval_every and (done[0] + steps) % cfg.eval_every == 0 and steps < steps_per_epoch:
+                paused = time.perf_counter()
+                point = _probe(cfg, model, embed_opt, test_data, done[0] + steps, done[1] + paused - start)
+                curve.append(point)
+                start += time.perf_counter() - paused  # an evaluation is not training time
+                if reached := _reached(cfg, point["auc"], world):
+                    break
         bar.close()
         if isinstance(embed_opt, RowSparseAdam):
             embed_opt.flush()  # every row up to date before evaluating and saving
@@ -305,12 +330,16 @@ def train(
         # each epoch keeps its own steps and time: after a resume the totals still cover the whole run
         timing = {"steps": steps, "wall_s": time.perf_counter() - start}
         history.append({**_epoch_metrics(cfg, model, epoch, test_data, val_data), **timing})
+        total = {"step": done[0] + steps, "train_s": done[1] + timing["wall_s"]}
+        if not (curve and curve[-1]["step"] == total["step"]):
+            curve.append({**total, "auc": history[-1]["auc"]})
+            reached = _reached(cfg, history[-1]["auc"], world)
         if cfg.progress and rank == 0:
             tqdm.write(_epoch_line(history[-1]))
         if cfg.patience is not None and best_epoch(history) is history[-1]:
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         _save(cfg, rank, model, embed_opt, dense_opt, sched, epoch, history, best_state)
-        if _stopped(cfg, history):
+        if _stopped(cfg, history) or reached:
             break
     if not history:
         raise EcruError(f"checkpoint {cfg.checkpoint} already has all {cfg.epochs} epochs; raise --epochs")
@@ -333,8 +362,26 @@ def train(
         recipe,
         history,
         losses,
+        curve,
         model,
     )
+
+
+def _probe(cfg: TrainConfig, model, embed_opt, test_data: CTRData, step: int, train_s: float) -> dict:
+    """A point of the test-AUC curve in the middle of an epoch."""
+    if isinstance(embed_opt, RowSparseAdam):
+        embed_opt.flush()  # the absent rows' missed steps, as dense Adam has them (the end of an epoch does so)
+    return {"step": step, "train_s": train_s, "auc": evaluate(model, test_data, batch_size=cfg.eval_batch)[0]}
+
+
+def _reached(cfg: TrainConfig, value: float, world: int) -> bool:
+    """Whether `value` reaches `cfg.target_auc`, rank 0's answer on every rank (they stop together)."""
+    if cfg.target_auc is None:
+        return False
+    flag = torch.tensor([float(value >= cfg.target_auc)], device=cfg.device)
+    if world > 1:
+        dist.broadcast(flag, 0)
+    return bool(flag.item())
 
 
 def _epoch_metrics(cfg: TrainConfig, model, epoch: int, test_data: CTRData, val_data: CTRData | None) -> dict:
