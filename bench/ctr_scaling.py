@@ -8,15 +8,24 @@ updates at 1K (alternating repetitions, median).
     python bench/ctr_scaling.py --quick --json bench/results/ctr_quick.json   # ~10 min on 2 CPU cores
     python bench/ctr_scaling.py --full --sparse-only --recipes linear,cowclip,tempered --json bench/results/ctr_full.json
                                                                # ~1-2 h: >= 1,000 steps at 32K
+    python bench/ctr_scaling.py --time-to-auc --json bench/results/ctr_time_to_auc.json  # ~20 min
+
+--time-to-auc: the wall time (training seconds, test evaluations excluded) each batch size (1K, 8K, 32K) and
+recipe takes to reach the 1K reference's final test AUC minus 0.001, on 1 process and on 2 (torchrun, gloo,
+1 thread each), with the steps it took: the paper's claim in its unit. Every run is its own process (or
+torchrun's two) on the same arrays; the test rows are evaluated every 1/8 epoch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -24,8 +33,9 @@ from pathlib import Path
 import torch
 
 from ecru.cowclip import RECIPES, scaled_recipe
-from ecru.ctr import SyntheticConfig, TrainConfig, generate, train
+from ecru.ctr import CTRData, SyntheticConfig, TrainConfig, generate, train
 from ecru.ctr.synthetic import realised_oracle
+from ecru.io import load_tensors, save_tensors
 
 BOTH_MODES = ("cowclip", "tempered")  # the other baselines run in the faithful mode only
 
@@ -77,6 +87,197 @@ FULL = Setting(
     batches=(1024, 32768),
     timing_steps=300,
 )
+
+
+# time to AUC: the quick data (1M training rows), 1K for one epoch as the reference, 8K and 32K for up to
+# 3 epochs (3x the samples: large batches may need more passes to reach 1K's AUC)
+TIME_TO_AUC = replace(QUICK, batches=(1024, 8192, 32768), epochs=1)
+TTA_RECIPES, TTA_MAX_EPOCHS, TTA_MARGIN, TTA_EVALS_PER_EPOCH = ("tempered", "cowclip"), 3, 1e-3, 8
+
+
+def save_arrays(folder: Path, parts: dict[str, CTRData]) -> None:
+    """The splits as one safetensors file (ecru.io) every run reads."""
+    tensors = {f"{n}_{k}": getattr(p, k) for n, p in parts.items() for k in ("dense", "cats", "labels")}
+    save_tensors(
+        folder / "arrays.safetensors", tensors, {"cardinalities": json.dumps(parts["train"].cardinalities)}
+    )
+
+
+def load_arrays(folder: Path) -> tuple[CTRData, CTRData]:
+    tensors, meta = load_tensors(folder / "arrays.safetensors")
+    cards = tuple(json.loads(meta["cardinalities"]))
+    return tuple(
+        CTRData(*(tensors[f"{n}_{k}"] for k in ("dense", "cats", "labels")), cards) for n in ("train", "test")
+    )
+
+
+def tta_worker(args: argparse.Namespace) -> int:
+    """One time-to-AUC run (rank 0 writes its JSON); under torchrun, data parallel over gloo."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    tr, te = load_arrays(Path(args.arrays))
+    cfg = TrainConfig(
+        batch_size=args.batch,
+        epochs=args.epochs,
+        recipe=args.recipe,
+        mlp=TIME_TO_AUC.mlp,
+        base_batch=args.base_batch,
+        eval_every=max(1, len(tr) // args.batch // TTA_EVALS_PER_EPOCH),
+        target_auc=args.target,
+        seed=args.seed,
+        progress=False,
+    )
+    res = train(cfg, tr, te)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out = {"steps": res.steps, "final_auc": res.auc, "train_s": res.wall_s, "curve": res.curve}
+        Path(args.out).write_text(json.dumps({**out, "eval_every_steps": cfg.eval_every}))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def tta_launch(
+    folder: Path,
+    procs: int,
+    batches: tuple[int, ...],
+    batch: int,
+    recipe: str,
+    target: float | None,
+    seed: int,
+) -> dict:
+    """Run one (processes, batch, recipe) in its own process(es); its JSON with the wall clock around it."""
+    out = folder / f"run_{procs}_{batch}_{recipe}.json"
+    head = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run"]
+    head += [] if procs == 1 else ["--standalone", f"--nproc-per-node={procs}"]
+    cmd = [*head, __file__, "--tta-worker", "--arrays", str(folder), "--out", str(out)]
+    epochs = TIME_TO_AUC.epochs if batch == batches[0] else TTA_MAX_EPOCHS
+    cmd += ["--batch", str(batch), "--base-batch", str(batches[0]), "--epochs", str(epochs)]
+    cmd += ["--recipe", recipe, "--seed", str(seed)]
+    cmd += ["--target", str(target)] if target is not None else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    load_before, start = os.getloadavg()[0], time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    run = json.loads(out.read_text())
+    return {
+        **run,
+        "process_wall_s": time.perf_counter() - start,
+        "load_avg_1min_before": load_before,
+        "load_avg_1min_after": os.getloadavg()[0],
+    }
+
+
+def first_reaching(curve: list[dict], target: float) -> dict | None:
+    """The first evaluation at or above `target` (None: never reached)."""
+    return next((p for p in curve if p["auc"] >= target), None)
+
+
+def time_to_auc(args: argparse.Namespace) -> int:
+    setting, start = replace(TIME_TO_AUC, rows=args.rows or TIME_TO_AUC.rows), time.perf_counter()
+    if args.batches:
+        setting = replace(setting, batches=tuple(int(b) for b in args.batches.split(",")))
+    data = generate(
+        SyntheticConfig(n_rows=setting.rows, scale=setting.scale, zipf=setting.zipf, seed=args.seed)
+    )
+    parts = dict(
+        zip(("train", "test"), data.split_random(setting.test_fraction, seed=args.seed), strict=True)
+    )
+    base, rows = setting.batches[0], []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        save_arrays(folder, parts)
+        ref = tta_launch(folder, 1, setting.batches, base, TTA_RECIPES[0], None, args.seed)  # no target
+        target = ref["final_auc"] - TTA_MARGIN
+        for procs in (1, 2):
+            for batch in setting.batches:
+                for recipe in TTA_RECIPES:
+                    same = (procs, batch, recipe) == (1, base, TTA_RECIPES[0])
+                    run = (
+                        ref
+                        if same
+                        else tta_launch(folder, procs, setting.batches, batch, recipe, target, args.seed)
+                    )
+                    rows.append(tta_row(procs, batch, recipe, run, target))
+                    print(tta_line(rows[-1]), file=sys.stderr, flush=True)
+    out = tta_summary(args, setting, parts, ref, target, rows, time.perf_counter() - start)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    print_tta_table(rows, target)
+    return 0
+
+
+def tta_row(procs: int, batch: int, recipe: str, run: dict, target: float) -> dict:
+    hit = first_reaching(run["curve"], target)
+    return {
+        "processes": procs,
+        "batch_size": batch,
+        "recipe": recipe,
+        "reached_target": hit is not None,
+        "seconds_to_target": hit["train_s"] if hit else None,
+        "steps_to_target": hit["step"] if hit else None,
+        "samples_to_target": hit["step"] * batch if hit else None,
+        "best_auc": max(p["auc"] for p in run["curve"]),
+        "steps_run": run["steps"],
+        "train_s": run["train_s"],
+        "eval_every_steps": run["eval_every_steps"],
+        "process_wall_s": run["process_wall_s"],
+        "load_avg_1min_before": run["load_avg_1min_before"],
+        "load_avg_1min_after": run["load_avg_1min_after"],
+        "curve": run["curve"],
+    }
+
+
+def tta_line(r: dict) -> str:
+    reached = (
+        f"{r['seconds_to_target']:7.1f} s, {r['steps_to_target']:5d} steps"
+        if r["reached_target"]
+        else f"not reached in {r['steps_run']} steps (best AUC {r['best_auc']:.5f})"
+    )
+    return f"{r['processes']} proc b={r['batch_size']:>6} {r['recipe']:>9}: {reached}"
+
+
+def tta_summary(args, setting, parts, ref, target, rows, wall) -> dict:
+    base = next(r for r in rows if (r["processes"], r["batch_size"]) == (1, setting.batches[0]))
+    speedups = {
+        f"{r['processes']}proc_{r['batch_size']}_{r['recipe']}": base["seconds_to_target"]
+        / r["seconds_to_target"]
+        for r in rows
+        if r["reached_target"]
+    }
+    return {
+        "command": " ".join(["python", "bench/ctr_scaling.py", *sys.argv[1:]]),
+        "setting": {
+            **asdict(setting),
+            "recipes": TTA_RECIPES,
+            "large_batch_max_epochs": TTA_MAX_EPOCHS,
+            "evaluations_per_epoch": TTA_EVALS_PER_EPOCH,
+            "threads_per_process": 1,
+            "distributed": "torchrun --standalone, gloo, the global batch split evenly over the ranks",
+        },
+        "data": {"train_rows": len(parts["train"]), "test_rows": len(parts["test"])},
+        "reference_1k_final_auc": ref["final_auc"],
+        "target_auc": target,
+        "target_rule": "the 1K reference's (1 process, tempered = the base settings at 1K) final AUC - 0.001",
+        "host": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()},
+        "runs": rows,
+        "speedup_to_target_vs_1k_1proc": speedups,
+        "total_wall_s": wall,
+    }
+
+
+def print_tta_table(rows: list[dict], target: float) -> None:
+    print(
+        f"\ntarget AUC {target:.5f}\n{'procs':>5} {'batch':>6} {'recipe':>9} {'seconds':>8} {'steps':>6}  best AUC"
+    )
+    for r in rows:
+        sec = f"{r['seconds_to_target']:8.1f}" if r["reached_target"] else f"{'-':>8}"
+        steps = f"{r['steps_to_target']:6d}" if r["reached_target"] else f"{'-':>6}"
+        print(f"{r['processes']:>5} {r['batch_size']:>6} {r['recipe']:>9} {sec} {steps}  {r['best_auc']:.5f}")
 
 
 def run_one(
@@ -301,7 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument(
         "--full", action="store_true", help=">= 1,000 steps at 32K, 1K on the same samples (hours)"
     )
-    p.add_argument("--json", default="bench/results/ctr_quick.json")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="default: bench/results/ctr_quick.json (ctr_time_to_auc.json with --time-to-auc)",
+    )
     p.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (recorded in every run)")
     p.add_argument("--seed", type=int, default=0)
@@ -322,7 +527,27 @@ def main(argv: list[str] | None = None) -> int:
         help="recompute the targets, table and plot of a finished run's JSON (no training); see --note",
     )
     p.add_argument("--note", help="with --summarize: the diagnosis, in words, stored as the JSON's 'note'")
+    p.add_argument(
+        "--time-to-auc",
+        action="store_true",
+        help="seconds and steps to 1K's final AUC - 0.001 per batch (1K, 8K, 32K) and recipe, on 1 and 2 processes",
+    )
+    p.add_argument("--rows", type=int, default=None, help="--time-to-auc: synthetic rows (default 1.2M)")
+    p.add_argument(
+        "--batches", default=None, help="--time-to-auc: batch sizes, the base first (1024,8192,32768)"
+    )
+    p.add_argument("--tta-worker", action="store_true", help=argparse.SUPPRESS)
+    for flag, kind in (("--arrays", str), ("--out", str), ("--recipe", str), ("--target", float)):
+        p.add_argument(flag, type=kind, help=argparse.SUPPRESS)
+    for flag in ("--batch", "--base-batch"):
+        p.add_argument(flag, type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.tta_worker:
+        return tta_worker(args)
+    if args.time_to_auc:
+        args.json = args.json or "bench/results/ctr_time_to_auc.json"
+        return time_to_auc(args)
+    args.json = args.json or "bench/results/ctr_quick.json"
     if args.summarize:
         return summarize(Path(args.summarize), Path(args.plot) if args.plot else None, args.note)
     torch.set_num_threads(args.threads)
