@@ -129,3 +129,25 @@ def test_peers_summary_takes_medians_and_checks_the_targets():
     assert summary["ecru"]["samples_per_s"] == 140.0 and abs(summary["speedup"] - 1.4) < 1e-12
     assert abs(summary["auc_gap"] + 0.001) < 1e-12
     assert summary["targets"] == {"speedup >= 1.3": True, "|auc gap| <= 0.002": True}
+
+
+def test_time_to_auc_worker_curve_and_rows(bench, tmp_path, monkeypatch):
+    """One --time-to-auc run in this process (torchrun's ranks run the same worker), and its table row."""
+    from ecru.ctr import SyntheticConfig, generate
+
+    monkeypatch.setattr(bench, "TIME_TO_AUC", _tiny_setting(bench, rows=6000))
+    parts = generate(SyntheticConfig(n_rows=6000, scale=1e-3, seed=0)).split_random(0.25, seed=0)
+    bench.save_arrays(tmp_path, dict(zip(("train", "test"), parts, strict=True)))
+    out = tmp_path / "run.json"
+    args = dict(arrays=str(tmp_path), out=str(out), batch=128, base_batch=128, epochs=2, recipe="tempered")
+    assert bench.tta_worker(bench.argparse.Namespace(**args, target=None, seed=0)) == 0
+    run = json.loads(out.read_text())
+    assert run["eval_every_steps"] == 4 and run["steps"] == run["curve"][-1]["step"] == 2 * (4500 // 128)
+    run |= {"process_wall_s": 1.0, "load_avg_1min_before": 0.0, "load_avg_1min_after": 0.0}
+    target = run["curve"][3]["auc"]
+    hit = bench.first_reaching(run["curve"], target)
+    row = bench.tta_row(2, 128, "tempered", run, target)
+    assert row["reached_target"] and row["steps_to_target"] == hit["step"] <= run["curve"][3]["step"]
+    assert row["seconds_to_target"] == hit["train_s"] and row["samples_to_target"] == 128 * hit["step"]
+    missed = bench.tta_row(1, 128, "tempered", run, 0.999)
+    assert not missed["reached_target"] and missed["seconds_to_target"] is None

@@ -83,7 +83,8 @@ class CowClip:
 
     @torch.no_grad()
     def clip_(self, ids: Tensor | Sequence[Tensor]) -> None:
-        """Replace each table's `.grad` by its L2-augmented, clipped gradient.
+        """Replace each table's `.grad` by its L2-augmented, clipped gradient (a dense `.grad` is changed in
+        place: it is the backward's own buffer, and a full-table copy would cost more than the L2 add).
 
         `ids`: one tensor `[B]` or `[B, L]` (padded with -1) shared by every table, or one per table.
         """
@@ -98,7 +99,6 @@ class CowClip:
                 )
 
     def _full(self, table: nn.Parameter, ids: Tensor) -> Tensor:
-        # in place: .grad is the backward's own buffer (a fresh full-table copy costs more than the add)
         grad = table.grad.to_dense() if table.grad.is_sparse else table.grad
         if self.weight_decay:
             grad.add_(table, alpha=self.weight_decay)  # as torch.optim.Adam(weight_decay=...) does

@@ -72,7 +72,8 @@ class TrainConfig:
     """Batch size of the held-out evaluation."""
     eval_every: int = 0
     """Also evaluate the test rows every this many steps (0: only at the end of each epoch); every
-    evaluation is a point of `TrainResult.curve`, timed in training seconds (evaluations excluded)."""
+    evaluation is a point of `TrainResult.curve`, timed in training seconds (evaluations excluded). In the
+    row-sparse mode an evaluation first brings every row up to date, as an epoch's end does."""
     target_auc: float | None = None
     """Stop once an evaluation of the test rows reaches this AUC: for measuring the time to an AUC (the
     test split then decides when to stop; early stopping on validation rows is `patience`)."""
