@@ -125,8 +125,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.set_defaults(func=run_train)
 
 
-def load_model(name: str, *, seed: int = 0):
-    """(model, tokenizer) for a CLI model name or a local model folder, in fp32 on the CPU."""
+def in_place(args: argparse.Namespace) -> Path | None:
+    """The model folder whose frozen base a run reads in place (a LoRA run on the disk tier from a folder
+    of safetensors: ecru.l2l.frozen), else None (the model is loaded whole)."""
+    folder = Path(args.model).expanduser()
+    if args.lora_r is None or args.store != "disk" or args.model in MODELS:
+        return None
+    return folder if any(folder.glob("*.safetensors")) else None
+
+
+def load_model(name: str, *, seed: int = 0, empty: bool = False):
+    """(model, tokenizer) for a CLI model name or a local model folder, in fp32 on the CPU; with `empty`
+    (a folder only) the parameters stay on the meta device, read later in place."""
     from ecru.l2l.data import byte_tokenizer
 
     if name == "smollm2":
@@ -141,10 +151,10 @@ def load_model(name: str, *, seed: int = 0):
             vocab_size=len(tok), hidden_size=64, num_layers=4, intermediate_size=128, seed=seed
         )
         return model, tok
-    return _load_folder(Path(name).expanduser())
+    return _load_folder(Path(name).expanduser(), empty=empty)
 
 
-def _load_folder(path: Path):
+def _load_folder(path: Path, *, empty: bool = False):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -156,7 +166,12 @@ def _load_folder(path: Path):
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if empty:
+            from ecru.l2l.frozen import empty_model
+
+            model = empty_model(path)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as exc:
         raise EcruError(f"--model {path}: cannot load it ({str(exc).splitlines()[0]})") from None
     return model, tokenizer
@@ -255,6 +270,7 @@ def _engine(args: argparse.Namespace, out: Path, model, resume: bool):
         keep_graph_blocks=args.keep_graph_blocks,
         store=args.store,
         store_dir=str(out) if "disk" in (args.store, args.stash) else None,
+        frozen_weights=str(in_place(args)) if in_place(args) else None,
     )
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay, fused=True)
     if resume and args.store == "ram" and (out / CHECKPOINT / "manifest.json").is_file():
@@ -285,9 +301,13 @@ def with_lora(args: argparse.Namespace, model):
         return model
     import peft
 
+    from ecru.l2l.frozen import init_adapters_
+
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=alpha, target_modules=args.lora_targets)
-    return peft.get_peft_model(model, config)
+    model = peft.get_peft_model(model, config)
+    init_adapters_(model, seed=args.seed)  # the same adapter whether the base is loaded or read in place
+    return model
 
 
 def _export(args: argparse.Namespace, engine, out: Path, tokenizer) -> None:
@@ -314,7 +334,7 @@ def run_train(args: argparse.Namespace) -> int:
         raise EcruError(f"--data has {len(texts)} texts, fewer than one batch of {args.batch_size}")
     out, state = _prepare_out(args)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model, seed=args.seed)
+    model, tokenizer = load_model(args.model, seed=args.seed, empty=in_place(args) is not None)
     model = with_lora(args, model)
     model.train()
     engine = _engine(args, out, model, resume=state is not None)

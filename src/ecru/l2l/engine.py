@@ -69,7 +69,7 @@ class L2L:
             )
         self.parts, self.model = parts, parts.model
         self.model_dtype = _model_dtype(self.model)
-        _fp32_masters_(self.model)
+        _fp32_masters_(self.model, frozen=self.config.store != "disk")
         _buffers_to_(self.model, self.device)
         groups = _groups(parts)
         self._bindings = {
@@ -86,7 +86,7 @@ class L2L:
             self.comm.broadcast_([p.data for p in _unique(self.model.parameters())], src=0)
         self.workspace = _workspace(self.config, self.comm)
         try:
-            self.store = _make_store(self.config, groups, optimizer, self.device, self.workspace)
+            self.store = _make_store(self.config, groups, optimizer, self.device, self.workspace, self.model)
         except BaseException:
             if self.workspace is not None:
                 self.workspace.close()
@@ -581,6 +581,7 @@ def _make_store(
     optimizer: OptimizerFactory,
     device: torch.device,
     workspace: Workspace | None,
+    model: nn.Module,
 ) -> ParameterStore:
     kw = dict(
         optimizer=optimizer,
@@ -593,12 +594,14 @@ def _make_store(
     if config.store != "disk":
         return ParameterStore(groups, **kw)
     from ecru.l2l.disk import DiskParameterStore
+    from ecru.l2l.frozen import FolderWeights
 
     return DiskParameterStore(
         groups,
         directory=workspace.folder("store"),
         fsync=config.fsync,
         read_ahead=max(1, config.prefetch),
+        frozen=FolderWeights(config.frozen_weights, model) if config.frozen_weights else None,
         **kw,
     )
 
@@ -611,10 +614,14 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return max(sizes, key=sizes.get) if sizes else torch.float32
 
 
-def _fp32_masters_(model: nn.Module) -> None:
+def _fp32_masters_(model: nn.Module, *, frozen: bool = True) -> None:
+    """Trainable parameters (and with `frozen` the others too) as fp32 masters on the CPU; without
+    `frozen` (the disk tier) frozen ones stay as they are, meta device included (ecru.l2l.disk)."""
     for name, p in model.named_parameters():
         if not p.is_floating_point():
             raise L2LInputError(f"parameter {name} is {p.dtype}; L2L trains floating-point parameters only")
+        if not (frozen or p.requires_grad):
+            continue
         if p.dtype != torch.float32:  # the masters are fp32 whatever the compute precision
             p.data = p.data.float()
         if p.device.type != "cpu":

@@ -500,8 +500,9 @@ class ParameterStore:
             group.version += 1
             group.refresh_wire()
 
-    def materialize(self) -> None:
-        """Every group's masters in host memory (they always are here; the disk tier reads them back)."""
+    def materialize(self, *, frozen: bool = True) -> None:
+        """Every group's masters in host memory (they always are here; the disk tier reads them back, with
+        `frozen=False` the trainable ones only)."""
         self.synchronize()
 
     def release(self) -> None:
