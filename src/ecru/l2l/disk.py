@@ -82,8 +82,6 @@ _trim = _malloc_trim()
 class DiskParameterStore(ParameterStore):
     """`ParameterStore` whose streamed groups live on disk; see the module docstring."""
 
-    snapshots = False  # the committed files are the snapshot of a step
-
     def __init__(
         self,
         groups: Sequence[list[nn.Parameter]],
@@ -98,6 +96,7 @@ class DiskParameterStore(ParameterStore):
         read_ahead: int = 1,
         fsync: bool = True,
         frozen: FrozenWeights | None = None,
+        comm=None,
     ):
         self.directory = Path(directory)
         self.frozen = frozen
@@ -119,6 +118,7 @@ class DiskParameterStore(ParameterStore):
             resident=resident,
             slots=slots,
             max_pending=max_pending,
+            comm=comm,  # no snapshots: the committed files are the snapshot of a step
         )
         for p, t in zip(self._frozen_params(resident), self._frozen_tensors(resident), strict=True):
             p.data = t
