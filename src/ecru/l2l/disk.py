@@ -36,6 +36,7 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -56,6 +57,9 @@ from ecru.io import (
 from ecru.l2l.config import L2LInputError
 from ecru.l2l.frozen import FrozenWeights
 from ecru.l2l.store import OptimizerFactory, ParameterStore, ParamGroup
+
+if TYPE_CHECKING:
+    from ecru.l2l.collectives import Collectives
 
 FORMAT = "ecru-l2l-disk/3"  # /3: trainable masters only
 _FILE = re.compile(r"g(\d+)-s(\d+)\.safetensors")
@@ -96,7 +100,7 @@ class DiskParameterStore(ParameterStore):
         read_ahead: int = 1,
         fsync: bool = True,
         frozen: FrozenWeights | None = None,
-        comm=None,
+        comm: Collectives | None = None,
     ):
         self.directory = Path(directory)
         self.frozen = frozen
