@@ -145,18 +145,25 @@ def test_a_meta_parameter_without_a_folder_is_refused(tmp_path):
         L2LConfig(frozen_weights=str(folder))
 
 
-def test_cli_lora_on_the_disk_tier_reads_the_base_in_place(tmp_path):
-    """`ecru l2l train --model FOLDER --lora-r 4 --store disk`: the losses of the RAM tier's run (whose
-    model is loaded whole), an adapter that loads on the base, and a run folder far smaller than the base."""
-    from peft import PeftModel
-
-    from ecru.cli import main
+def _cli_folder(tmp_path: Path) -> Path:
+    """A tiny Llama with the CLI's byte tokenizer, saved in bf16 with it."""
     from ecru.l2l.data import byte_tokenizer
 
     folder, tok = tmp_path / "base", byte_tokenizer()
     model = tiny_llama(vocab_size=len(tok), hidden_size=64, num_layers=3, intermediate_size=128, seed=0)
     model.to(torch.bfloat16).save_pretrained(folder)
     tok.save_pretrained(folder)
+    return folder
+
+
+def test_cli_lora_on_the_disk_tier_reads_the_base_in_place(tmp_path):
+    """`ecru l2l train --model FOLDER --lora-r 4 --store disk`: the losses of the RAM tier's run (whose
+    model is loaded whole), an adapter that loads on the base, and a run folder far smaller than the base."""
+    from peft import PeftModel
+
+    from ecru.cli import main
+
+    folder = _cli_folder(tmp_path)
     base = ["l2l", "train", "--model", str(folder), "--batch-size", "4", "--micro-batch-size", "2"]
     base += ["--steps", "2", "--lora-r", "4", "--lora-targets", "q_proj,v_proj", "--lr", "1e-2"]
     runs = {}
@@ -169,3 +176,22 @@ def test_cli_lora_on_the_disk_tier_reads_the_base_in_place(tmp_path):
     size = sum(p.stat().st_size for p in (tmp_path / "disk").rglob("*.safetensors"))  # store + adapter
     base_size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     assert size < base_size / 4
+
+
+def test_cli_in_place_lora_resumes_exactly(tmp_path):
+    """2 steps, then --resume to 4, equals 4 steps straight through (losses and adapter bit for bit)."""
+    from safetensors.torch import load_file
+
+    from ecru.cli import main
+
+    folder = _cli_folder(tmp_path)
+    base = ["l2l", "train", "--model", str(folder), "--batch-size", "4", "--micro-batch-size", "2"]
+    base += ["--lora-r", "4", "--lr", "1e-2", "--store", "disk"]
+    assert main([*base, "--steps", "4", "--out", str(tmp_path / "straight")]) == 0
+    assert main([*base, "--steps", "2", "--out", str(tmp_path / "split")]) == 0
+    assert main([*base, "--steps", "4", "--resume", "--out", str(tmp_path / "split")]) == 0
+    runs = [json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("straight", "split")]
+    assert runs[0]["losses"] == runs[1]["losses"]
+    assert runs[1]["tokens_this_run"] < runs[0]["tokens_this_run"]  # it went on from step 2
+    a, b = (load_file(tmp_path / n / "adapter" / "adapter_model.safetensors") for n in ("straight", "split"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
