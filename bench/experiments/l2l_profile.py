@@ -7,15 +7,15 @@ For each `bench/l2l.py` case it times, on one thread, alternating, medians of --
   plain-micro  (--micro) the same with gradient accumulation over L2L's micro-batches (the micro-batch
                effect alone, without anything L2L adds);
   l2l          the engine's phases (forward, head, block backward with its recompute, stem backward,
-               waiting for the last updates), the store calls, and the optimizer time of its worker thread;
+               waiting for the last updates), read from the engine's torch.profiler spans (`l2l.*`) in
+               one extra profiled step per round (main thread; the worker's updates show as waits);
   l2l-ordinary (--ordinary) the same engine with the ordinary recompute (the full block forward, not the
                lean Llama graph of ecru.l2l.recompute): an A/B of the lean recompute in the same rounds.
 --sweep instead times only the backward's block work, outside the engine: every layer of the case in
 reverse, recompute + backward per micro-batch, with the ordinary (full forward) and the lean recompute
 (ecru.l2l.recompute) alternating, and prints the paired median saving.
-Phase timers count CPU seconds of the calling thread (`time.thread_time`), so other jobs on a shared
-machine inflate them far less than wall time; wall, process CPU, system time and minor page faults of
-whole steps are printed too. --ops adds torch.profiler op totals of one step of each.
+Phase times are the spans' wall time under the profiler (its overhead included); wall, process CPU,
+main-thread CPU, system time and minor page faults of the whole (unprofiled) steps are printed too. --ops adds torch.profiler op totals of one step of each.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import functools
 import resource
 import statistics
 import sys
@@ -58,41 +57,16 @@ class PlainMicro(Plain):
         return total
 
 
-def timed(phases: dict[str, float], name: str, fn):
-    """`fn` timed in CPU seconds of the calling thread (robust to other load on the machine)."""
+def spans(engine, batch: dict) -> dict[str, float]:
+    """One more step of `engine` under torch.profiler: seconds inside each of the engine's own spans
+    (`l2l.forward`, `l2l.head`, `l2l.backward.block`, `l2l.recompute`, `l2l.finish_update`, ...), summed
+    over their calls; nothing of the engine is patched. The profiler sees the calling thread only: the
+    optimizer worker's time shows as what the main thread waits for it (`l2l.finish_update`)."""
+    from torch.profiler import ProfilerActivity, profile
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        start = time.thread_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            phases[name] += time.thread_time() - start
-
-    return wrapper
-
-
-def instrument(engine) -> tuple[dict[str, float], dict[str, float]]:
-    """Phase timers on the engine's methods (main thread) and on the store's optimizer work (worker)."""
-    main: dict[str, float] = collections.defaultdict(float)
-    worker: dict[str, float] = collections.defaultdict(float)
-    for name in ("_forward", "_head", "_backward_block", "_backward_stem", "_finish_update"):
-        setattr(engine, name, timed(main, name, getattr(engine, name)))
-    call = engine._call
-
-    def timed_call(module, binding, weights, args, *, kwargs=None, fresh_buffers=False):
-        kind = "head" if module is engine.parts.head else "stem" if module is engine.parts.stem else "block"
-        name = f"  {kind} recompute" if fresh_buffers else f"  {kind} forward"
-        return timed(main, name, call)(
-            module, binding, weights, args, kwargs=kwargs, fresh_buffers=fresh_buffers
-        )
-
-    engine._call = timed_call
-    store = engine.store
-    for name in ("add_grads", "update", "weights"):
-        setattr(store, name, timed(main, "store." + name, getattr(store, name)))
-    store._apply = timed(worker, "optimizer(_apply)", store._apply)
-    return main, worker
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step(batch)
+    return {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages() if e.key.startswith("l2l.")}
 
 
 def plain_phases(runner: Plain, batch: dict) -> dict[str, float]:
@@ -128,7 +102,6 @@ def run(case, *, reps: int, profile_ops: bool, with_micro: bool, ordinary: bool)
         engines["l2l-ordinary"].parts.output_unused_ok = False  # every block recomputes its full forward
     del base
     engine = engines["l2l"]
-    timers = {name: instrument(e) for name, e in engines.items()}
     times = collections.defaultdict(list)
     pph = collections.defaultdict(list)
     for rep in range(reps + 1):
@@ -140,9 +113,6 @@ def run(case, *, reps: int, profile_ops: bool, with_micro: bool, ordinary: bool)
         if with_micro:
             runs.insert(1, ("plain-micro", lambda b=batch: micro.step(b)))
         for name, fn in runs if rep % 2 == 0 else runs[::-1]:
-            if name in timers:
-                for timer in timers[name]:
-                    timer.clear()
             start, cpu, ru = (
                 time.perf_counter(),
                 time.process_time(),
@@ -157,10 +127,10 @@ def run(case, *, reps: int, profile_ops: bool, with_micro: bool, ordinary: bool)
                 times[name + " [main thread cpu]"].append(time.thread_time() - thread)
                 times[name + " [sys]"].append(after.ru_stime - ru.ru_stime)
                 times[name + " [minflt/1000]"].append((after.ru_minflt - ru.ru_minflt) / 1000)
-                if name in timers:
-                    main, worker = timers[name]
-                    for k, v in {**main, **{"worker." + k: v for k, v in worker.items()}}.items():
-                        times[f"{name}.{k}"].append(v)
+        if rep > 0:  # the phases from one extra, profiled step of each engine (outside the timed steps)
+            for name, e in engines.items():
+                for k, v in spans(e, batch).items():
+                    times[f"{name}.{k}"].append(v)
         print(f"  rep {rep} done", file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n=== {case.name}: batch {case.batch}x{case.seq}, micro {case.micro}, medians of {reps} ===")

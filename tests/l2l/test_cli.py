@@ -50,9 +50,7 @@ def test_save_every_writes_checkpoints_during_the_run(tmp_path, monkeypatch):
 
     saved = []
     real = cli._checkpoint
-    monkeypatch.setattr(
-        cli, "_checkpoint", lambda a, e, o, losses: (saved.append(e.steps), real(a, e, o, losses))
-    )
+    monkeypatch.setattr(cli, "_checkpoint", lambda a, e, *rest: (saved.append(e.steps), real(a, e, *rest)))
     _run(tmp_path, "run", "--steps", "5", "--save-every", "2")
     assert saved == [2, 4, 5]
 
@@ -126,8 +124,8 @@ def _killed_at_2_then_resumed(tmp_path, monkeypatch, name, *extra) -> Path:
 
     real = cli._checkpoint
 
-    def checkpoint_then_die(args, engine, out, losses):
-        real(args, engine, out, losses)
+    def checkpoint_then_die(args, engine, *rest):
+        real(args, engine, *rest)
         if engine.steps == 2:
             raise KeyboardInterrupt
 
@@ -225,6 +223,9 @@ def test_smollm2_trains_and_exports_a_loadable_folder(tmp_path):
         (["--merge"], "need --lora-r"),
         (["--lora-targets", ","], "module names separated by commas"),
         (["--warmup-steps", "20", "--steps", "2"], "more than --steps"),
+        (["--eval-every", "2"], "needs --eval-data"),
+        (["--eval-data", "missing.txt"], "not an existing .txt or .jsonl file"),
+        (["--eval-every", "0", "--eval-data", "x.txt"], "must be > 0"),
     ],
 )
 def test_bad_arguments_fail_with_one_line(bad, message, tmp_path, capsys):
@@ -269,3 +270,30 @@ def test_undecodable_text_is_one_line_and_creates_nothing(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{data}, line 3: not valid UTF-8 (byte 0xff at column 5)" in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_eval_data_reports_the_held_out_loss_of_the_model_at_that_step(tmp_path):
+    """--eval-data FILE --eval-every 2 over 4 steps: held-out losses after steps 2 and 4 in metrics.json
+    and state.json; the last equals the exported model's own mean loss per token over those texts
+    (plain transformers, 1e-5), and evaluating leaves the training losses bit for bit unchanged."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ecru.l2l.data import encode_batch
+
+    texts = [f"held-out line {i}: the quick brown fox" * (1 + i % 3) for i in range(7)]
+    held = tmp_path / "held.txt"
+    held.write_text("\n".join(texts))
+    _, plain = _run(tmp_path, "plain", "--steps", "4")
+    out, result = _run(tmp_path, "eval", "--steps", "4", "--eval-data", str(held), "--eval-every", "2")
+    assert result["losses"] == plain["losses"]
+    assert [e["step"] for e in result["eval"]] == [2, 4]
+    assert json.loads((out / "state.json").read_text())["eval"] == result["eval"]
+    model = AutoModelForCausalLM.from_pretrained(out / "hf").eval()
+    tok = AutoTokenizer.from_pretrained(out / "hf")
+    total = count = 0
+    with torch.no_grad():
+        for i in range(0, len(texts), 5):  # --batch-size 5
+            batch = encode_batch(tok, texts[i : i + 5], max_length=64)
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            total, count = total + float(model(**batch).loss) * n, count + n
+    assert result["final_eval_loss"] == pytest.approx(total / count, abs=1e-5)

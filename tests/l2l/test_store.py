@@ -228,3 +228,21 @@ def test_with_rollback_a_step_that_fails_mid_backward_changes_nothing(recwarn):
     seq[1].fail = False
     engine.step((x, y))
     engine.close()
+
+
+def test_a_step_shows_its_phases_as_profiler_spans():
+    """The engine marks its phases with torch.profiler spans, so profiling needs no patching."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ecru.l2l import L2L
+    from ecru.models import tiny_llama
+    from tests.l2l.helpers import lm_batch
+
+    engine = L2L.from_hf(tiny_llama(num_layers=2), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step(lm_batch())
+    engine.close()
+    counts = {e.key: e.count for e in prof.key_averages() if e.key.startswith("l2l.")}
+    assert counts["l2l.forward"] == counts["l2l.head"] == counts["l2l.backward.stem"] == 1
+    assert counts["l2l.backward.block"] == 2 and counts["l2l.finish_update"] == 1
+    assert counts["l2l.block.forward"] == counts["l2l.recompute"] > 0

@@ -58,6 +58,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="clinc (CLINC150 utterances) or a .txt (one text per line) / .jsonl ('text' field) file",
     )
     add_out_dir(train, default="runs/l2l", overwrite=True)
+    train.add_argument(
+        "--eval-data",
+        default=None,
+        metavar="FILE",
+        help="held-out .txt / .jsonl texts: their mean loss per token every --eval-every steps and at the end",
+    )
+    train.add_argument(
+        "--eval-every", type=positive_int, default=None, metavar="N", help="with --eval-data: every N steps"
+    )
     train.add_argument("--steps", type=positive_int, default=10, help="total optimizer steps of the run")
     train.add_argument("--save-every", type=positive_int, default=None, help="checkpoint every N steps")
     train.add_argument("--batch-size", type=positive_int, default=8, help="samples per step")
@@ -125,8 +134,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.set_defaults(func=run_train)
 
 
-def load_model(name: str, *, seed: int = 0):
-    """(model, tokenizer) for a CLI model name or a local model folder, in fp32 on the CPU."""
+def in_place(args: argparse.Namespace) -> Path | None:
+    """The model folder whose frozen base a run reads in place (a LoRA run on the disk tier from a folder
+    of safetensors: ecru.l2l.frozen), else None (the model is loaded whole)."""
+    folder = Path(args.model).expanduser()
+    if args.lora_r is None or args.store != "disk" or args.model in MODELS:
+        return None
+    return folder if any(folder.glob("*.safetensors")) else None
+
+
+def load_model(name: str, *, seed: int = 0, empty: bool = False):
+    """(model, tokenizer) for a CLI model name or a local model folder, in fp32 on the CPU; with `empty`
+    (a folder only) the parameters stay on the meta device, read later in place."""
     from ecru.l2l.data import byte_tokenizer
 
     if name == "smollm2":
@@ -141,10 +160,10 @@ def load_model(name: str, *, seed: int = 0):
             vocab_size=len(tok), hidden_size=64, num_layers=4, intermediate_size=128, seed=seed
         )
         return model, tok
-    return _load_folder(Path(name).expanduser())
+    return _load_folder(Path(name).expanduser(), empty=empty)
 
 
-def _load_folder(path: Path):
+def _load_folder(path: Path, *, empty: bool = False):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -156,7 +175,12 @@ def _load_folder(path: Path):
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if empty:
+            from ecru.l2l.frozen import empty_model
+
+            model = empty_model(path)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as exc:
         raise EcruError(f"--model {path}: cannot load it ({str(exc).splitlines()[0]})") from None
     return model, tokenizer
@@ -183,6 +207,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EcruError(f"--warmup-steps {args.warmup_steps} is more than --steps {args.steps}")
     if args.data != "clinc" and not Path(args.data).expanduser().is_file():
         raise EcruError(f"--data {args.data}: not 'clinc' and not an existing file")
+    if args.eval_every is not None and args.eval_data is None:
+        raise EcruError("--eval-every needs --eval-data FILE (the held-out texts)")
+    if args.eval_data is not None and not Path(args.eval_data).expanduser().is_file():
+        raise EcruError(f"--eval-data {args.eval_data}: not an existing .txt or .jsonl file")
 
 
 def _prepare_out(args: argparse.Namespace) -> tuple[Path, dict | None]:
@@ -255,6 +283,7 @@ def _engine(args: argparse.Namespace, out: Path, model, resume: bool):
         keep_graph_blocks=args.keep_graph_blocks,
         store=args.store,
         store_dir=str(out) if "disk" in (args.store, args.stash) else None,
+        frozen_weights=str(in_place(args)) if in_place(args) else None,
     )
     optimizer = functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay, fused=True)
     if resume and args.store == "ram" and (out / CHECKPOINT / "manifest.json").is_file():
@@ -285,9 +314,13 @@ def with_lora(args: argparse.Namespace, model):
         return model
     import peft
 
+    from ecru.l2l.frozen import init_adapters_
+
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=alpha, target_modules=args.lora_targets)
-    return peft.get_peft_model(model, config)
+    model = peft.get_peft_model(model, config)
+    init_adapters_(model, seed=args.seed)  # the same adapter whether the base is loaded or read in place
+    return model
 
 
 def _export(args: argparse.Namespace, engine, out: Path, tokenizer) -> None:
@@ -314,25 +347,42 @@ def run_train(args: argparse.Namespace) -> int:
         raise EcruError(f"--data has {len(texts)} texts, fewer than one batch of {args.batch_size}")
     out, state = _prepare_out(args)
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model, seed=args.seed)
+    model, tokenizer = load_model(args.model, seed=args.seed, empty=in_place(args) is not None)
     model = with_lora(args, model)
     model.train()
     engine = _engine(args, out, model, resume=state is not None)
     losses = (state or {}).get("losses", [])[: engine.steps]
+    evals = [e for e in (state or {}).get("eval", []) if e["step"] <= engine.steps]
     # the disk tier commits a step before state.json records its loss: a kill between them loses only that
     losses += [float("nan")] * (engine.steps - len(losses))
     try:
-        losses, tokens, wall = _train(args, engine, tokenizer, texts, out, losses)
-        _checkpoint(args, engine, out, losses)
+        losses, tokens, wall = _train(args, engine, tokenizer, texts, out, losses, evals)
+        if args.eval_data and (not evals or evals[-1]["step"] != engine.steps):
+            evals.append(_evaluate(args, engine, tokenizer))
+        _checkpoint(args, engine, out, losses, evals)
         _export(args, engine, out, tokenizer)
-        result = _summary(args, engine, losses, tokens, wall)
+        result = _summary(args, engine, losses, tokens, wall, evals)
     finally:
         engine.close()
     _report(result, out)
     return 0
 
 
-def _train(args, engine, tokenizer, texts, out: Path, losses: list[float]):
+def _evaluate(args, engine, tokenizer) -> dict:
+    """{"step", "loss"}: the held-out loss of --eval-data now, in batches of --batch-size (the last may be
+    smaller), through the engine's own block executor."""
+    from ecru.l2l.data import encode_batch, read_texts
+    from ecru.l2l.evaluate import heldout_loss
+
+    texts = read_texts(Path(args.eval_data).expanduser())
+    batches = (
+        encode_batch(tokenizer, texts[i : i + args.batch_size], max_length=args.max_length)
+        for i in range(0, len(texts), args.batch_size)
+    )
+    return {"step": engine.steps, "loss": heldout_loss(engine, batches)}
+
+
+def _train(args, engine, tokenizer, texts, out: Path, losses: list[float], evals: list[dict]):
     from tqdm import tqdm
 
     from ecru.l2l.data import batch_texts, encode_batch
@@ -349,13 +399,18 @@ def _train(args, engine, tokenizer, texts, out: Path, losses: list[float]):
             tokens += int(batch["attention_mask"].sum())
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if args.eval_every and engine.steps % args.eval_every == 0:
+                evals.append(_evaluate(args, engine, tokenizer))
+                bar.write(f"step {engine.steps}: held-out loss {evals[-1]['loss']:.4f}")
             saving = args.save_every and engine.steps % args.save_every == 0
             if engine.steps < args.steps and (saving or args.store == "disk"):
-                _checkpoint(args, engine, out, losses)  # the disk tier: state.json follows every commit
+                _checkpoint(
+                    args, engine, out, losses, evals
+                )  # the disk tier: state.json follows every commit
     return losses, tokens, time.perf_counter() - start
 
 
-def _checkpoint(args, engine, out: Path, losses: list[float]) -> None:
+def _checkpoint(args, engine, out: Path, losses: list[float], evals: list[dict]) -> None:
     """The engine's checkpoint (the commit point of the weights), then state.json: a kill between them
     leaves state.json behind the checkpoint, and resume trusts the checkpoint's step."""
     from ecru.io import atomic_write_json
@@ -365,11 +420,13 @@ def _checkpoint(args, engine, out: Path, losses: list[float]) -> None:
     keys = ("micro_batch_size", "steps", *RESULT_ARGS)
     atomic_write_json(
         out / STATE,
-        {"args": {k: getattr(args, k) for k in keys}, "steps": engine.steps, "losses": losses},
+        {"args": {k: getattr(args, k) for k in keys}, "steps": engine.steps, "losses": losses, "eval": evals},
     )
 
 
-def _summary(args: argparse.Namespace, engine, losses: list[float], tokens: int, wall: float) -> dict:
+def _summary(
+    args: argparse.Namespace, engine, losses: list[float], tokens: int, wall: float, evals: list[dict]
+) -> dict:
     import torch
 
     result = {
@@ -389,6 +446,8 @@ def _summary(args: argparse.Namespace, engine, losses: list[float], tokens: int,
         "tokens_this_run": tokens,
         "wall_s_this_run": wall,
         "tokens_per_s": tokens / wall if wall > 0 else None,
+        "eval": evals,
+        "final_eval_loss": evals[-1]["loss"] if evals else None,
         "peak_rss_mb": peak_rss_mb(),
         "parameters": sum(g.numel for g in engine.store.groups),
     }
@@ -405,6 +464,8 @@ def _report(result: dict, out: Path) -> None:
         f"{result['dtype']}, stash on {result['stash']}, store in {result['store']}"
     )
     print(f"loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} over {result['steps']} steps")
+    if result["final_eval_loss"] is not None:
+        print(f"held-out loss {result['final_eval_loss']:.4f} at step {result['eval'][-1]['step']}")
     if result["tokens_per_s"] is not None:
         print(
             f"tokens/s {result['tokens_per_s']:.1f}   peak host RSS {result['peak_rss_mb']:.0f} MiB", end=""

@@ -50,6 +50,10 @@ class L2LConfig:
     store_dir: str | None = None
     """Folder of the disk tier (required with store="disk"); an existing store there is resumed from its
     last complete step."""
+    frozen_weights: str | None = None
+    """Disk tier: a Hugging Face model folder whose safetensors hold the parameters the model has on the
+    meta device (a frozen base built by ecru.l2l.frozen.empty_model): each is read from there, in place and
+    in its own dtype, when its block is used, and never copied into the store."""
     fsync: bool = True
     """Disk tier: fsync every block file before the step's manifest is committed (durable across power
     loss; a crashed process is safe either way because files are renamed into place)."""
@@ -117,6 +121,8 @@ class L2LConfig:
             raise L2LInputError(f"store must be one of {STORES}, got {self.store!r}")
         if self.store == "disk" and not self.store_dir:
             raise L2LInputError('store="disk" needs store_dir=, a folder for the block files')
+        if self.frozen_weights is not None and self.store != "disk":
+            raise L2LInputError('frozen_weights (a folder read in place) needs store="disk"')
         if self.stash == "disk" and not self.store_dir:
             raise L2LInputError('stash="disk" needs store_dir=, a folder for the stashed activations')
         if self.store == "disk" and self.deferred_update:

@@ -1,8 +1,8 @@
 """The disk tier of the parameter server: fp32 masters and optimizer states of every block on disk.
 
 Layout of `store_dir` (no pickle: safetensors and JSON, through ecru.io):
-- `g{group}-s{version}.safetensors`: the group's fp32 masters as one flat tensor (`w`) and its optimizer
-  state (`o`: one dict per parameter, as `optimizer.state` holds it);
+- `g{group}-s{version}.safetensors`: the group's trainable fp32 masters as one flat tensor (`w`) and its
+  optimizer state (`o`: one dict per parameter, as `optimizer.state` holds it);
 - `manifest.json`: every committed file with its sha256 and size (checked when the store is opened
   again), and as meta the last complete step, per group the version of its file, and the optimizers'
   hyperparameters (`param_groups`: a learning-rate schedule resumes where it was).
@@ -19,6 +19,12 @@ than the manifest and are deleted on resume, so a crash never leaves a block hal
 restarts from the last complete step. A step that fails in a running engine is rolled back the same way
 (`rollback`): versions back to the manifest's, newer files deleted, blocks in memory dropped, the
 resident group read back.
+
+Frozen parameters (`requires_grad=False`: a LoRA base) are never written: the store keeps the tensor a
+frozen parameter came with, as it is (its own dtype, no copy), or, for one on the meta device, reads it
+from `frozen` (ecru.l2l.frozen.FolderWeights: memory-mapped from the model folder) each time its block
+is installed; where the compute runs on fp32 masters (CPU, float32) a block's frozen tensors are upcast
+with it and dropped with it. Host memory and the store's files then grow with the trainable state only.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -48,9 +55,13 @@ from ecru.io import (
     write_manifest,
 )
 from ecru.l2l.config import L2LInputError
-from ecru.l2l.store import OptimizerFactory, ParameterStore
+from ecru.l2l.frozen import FrozenWeights
+from ecru.l2l.store import OptimizerFactory, ParameterStore, ParamGroup
 
-FORMAT = "ecru-l2l-disk/2"
+if TYPE_CHECKING:
+    from ecru.l2l.collectives import Collectives
+
+FORMAT = "ecru-l2l-disk/3"  # /3: trainable masters only
 _FILE = re.compile(r"g(\d+)-s(\d+)\.safetensors")
 _HINT = "the store was changed after ecru wrote it; use an empty store_dir"
 
@@ -75,8 +86,6 @@ _trim = _malloc_trim()
 class DiskParameterStore(ParameterStore):
     """`ParameterStore` whose streamed groups live on disk; see the module docstring."""
 
-    snapshots = False  # the committed files are the snapshot of a step
-
     def __init__(
         self,
         groups: Sequence[list[nn.Parameter]],
@@ -90,13 +99,19 @@ class DiskParameterStore(ParameterStore):
         max_pending: int = 2,
         read_ahead: int = 1,
         fsync: bool = True,
+        frozen: FrozenWeights | None = None,
+        comm: Collectives | None = None,
     ):
         self.directory = Path(directory)
+        self.frozen = frozen
+        # frozen parameter (id) -> the tensor it came with (those not on the meta device)
+        self._held: dict[int, torch.Tensor] = {}
+        self.frozen_bytes_read = 0  # bytes of frozen tensors read from `frozen`
         self.read_ahead, self.fsync = read_ahead, fsync
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ecru-l2l-io")
         self._reads: dict[int, tuple[bool, Future]] = {}
         self._entries: dict[str, dict] = {}  # file name -> sha256 and size, taken when written
-        self._flat: dict[int, torch.Tensor] = {}  # groups in memory: their flat fp32 masters
+        self._flat: dict[int, torch.Tensor] = {}  # groups in memory: their flat trainable fp32 masters
         self._phase, self._order = "forward", []
         self.bytes_read = self.bytes_written = 0
         super().__init__(
@@ -107,7 +122,10 @@ class DiskParameterStore(ParameterStore):
             resident=resident,
             slots=slots,
             max_pending=max_pending,
+            comm=comm,  # no snapshots: the committed files are the snapshot of a step
         )
+        for p, t in zip(self._frozen_params(resident), self._frozen_tensors(resident), strict=True):
+            p.data = t
         if (self.directory / MANIFEST).is_file():
             self._resume()
         else:
@@ -119,6 +137,26 @@ class DiskParameterStore(ParameterStore):
             for g in range(len(self.groups)):
                 if g != resident:
                     self._evict(g)
+        self._refresh_wire(resident)
+
+    def _make_group(
+        self, params: list[nn.Parameter], factory: OptimizerFactory, *, needs_wire: bool
+    ) -> ParamGroup:
+        """A group without a wire copy yet (made when the group is installed); its frozen tensors held
+        as they are, or (on the meta device) left to `frozen`."""
+        for p in params:
+            if not p.requires_grad and not p.is_meta:
+                self._held[id(p)] = p.data
+            elif p.is_meta and (p.requires_grad or self.frozen is None):
+                raise L2LInputError(
+                    "a parameter on the meta device has no values: give L2LConfig(frozen_weights=FOLDER), "
+                    "the model folder holding them, and materialize the trainable ones"
+                )
+        group = super()._make_group(params, factory, needs_wire=False)  # (shapes taken first)
+        for p in params:
+            if p.is_meta:  # the same Parameter object on the CPU, empty until its block is installed
+                torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0), requires_grad=False))
+        return group
 
     # ---- files ------------------------------------------------------------------------------------
     def _path(self, g: int, version: int) -> Path:
@@ -128,9 +166,8 @@ class DiskParameterStore(ParameterStore):
         group = self.groups[g]
         flat = self._flat.get(g)
         if flat is None:
-            flat = (
-                torch.cat([p.detach().reshape(-1) for p in group.params]) if group.params else torch.empty(0)
-            )
+            trainable = group.trainable_params
+            flat = torch.cat([p.detach().reshape(-1) for p in trainable]) if trainable else torch.empty(0)
         state = [dict(group.optimizer.state.get(p, {})) for p in group.params] if group.optimizer else []
         path = save_state(self._path(g, version), {"w": flat, "o": state}, fsync=self.fsync)
         self._entries[path.name] = file_entry(path)
@@ -214,20 +251,52 @@ class DiskParameterStore(ParameterStore):
                 self._evict(g)
 
     # ---- residency --------------------------------------------------------------------------------
-    def _install(self, g: int, flat: torch.Tensor, state: list[dict] | None) -> None:
+    def _read_block(self, g: int, with_state: bool, *, frozen: bool = True):
+        """(flat, state, frozen tensors) of streamed group `g`: what `_install` takes (on the I/O thread,
+        so the frozen tensors are paged in and upcast while the device works on another block)."""
+        return *self._read_group(g, with_state), self._frozen_tensors(g) if frozen else None
+
+    def _install(
+        self, g: int, flat: torch.Tensor, state: list[dict] | None, frozen: list[torch.Tensor] | None = None
+    ) -> None:
+        """Group `g`'s trainable masters from `flat` (and optimizer `state`), a streamed group's `frozen`
+        tensors (from `_frozen_tensors`; None: left empty, no wire) and the wire copy."""
         group = self.groups[g]
         if g == self.resident:
             with torch.no_grad():
-                for p, v in zip(group.params, group.views(flat), strict=True):
+                for p, v in zip(group.trainable_params, group.grad_views(flat), strict=True):
                     p.copy_(v)
         else:
             self._flat[g] = flat
-            for p, v in zip(group.params, group.views(flat), strict=True):
+            for p, v in zip(group.trainable_params, group.grad_views(flat), strict=True):
                 p.data = v
+            if frozen is not None:
+                for p, t in zip(self._frozen_params(g), frozen, strict=True):
+                    p.data = t
         if state is not None and group.optimizer is not None:
             for p, st in zip(group.params, state, strict=True):
                 if st:
                     group.optimizer.state[p] = st
+        if g == self.resident or frozen is not None:
+            self._refresh_wire(g)
+
+    def _frozen_params(self, g: int) -> list[nn.Parameter]:
+        group = self.groups[g]
+        trainable = set(group.trainable)
+        return [p for i, p in enumerate(group.params) if i not in trainable]
+
+    def _frozen_tensors(self, g: int) -> list[torch.Tensor]:
+        """Group `g`'s frozen tensors: held ones as they are, the others read from `frozen` (memory-mapped),
+        upcast where the compute uses the fp32 masters themselves."""
+        params = self._frozen_params(g)
+        unheld = [p for p in params if id(p) not in self._held]
+        read = dict(zip(map(id, unheld), self.frozen.read(unheld), strict=True)) if unheld else {}
+        self.frozen_bytes_read += sum(t.numel() * t.element_size() for t in read.values())
+        tensors = [self._held[id(p)] if id(p) in self._held else read[id(p)] for p in params]
+        return [t.float() if self.binds_masters else t for t in tensors]
+
+    def _refresh_wire(self, g: int) -> None:
+        group = self.groups[g]
         if self.cuda or self.dtype != torch.float32:
             if group.wire is None or group.wire.numel() != group.numel:
                 group.wire = torch.empty(group.numel, dtype=self.dtype, pin_memory=self.cuda)
@@ -246,7 +315,7 @@ class DiskParameterStore(ParameterStore):
 
     def _request(self, g: int, with_state: bool) -> None:
         if g != self.resident and g not in self._flat and g not in self._reads and self.groups[g].numel:
-            self._reads[g] = (with_state, self._io.submit(self._read_group, g, with_state))
+            self._reads[g] = (with_state, self._io.submit(self._read_block, g, with_state))
 
     # ---- the ParameterStore interface ----------------------------------------------------------------
     def add_group(self, params: list[nn.Parameter]) -> int:
@@ -325,12 +394,13 @@ class DiskParameterStore(ParameterStore):
         """Streamed groups in memory now (the tests check that it stays O(a few blocks))."""
         return sorted(self._flat)
 
-    def materialize(self) -> None:
-        """Read every streamed group's masters into memory (for `state_dict`; O(model))."""
+    def materialize(self, *, frozen: bool = True) -> None:
+        """Read every streamed group's masters into memory (for `state_dict`; O(model)); without `frozen`
+        the trainable ones only (an adapter's export), frozen parameters left empty."""
         self.synchronize()
         for g in range(len(self.groups)):
             if g != self.resident and g not in self._flat and self.groups[g].numel:
-                self._install(g, *self._read_group(g, False))
+                self._install(g, *self._read_block(g, False, frozen=frozen))
 
     def release(self) -> None:
         """Drop what `materialize` read."""

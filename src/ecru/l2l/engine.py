@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.profiler import record_function
 
 from ecru.l2l.collectives import Collectives, data_parallel_group
 from ecru.l2l.config import L2LConfig, L2LInputError, check_device
@@ -47,7 +48,7 @@ from ecru.l2l.parts import ForwardOutput, MicroBatch, ModelParts
 from ecru.l2l.rng import RngState, capture, replay
 from ecru.l2l.scaling import LossScale
 from ecru.l2l.stash import ActivationStash
-from ecru.l2l.store import OptimizerFactory, ParameterStore
+from ecru.l2l.store import OptimizerFactory, ParameterStore, Store
 from ecru.l2l.workspace import Workspace
 
 RESIDENT = 0  # group of the stem and head; block i is group i + 1
@@ -69,7 +70,7 @@ class L2L:
             )
         self.parts, self.model = parts, parts.model
         self.model_dtype = _model_dtype(self.model)
-        _fp32_masters_(self.model)
+        _fp32_masters_(self.model, frozen=self.config.store != "disk")
         _buffers_to_(self.model, self.device)
         groups = _groups(parts)
         self._bindings = {
@@ -86,16 +87,13 @@ class L2L:
             self.comm.broadcast_([p.data for p in _unique(self.model.parameters())], src=0)
         self.workspace = _workspace(self.config, self.comm)
         try:
-            self.store = _make_store(self.config, groups, optimizer, self.device, self.workspace)
+            self.store = _make_store(
+                self.config, groups, optimizer, self.device, self.workspace, self.model, self.comm
+            )
         except BaseException:
             if self.workspace is not None:
                 self.workspace.close()
             raise
-        self.store.comm = self.comm
-        if self.config.store == "ram":
-            self.store.snapshots = self.config.rollback
-        if self.comm is not None and self.config.shard_optimizer:
-            self.store.shard = (self.comm.rank, self.comm.world)
         stem_params = {idx for _, idx in self._bindings["stem"]}
         self._stem_trains = any(i in stem_params for i in self.store.groups[RESIDENT].trainable)
         stash_dir = self.workspace.folder("stash") if self.config.stash == "disk" else None
@@ -112,8 +110,8 @@ class L2L:
         self._rng_devices = (self.device.index,) if self.device.type == "cuda" else ()
         self._rng: dict[tuple[int, int], RngState] = {}
         self._kept: dict[int, KeptGraphs] = {}  # block -> its kept forward graphs (keep_graph_blocks)
-        self.steps = getattr(self.store, "step", 0)  # a disk store resumes from its last complete step
-        if getattr(self.store, "extra", {}).get("rng") is not None:
+        self.steps = self.store.step  # a disk store resumes from its last complete step
+        if self.store.extra.get("rng") is not None:
             torch.set_rng_state(self.store.extra["rng"])
         self.last_grad_norm: float | None = None
         self._schedulers: list[Any] = []
@@ -177,8 +175,7 @@ class L2L:
         before = (torch.get_rng_state(), dataclasses.replace(self.scaler) if self.scaler else None)
         try:
             loss = self._step(micro, order, share)
-            if hasattr(self.store, "extra"):
-                self.store.extra = {"rng": torch.get_rng_state()}
+            self.store.extra = {"rng": torch.get_rng_state()}  # committed with the step where durable
             self.store.end_step(self.steps + 1)
         except BaseException:
             # all or nothing: masters, optimizer states, loss scale and RNG as before the step
@@ -197,14 +194,20 @@ class L2L:
         return self._global_loss(loss * share)
 
     def _step(self, micro: list[MicroBatch], order: list[int], share: float) -> float:
+        # torch.profiler spans ("l2l.*"): bench/experiments/l2l_profile.py reads the phases from them
         scale = self.scaler.scale if self.scaler else 1.0
-        hidden, contexts = self._forward(micro, order)
-        grads, loss = self._head(hidden, micro, scale * share)
+        with record_function("l2l.forward"):
+            hidden, contexts = self._forward(micro, order)
+        with record_function("l2l.head"):
+            grads, loss = self._head(hidden, micro, scale * share)
         self.store.begin("backward", [i + 1 for i in reversed(order)])
         for k in reversed(range(len(order))):
-            grads = self._backward_block(order[k], grads, contexts, first=k == 0)
-        self._backward_stem(micro, grads)
-        self._finish_update(scale)
+            with record_function("l2l.backward.block"):
+                grads = self._backward_block(order[k], grads, contexts, first=k == 0)
+        with record_function("l2l.backward.stem"):
+            self._backward_stem(micro, grads)
+        with record_function("l2l.finish_update"):
+            self._finish_update(scale)
         return loss
 
     def _order(self, blocks: Sequence[int] | None) -> list[int]:
@@ -290,7 +293,7 @@ class L2L:
             for j, x in enumerate(hidden):
                 self._rng[(i + 1, j)] = capture(self._rng_devices)
                 self.stash.put(i, j, x)
-                with torch.no_grad():
+                with torch.no_grad(), record_function("l2l.block.forward"):
                     outputs.append(self._call(block, self._block_bindings[i], weights, (x, contexts[j])))
             self.store.done_with(i + 1)
             hidden = outputs
@@ -380,7 +383,7 @@ class L2L:
             return None, None
         # y is only backpropagated through, never read: the block may skip what only its value needs
         kwargs = {"output_used": False} if self.parts.output_unused_ok else None
-        with replay(self._rng[(i + 1, j)]), torch.enable_grad():
+        with replay(self._rng[(i + 1, j)]), torch.enable_grad(), record_function("l2l.recompute"):
             y = self._call(
                 self.parts.blocks[i],
                 self._block_bindings[i],
@@ -581,7 +584,9 @@ def _make_store(
     optimizer: OptimizerFactory,
     device: torch.device,
     workspace: Workspace | None,
-) -> ParameterStore:
+    model: nn.Module,
+    comm: Collectives | None,
+) -> Store:
     kw = dict(
         optimizer=optimizer,
         device=device,
@@ -589,16 +594,20 @@ def _make_store(
         resident=RESIDENT,
         slots=config.prefetch + 2,
         max_pending=config.max_pending_updates,
+        comm=comm,
     )
     if config.store != "disk":
-        return ParameterStore(groups, **kw)
+        shard = (comm.rank, comm.world) if comm is not None and config.shard_optimizer else None
+        return ParameterStore(groups, shard=shard, snapshots=config.rollback, **kw)
     from ecru.l2l.disk import DiskParameterStore
+    from ecru.l2l.frozen import FolderWeights
 
     return DiskParameterStore(
         groups,
         directory=workspace.folder("store"),
         fsync=config.fsync,
         read_ahead=max(1, config.prefetch),
+        frozen=FolderWeights(config.frozen_weights, model) if config.frozen_weights else None,
         **kw,
     )
 
@@ -611,10 +620,14 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return max(sizes, key=sizes.get) if sizes else torch.float32
 
 
-def _fp32_masters_(model: nn.Module) -> None:
+def _fp32_masters_(model: nn.Module, *, frozen: bool = True) -> None:
+    """Trainable parameters (and with `frozen` the others too) as fp32 masters on the CPU; without
+    `frozen` (the disk tier) frozen ones stay as they are, meta device included (ecru.l2l.disk)."""
     for name, p in model.named_parameters():
         if not p.is_floating_point():
             raise L2LInputError(f"parameter {name} is {p.dtype}; L2L trains floating-point parameters only")
+        if not (frozen or p.requires_grad):
+            continue
         if p.dtype != torch.float32:  # the masters are fp32 whatever the compute precision
             p.data = p.data.float()
         if p.device.type != "cpu":

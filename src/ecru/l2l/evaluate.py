@@ -7,6 +7,7 @@ them again), so a model larger than memory can be evaluated too. The model is in
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,3 +73,17 @@ def _head(engine: L2L, hidden: list[torch.Tensor], micro: list[MicroBatch]) -> F
         outputs = [engine._call(engine.parts.logits, binding, weights, (h,)) for h in hidden]
     engine.store.done_with(RESIDENT)
     return ForwardOutput(loss, torch.cat([o.float().cpu() for o in outputs]))
+
+
+def heldout_loss(engine: L2L, batches: Iterable[dict[str, torch.Tensor]]) -> float:
+    """The mean loss per target token over `batches` (causal-LM dicts), each run by `engine.forward`: the
+    same block executor as a training step, nothing of the training state touched."""
+    total, count = 0.0, 0
+    for batch in batches:
+        n = int((batch["labels"][:, 1:] != -100).sum())  # the targets the model's mean loss divides by
+        if n:
+            total += float(engine.forward(batch).loss) * n
+            count += n
+    if not count:
+        raise ValueError("the held-out texts hold no target token")
+    return total / count

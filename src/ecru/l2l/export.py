@@ -19,7 +19,8 @@ def save_pretrained(engine: L2L, path: str | os.PathLike, *, tokenizer, dtype: t
     tokenizer; the disk tier reads every block back for it (O(model) host memory)."""
     if engine.parts.kind != "hf":
         raise L2LInputError("save_pretrained exports Hugging Face models; use engine.state_dict() or save()")
-    engine.store.materialize()
+    adapter = hasattr(engine.model, "peft_config")  # peft writes the adapter only: leave the base unread
+    engine.store.materialize(frozen=not adapter)
     try:
         state = {
             k: v.detach().to("cpu", dtype=dtype) if v.is_floating_point() else v.detach().cpu()
@@ -29,7 +30,7 @@ def save_pretrained(engine: L2L, path: str | os.PathLike, *, tokenizer, dtype: t
     finally:
         engine.store.release()
     config = getattr(engine.model, "config", None)
-    if config is not None and not hasattr(engine.model, "peft_config"):
+    if config is not None and not adapter:
         # save_pretrained records the masters' dtype (fp32) in config.json: record what was written
         config.dtype = dtype
         config.save_pretrained(path)

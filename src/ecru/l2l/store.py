@@ -23,11 +23,55 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from ecru.l2l.collectives import Collectives
+
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Store(Protocol):
+    """What the engine asks of a parameter server (`ParameterStore`, in RAM, and the disk tier
+    `ecru.l2l.disk.DiskParameterStore`); every setting is given at construction."""
+
+    groups: list[ParamGroup]
+    step: int
+    """The last complete step the store holds (0, or a resumed disk tier's)."""
+    extra: dict[str, Any]
+    """JSON-able state committed with each step where the store is durable (the engine's RNG)."""
+
+    @property
+    def binds_masters(self) -> bool: ...
+    @property
+    def grads_in_params(self) -> bool: ...
+    def weights(self, g: int) -> list[torch.Tensor]: ...
+    def prefetch(self, g: int) -> None: ...
+    def done_with(self, g: int) -> None: ...
+    def begin(self, phase: str, order: Sequence[int]) -> None: ...
+    def note_grads(self, g: int) -> None: ...
+    def add_grads(
+        self, g: int, grads: Sequence[torch.Tensor], *, indices: Sequence[int] | None = None
+    ) -> None: ...
+    def update(self, g: int) -> None: ...
+    def collect(self, g: int) -> None: ...
+    def step_all(
+        self, *, inv_scale: float = 1.0, max_norm: float | None = None
+    ) -> tuple[bool, float | None]: ...
+    def end_step(self, steps: int) -> None: ...
+    def discard_grads(self) -> None: ...
+    def rollback(self) -> None: ...
+    def add_group(self, params: list[nn.Parameter]) -> int: ...
+    def synchronize(self) -> None: ...
+    def refresh(self) -> None: ...
+    def materialize(self, *, frozen: bool = True) -> None: ...
+    def release(self) -> None: ...
+    def optimizer_state(self) -> list[dict]: ...
+    def load_optimizer_state(self, states: list[dict]) -> None: ...
+    def close(self) -> None: ...
 
 
 _warned: set[str] = set()
@@ -134,9 +178,10 @@ class ParameterStore:
     the step fails. The copies cost host memory up to the trainable masters and optimizer states (2x the
     training state of a full fine-tune at the end of a step; little for LoRA), so the RAM tier makes
     them only on request; without them `rollback` leaves the engine usable and warns when some groups
-    were already updated. The disk tier needs no copies: its committed files are the snapshot."""
+    were already updated. The disk tier needs no copies: its committed files are the snapshot.
 
-    snapshots = False
+    `comm` (data parallel, ecru.l2l.collectives) sums block gradients over the ranks before updates;
+    `shard` = (rank, world size) shards the optimizer states (ZeRO-1)."""
 
     def __init__(
         self,
@@ -148,12 +193,15 @@ class ParameterStore:
         resident: int = 0,
         slots: int = 2,
         max_pending: int = 2,
+        comm: Collectives | None = None,
+        shard: tuple[int, int] | None = None,
+        snapshots: bool = False,
     ):
         self.device, self.dtype, self.resident = device, dtype, resident
         self.cuda = device.type == "cuda"
         self._factory, self._slot_count = optimizer, slots
-        self.comm = None  # data parallel (ecru.l2l.collectives): block gradients are summed before updates
-        self.shard: tuple[int, int] | None = None  # (rank, world size) when optimizer states are sharded
+        self.comm, self.shard, self.snapshots = comm, shard, snapshots
+        self.step, self.extra = 0, {}
         needs_wire = self.cuda or dtype != torch.float32
         self.groups = [self._make_group(list(ps), optimizer, needs_wire=needs_wire) for ps in groups]
         self._make_pools()
@@ -198,6 +246,7 @@ class ParameterStore:
         """The step is complete on the device: wait for every update (the disk tier commits it). With
         sharded optimizer states, each group's owner then broadcasts its updated weights."""
         self.synchronize()
+        self.step = steps
         self._undo.clear()
         self._updated.clear()
         if self.shard is not None:
@@ -500,8 +549,9 @@ class ParameterStore:
             group.version += 1
             group.refresh_wire()
 
-    def materialize(self) -> None:
-        """Every group's masters in host memory (they always are here; the disk tier reads them back)."""
+    def materialize(self, *, frozen: bool = True) -> None:
+        """Every group's masters in host memory (they always are here; the disk tier reads them back, with
+        `frozen=False` the trainable ones only)."""
         self.synchronize()
 
     def release(self) -> None:
