@@ -79,3 +79,22 @@ def test_cli_abstain_writes_null_labels_with_the_reason(store, tmp_path, capsys)
         main(["lifelong", "predict", "--store", str(store.path), "--data", str(data), "--out", str(out),
               "--min-score", "1.5"])  # fmt: skip
     assert exc.value.code == 2
+
+
+def test_abstention_is_the_claim_score_below_the_slack_and_probabilities_are_each_tasks_softmax(store):
+    from ecru.lifelong.router import FROZEN
+    from ecru.lifelong.store import CLAIM_SLACK
+
+    texts = [t for d in (*TAUGHT, *UNTAUGHT) for t, _ in _rows(d, "test", 3)]
+    method, preds = store.method(), store.predict(texts, abstain=True)
+    enc = method.encoder()
+    grade = enc.claim_scores(texts)
+    assert [p.label is None for p in preds] == (grade < -CLAIM_SLACK).tolist()
+    assert 0 < sum(p.label is None for p in preds) < len(texts)
+    names = method.names[0] + method.names[1]
+    scores, routes = enc.scores(texts, names).double(), method.router(enc.frozen(texts), open_set=False)
+    scale = torch.tensor(
+        [method.scales[r] if r != FROZEN else method.cfg.score_scale for r in routes.tolist()]
+    )
+    reference = torch.softmax(scale.double()[:, None] * scores, dim=-1)
+    torch.testing.assert_close(enc.probabilities(texts, names), reference, rtol=0, atol=1e-12)

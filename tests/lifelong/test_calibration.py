@@ -43,3 +43,29 @@ def test_holdout_split_is_per_label_deterministic_and_keeps_two_of_each():
     assert all(labels[i] != "c" for i in held)  # two texts only: both stay for training
     assert holdout_split(labels, 0.3, seed=1) == (kept, held)
     assert holdout_split(labels, 0.0, seed=1) == (list(range(15)), [])
+
+
+def _two_tasks(router):
+    g = torch.Generator().manual_seed(0)
+    centres = torch.nn.functional.normalize(torch.randn(4, 16, generator=g), dim=-1)
+    for t in (0, 1):
+        labels = torch.arange(2).repeat_interleave(10)
+        emb = centres[2 * t + labels] + 0.3 * torch.randn(20, 16, generator=g)
+        router.add_task(torch.nn.functional.normalize(emb, dim=-1), labels=labels)
+    return torch.nn.functional.normalize(torch.randn(200, 16, generator=g), dim=-1)
+
+
+@pytest.mark.parametrize("kind", ["prototypes", "lda"])
+def test_claim_margin_is_the_prototype_test_graded(kind):
+    from ecru.lifelong.router import FROZEN, LDARouter, PrototypeRouter
+
+    router = LDARouter(percentile=10.0) if kind == "lda" else PrototypeRouter(percentile=10.0)
+    queries = _two_tasks(router)
+    margin = router.claim_margin(queries)
+    # reference: the routed task's best prototype cosine minus that task's threshold
+    routed = router(queries, open_set=False)
+    cosine = torch.stack([(queries @ p.T).max(-1).values for p in router.prototypes], -1)
+    expected = cosine.gather(1, routed[:, None])[:, 0] - torch.tensor(router.thresholds)[routed]
+    torch.testing.assert_close(margin, expected, rtol=0, atol=1e-6)
+    assert torch.equal(margin >= 0, router(queries) != FROZEN)  # no relative Mahalanobis test here
+    assert 0 < (margin >= 0).sum() < len(queries)  # the check is not vacuous

@@ -109,13 +109,13 @@ def test_open_set_metrics_match_hand_counts():
 
 
 class ClaimingOracle(Oracle):
-    """The oracle, and a router that claims exactly the in-scope texts (out-of-scope texts score 0 everywhere)."""
+    """The oracle, and a router that claims exactly the in-scope texts (claim score 1; out-of-scope texts -1)."""
 
     def scores(self, texts, labels, *, batch_size=64):
         return torch.tensor([[float(n == self.gold.get(t)) for n in labels] for t in texts])
 
-    def claims(self, texts):
-        return torch.tensor([t in self.gold for t in texts])
+    def claim_scores(self, texts):
+        return torch.tensor([1.0 if t in self.gold else -1.0 for t in texts])
 
 
 def test_open_set_evaluator_threshold_on_oos_val_and_metrics_after_each_task(tiny_stream):
@@ -129,13 +129,48 @@ def test_open_set_evaluator_threshold_on_oos_val_and_metrics_after_each_task(tin
         ev.evaluate(oracle, seen=seen)
     rows = ev.take_open_set()
     assert [r["seen"] for r in rows] == [1, 2] and ev.take_open_set() == []
-    for r in rows:  # unclaimed texts have confidence 0: the threshold is 0 and catches exactly them
-        assert r["threshold"] == 0.0 and r["oos_recall"] == 100.0 and r["oos_precision"] == 100.0
+    for r in rows:  # unclaimed texts grade -1: the threshold is -1 and catches exactly them
+        assert r["threshold"] == -1.0 and r["oos_recall"] == 100.0 and r["oos_precision"] == 100.0
         assert r["in_scope_accuracy"] == 100.0 and r["ece"] == pytest.approx(0.0, abs=1e-9)
     # a method without a router: every out-of-scope text is as confident as the oracle's in-scope answers
-    # (a uniform softmax over the learned labels < their one-hot): the 70% quantile rule still catches them
+    # (a uniform softmax over the learned labels < their one-hot): the quantile rule still catches them
     plain = Oracle(tiny_stream)
     plain.gold.update({t: "none" for t in oos_val + oos_test})
     ev.evaluate(plain, seen=1)
     (r,) = ev.take_open_set()
     assert r["oos_recall"] == 100.0 and r["in_scope_accuracy"] == 100.0
+
+
+class GradingOracle(ClaimingOracle):
+    """Graded claims (in-scope 1.0, out-of-scope texts as listed) and its own probabilities: 0.9 on the gold
+    label (`Calibrated`), whatever the evaluator's scale."""
+
+    grades = {"a": -0.5, "b": -0.4, "c": -0.3, "d": -0.2, "e": 2.0, "x": -1.0, "y": 0.5, "z": 3.0}
+
+    def claim_scores(self, texts):
+        return torch.tensor([1.0 if t in self.gold else self.grades[t] for t in texts])
+
+    def probabilities(self, texts, names):
+        hit = self.scores(texts, names)
+        return torch.where(hit.sum(-1, keepdim=True) > 0, 0.1 / (len(names) - 1) + (0.9 - 0.1 / (len(names) - 1)) * hit,
+                           torch.full_like(hit, 1 / len(names)))  # fmt: skip
+
+
+def test_open_set_threshold_on_graded_claims_and_ece_of_own_probabilities(
+    tiny_stream,
+):
+    from ecru.lifelong.evaluate import OOS_RECALL, Calibrated, OpenSetEvaluator
+
+    ev = OpenSetEvaluator(tiny_stream, scale=30.0, oos_val=list("abcde"), oos_test=list("xyz"))
+    oracle = GradingOracle(tiny_stream)
+    assert isinstance(oracle, Calibrated) and not isinstance(ClaimingOracle(tiny_stream), Calibrated)
+    ev.evaluate(oracle, seen=2)
+    (r,) = ev.take_open_set()
+    expected = torch.quantile(
+        torch.tensor([-0.5, -0.4, -0.3, -0.2, 2.0]), OOS_RECALL
+    ).item()  # float32 grades
+    assert r["threshold"] == pytest.approx(expected, abs=1e-6) and -0.2 < expected < 1.0
+    assert r["oos_recall"] == pytest.approx(100 / 3) and r["oos_val_recall"] == 80.0
+    assert r["in_scope_accuracy"] == 100.0 and r["ece"] == pytest.approx(
+        0.1, abs=1e-6
+    )  # conf 0.9 (float32), all right

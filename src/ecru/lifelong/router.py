@@ -92,6 +92,8 @@ class TaskRouter(Protocol):
 
     def admit(self, task: int, emb: torch.Tensor, *, quantile: float) -> None: ...
 
+    def claim_margin(self, emb: torch.Tensor) -> torch.Tensor: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -130,6 +132,12 @@ class _Routing:
         leave-one-out texts, so a percentile of those rejects more new texts than it says."""
         own = self.scores(emb, [task])[:, 0]
         self.thresholds[task] = min(self.thresholds[task], torch.quantile(own.double(), quantile).item())
+
+    def claim_margin(self, emb: torch.Tensor) -> torch.Tensor:
+        """[Q] how far each frozen embedding's score for its best task lies above that task's threshold (>= 0:
+        the prototype test claims it; graded, so a caller can set its own threshold). Needs a learned task."""
+        best, task = self.scores(emb, range(len(self))).max(-1)
+        return best - torch.tensor(self.thresholds, dtype=best.dtype)[task]
 
     def __call__(
         self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True
@@ -398,17 +406,29 @@ class LDARouter(PrototypeRouter):
             return torch.full((emb.shape[0],), FROZEN, dtype=torch.long)
         if not all(0 <= t < len(self) for t in tasks):
             raise ValueError(f"tasks {tasks} must be learned ones (0..{len(self) - 1})")
-        best = torch.stack([self.logits(emb, t).max(-1).values for t in tasks], dim=-1).argmax(-1)
-        picked = torch.tensor(tasks, dtype=torch.long)[best]
+        picked, margin = self._picked(emb, tasks)
         if not open_set:
             return picked
-        proto = self.scores(emb, tasks).gather(1, best[:, None])[:, 0]
-        accepted = proto >= torch.tensor(self.thresholds, dtype=emb.dtype)[picked]
+        accepted = margin >= 0
         if self.rmd_percentile is not None:
             for t in picked.unique().tolist():
                 rows = picked == t
                 accepted[rows] &= self.rmd_scores(emb[rows], t) >= self.rmd_thresholds[t]
         return torch.where(accepted, picked, torch.full_like(picked, FROZEN))
+
+    def _picked(self, emb: torch.Tensor, tasks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Q] the task of each text's best LDA class among `tasks`, and [Q] that task's prototype score minus its
+        threshold."""
+        best = torch.stack([self.logits(emb, t).max(-1).values for t in tasks], dim=-1).argmax(-1)
+        picked = torch.tensor(tasks, dtype=torch.long)[best]
+        proto = self.scores(emb, tasks).gather(1, best[:, None])[:, 0]
+        return picked, proto - torch.tensor(self.thresholds, dtype=emb.dtype)[picked]
+
+    def claim_margin(self, emb: torch.Tensor) -> torch.Tensor:
+        """[Q] the routed task's (best LDA class's) prototype score minus its threshold: the prototype test
+        graded (the relative Mahalanobis test is left out: on validation streams it separated a task's new
+        texts from out-of-scope ones far worse than the prototype score)."""
+        return self._picked(emb, list(range(len(self))))[1]
 
     def state_dict(self) -> dict[str, Any]:
         state = {**super().state_dict(), "means": list(self.means), "scatters": list(self.scatters),

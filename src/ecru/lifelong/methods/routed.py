@@ -133,6 +133,9 @@ class RoutedConfig:
     admit: float = 0.0
     """With `calibration`: each task's router thresholds go down (never up) to this quantile of its held-out
     texts' scores (`TaskRouter.admit`), so that about 1 - admit of a task's new texts are claimed by it."""
+    score_scale: float | None = None
+    """The scale of a task's probabilities (softmax(scale x scores)) when no scale was fitted for it
+    (`calibration` 0); None: `TrainConfig.scale`, the training scale."""
 
     def __post_init__(self) -> None:
         if self.r < 1 or self.alpha <= 0 or self.lr <= 0 or self.knn < 1:
@@ -174,6 +177,8 @@ class RoutedConfig:
             raise EcruError(f"margin must be >= -1 (a cosine difference) or None; got {self.margin}")
         if self.router not in ("prototypes", "knn", "lda"):
             raise EcruError(f"router must be 'prototypes', 'knn' or 'lda'; got {self.router!r}")
+        if self.score_scale is not None and not self.score_scale > 0:
+            raise EcruError(f"score_scale must be > 0 or None; got {self.score_scale}")
         if not 0 <= self.admit <= 1:
             raise EcruError(f"admit must be a quantile in [0, 1]; got {self.admit}")
         if not 0 <= self.calibration < 1:
@@ -232,9 +237,26 @@ class RoutedEncoder:
         """Each text's task index, or `FROZEN`, from the text alone."""
         return self.m.router(self.frozen(texts))
 
+    def claim_scores(self, texts: list[str]) -> torch.Tensor:
+        """[Q] how strongly the learned tasks claim each text: the routed task's prototype score minus its
+        threshold (`TaskRouter.claim_margin`; >= 0: claimed); -inf for every text before any task is learned."""
+        if not len(self.m.router):
+            return torch.full((len(texts),), float("-inf"), dtype=torch.float64)
+        return self.m.router.claim_margin(self.frozen(texts)).double()
+
     def claims(self, texts: list[str]) -> torch.Tensor:
-        """[Q] whether some learned task claims each text (the router's open-set route is not `FROZEN`)."""
-        return self.routes(texts) != FROZEN
+        """[Q] whether some learned task claims each text (`claim_scores` >= 0)."""
+        return self.claim_scores(texts) >= 0
+
+    @torch.no_grad()
+    def probabilities(self, texts: list[str], names: list[str]) -> torch.Tensor:
+        """[Q, L] probabilities of the candidate `names` for `texts`: the softmax of the `scores` times the
+        scale of the task whose labels scored each text (`RoutedAdapters.scale`)."""
+        scores = self.scores(texts, names)
+        # the task whose labels scored the text: with a reject penalty every text goes to its best task
+        scored_by = self.m.router(self.frozen(texts), open_set=self.m.cfg.reject_penalty == 0)
+        scale = torch.tensor([self.m.scale(r) for r in scored_by.tolist()], dtype=torch.float64)
+        return torch.softmax(scale[:, None] * scores.double(), dim=-1)
 
     def _through(self, texts: list[str], routes: torch.Tensor, *, batch_size: int) -> torch.Tensor:
         out = self.frozen(texts, batch_size=batch_size)
@@ -492,9 +514,11 @@ class RoutedAdapters:
         return fit_scale(cosines, torch.tensor([intents.index(e.label) for e in held], dtype=torch.long))
 
     def scale(self, task: int) -> float:
-        """The logit scale of texts routed to `task` (`FROZEN`: the frozen model): fitted, else as trained."""
+        """The logit scale of texts routed to `task` (`FROZEN`: the frozen model): fitted, else the config's
+        `score_scale`, else as trained."""
         fitted = self.scales[task] if task != FROZEN else None
-        return self.train.scale if fitted is None else fitted
+        unfitted = self.train.scale if self.cfg.score_scale is None else self.cfg.score_scale
+        return unfitted if fitted is None else fitted
 
     @torch.no_grad()
     def _adapter_prototypes(self, texts: list[str], labels: torch.Tensor, index: int, classes: int):
