@@ -164,14 +164,15 @@ def rejected_per_class(c: Cache, k: int, percentile: float) -> torch.Tensor:
 
 
 def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight: float = 0.0,
-           margin: float = 0.0, penalty: float = 2.0, percentile: float | None = None,
+           margin: float | list[float] = 0.0, penalty: float = 2.0, percentile: float | None = None,
            class_percentile: float | None = None, adapter_prototype_weight: float = 0.0,
            adapter_prototype_support: float = 8.0) -> torch.Tensor:  # fmt: skip
     """`RoutedEncoder.scores` after k tasks: route by prototypes or LDA, the prototype threshold, task then
     class with the blend (1 - w) adapter cosine + w prototype cosine + lda_weight / scale x LDA logit
     + w_c x the adapter cosine to label c's adapter prototype, w_c = adapter_prototype_weight x n_c / (n_c +
     adapter_prototype_support) for n_c training texts (needs `train_adapted`).
-    `class_percentile` (LDA route): reject by the best class's own threshold instead of the task's."""
+    `class_percentile` (LDA route): reject by the best class's own threshold instead of the task's. `margin`:
+    one for every task, or one per task (`RoutedConfig.few_margin`)."""
     s = c.F @ c.NE.T
     proto = torch.stack([(c.F @ c.P[t].T).max(-1).values for t in range(k)], -1)
     if route == "lda":
@@ -202,9 +203,10 @@ def routed(c: Cache, k: int, *, route: str = "proto", w: float = 0.5, lda_weight
         block = s[rows].clone()
         other = learned.clone()
         other[own] = False
-        block[:, other] -= OFFSET - min(margin, 0.0)  # as RoutedEncoder._task_then_class
+        m = margin[t] if isinstance(margin, list) else margin
+        block[:, other] -= OFFSET - min(m, 0.0)  # as RoutedEncoder._task_then_class
         best = (c.F[rows] @ c.NE[own].T).max(-1, keepdim=True).values
-        block[:, own] = best + margin + blend - blend.max(-1, keepdim=True).values
+        block[:, own] = best + m + blend - blend.max(-1, keepdim=True).values
         block[:, learned] -= penalty * rejected[rows].float()[:, None]
         out[rows] = block
     return out
@@ -358,6 +360,17 @@ def open_set_auroc(c: Cache) -> dict[str, dict[str, float]]:
             "task1_vs_unseen_tasks": auroc(1, torch.arange(sp[1]), torch.arange(sp[1], sp[T]))}  # fmt: skip
 
 
+def own_margins(c: Cache, cfg: dict) -> list[float]:
+    """Each task's margin as `RoutedAdapters.margin` sets it (`few_margin` for a task of fewer than `few_texts`
+    texts per label: the adapter prototypes' counts are its training texts per label)."""
+    margin, few = cfg.get("margin") or 0.0, cfg.get("few_margin")
+    if few is None or c.AP is None:
+        return [margin] * c.T
+    return [
+        few if c.AP[t][1].sum() < cfg.get("few_texts", 8.0) * len(c.AP[t][1]) else margin for t in range(c.T)
+    ]
+
+
 def own_rule_matches(c: Cache) -> bool | None:
     """Whether the offline rule of the cache's method reproduces the method's own scores (None: not cached)."""
     if "scores" not in c.raw:
@@ -365,7 +378,7 @@ def own_rule_matches(c: Cache) -> bool | None:
     cfg = c.raw.get("method_config", {})
     lda = cfg.get("router", "prototypes") == "lda"
     want = routed(c, c.T, route="lda" if lda else "proto", w=cfg.get("prototype_weight", 0.0 if lda else 0.5),
-                  lda_weight=cfg.get("lda_weight", 0.0), margin=cfg.get("margin") or 0.0,
+                  lda_weight=cfg.get("lda_weight", 0.0), margin=own_margins(c, cfg),
                   penalty=cfg.get("reject_penalty", 2.0),
                   adapter_prototype_weight=cfg.get("adapter_prototype_weight", 0.0),
                   adapter_prototype_support=cfg.get("adapter_prototype_support", 8.0))  # fmt: skip

@@ -235,3 +235,25 @@ def test_routed_label_smoothing_overrides_the_run_s_only_when_set(tiny_model, ti
     assert any(not torch.equal(own[k], other[k]) for k in own)  # and differs from the run's 0.2
     with pytest.raises(EcruError, match="label_smoothing"):
         RoutedConfig(label_smoothing=1.0)
+
+
+def test_few_margin_is_the_margin_of_a_task_with_few_texts_per_label(tiny_model, tiny_evaluator):
+    from ecru.lifelong.methods import ROUTED, RoutedConfig
+
+    task, preset = tiny_evaluator.stream.tasks[0], ROUTED["routed-lora"]  # 2 training texts per label
+    texts = [e.text for e in task.test] + ["will it snow tomorrow"]
+    labels = [*(n.replace("_", " ") for n in task.intents), "weather", "book a flight"]
+
+    def scores(cfg):
+        m = make_method("routed-lora", tiny_model(), train=TRAIN, config=cfg)
+        m.learn(task, index=0)
+        return m, m.encoder().scores(texts, labels)
+
+    few, got = scores(replace(preset, few_margin=-0.3, few_texts=3.0))
+    _, reference = scores(replace(preset, margin=-0.3, few_margin=None))  # the same training, one margin
+    assert few.margin(0) == -0.3
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-6)
+    many, _ = scores(replace(preset, few_margin=-0.3, few_texts=2.0))  # 2 texts per label is not fewer than 2
+    assert many.margin(0) == preset.margin
+    with pytest.raises(EcruError, match="few_margin needs router='lda'"):
+        RoutedConfig(router="prototypes", margin=0.0, few_margin=-0.1)

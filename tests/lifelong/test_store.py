@@ -285,7 +285,7 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
     manifest["config"] = {
         k: v
         for k, v in manifest["config"].items()
-        if k not in ("lda_weight", "label_smoothing", "rmd_percentile")
+        if k not in ("lda_weight", "label_smoothing", "rmd_percentile", "few_margin")
     }
     manifest["config"].update(router="prototypes", prototype_weight=0.5)
     (old / "store.json").write_text(json.dumps(manifest))

@@ -105,6 +105,12 @@ class RoutedConfig:
     an unlearned label comes within |m| of t's best (unlearned label sets keep more of their texts, learned
     tasks lose more of theirs to close unlearned names). Other learned tasks' labels lose to t's either way
     (the router chose between learned tasks)."""
+    few_margin: float | None = None
+    """With router="lda" and a `margin`: the margin of a task learned from fewer than `few_texts` training texts
+    per label (on average); None: `margin` for every task. A task's thresholds are loose estimates when it has a
+    few texts per label, so it claims more texts of labels no task learned; a stricter veto keeps them zero-shot."""
+    few_texts: float = 8.0
+    """Training texts per label below which a task's margin is `few_margin`."""
     reject_penalty: float = 0.0
     """0: a text below its best task's threshold goes to the frozen model. > 0 (with a `margin`): it still
     goes to its best task, but every learned label loses this much: the route's choice stands when every
@@ -173,6 +179,13 @@ class RoutedConfig:
             raise EcruError(f"reject_penalty must be >= 0; got {self.reject_penalty}")
         if self.reject_penalty > 0 and self.margin is None:
             raise EcruError("reject_penalty needs a margin (the rule that lets an unlearned label win)")
+        if self.few_margin is not None and not (
+            self.router == "lda" and self.margin is not None and self.few_margin >= -1 and self.few_texts > 0
+        ):
+            raise EcruError(
+                f"few_margin needs router='lda', a margin, a value >= -1 and few_texts > 0; got "
+                f"{self.few_margin}, {self.router!r}, {self.margin}, {self.few_texts}"
+            )
         if self.margin is not None and not self.margin >= -1:
             raise EcruError(f"margin must be >= -1 (a cosine difference) or None; got {self.margin}")
         if self.router not in ("prototypes", "knn", "lda"):
@@ -318,18 +331,19 @@ class RoutedEncoder:
         cols = [index[n] for n, o in zip(labels, own.tolist(), strict=True) if o]
         name_emb = self.encode_labels(task_names)
         blend = self._blend(frozen, emb, name_emb, task)
-        if self.m.cfg.margin is None or not gate:
+        margin = self.m.margin(task)
+        if margin is None or not gate:
             block = block - OFFSET
             block[:, own] = blend[:, cols]
             return block
         # other learned tasks' labels: the router already chose between learned tasks
         learned = {n for names_t in self.m.names for n in names_t}
         other = torch.tensor([label in learned for label in labels], dtype=torch.bool) & ~own
-        block[:, other] -= OFFSET - min(self.m.cfg.margin, 0.0)
+        block[:, other] -= OFFSET - min(margin, 0.0)
         # the task's best label scores as the frozen model's best cosine to any of the task's names (+ margin),
         # on the same scale as the unlearned candidates' frozen cosines; the others trail it by their blend gap
         best = (frozen @ name_emb.T).max(-1, keepdim=True).values
-        block[:, own] = best + self.m.cfg.margin + blend[:, cols] - blend.max(-1, keepdim=True).values
+        block[:, own] = best + margin + blend[:, cols] - blend.max(-1, keepdim=True).values
         return block
 
     def _blend(
@@ -512,6 +526,15 @@ class RoutedAdapters:
         self.router.admit(index, self.encoder().frozen([e.text for e in held]), quantile=self.cfg.admit)
         cosines = self.encoder().for_task(index).scores([e.text for e in held], self.names[index])
         return fit_scale(cosines, torch.tensor([intents.index(e.label) for e in held], dtype=torch.long))
+
+    def margin(self, task: int) -> float | None:
+        """Task `task`'s margin: `RoutedConfig.few_margin` if it was learned from fewer than `few_texts` texts per
+        label (the LDA router's count of its texts over its labels), else `RoutedConfig.margin`."""
+        if self.cfg.few_margin is not None and self.router.counts[task] < self.cfg.few_texts * len(
+            self.names[task]
+        ):
+            return self.cfg.few_margin
+        return self.cfg.margin
 
     def scale(self, task: int) -> float:
         """The logit scale of texts routed to `task` (`FROZEN`: the frozen model): fitted, else the config's
