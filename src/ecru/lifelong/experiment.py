@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ecru.lifelong.evaluate import EvalRow, Evaluator, OpenSetEvaluator
-from ecru.lifelong.methods import TrainConfig, make_method, needs_teacher
+from ecru.lifelong.methods import Method, TrainConfig, make_method, needs_teacher
 from ecru.lifelong.methods.registry import Config
 from ecru.lifelong.reference import TeacherCache
 from ecru.lifelong.runner import RunResult, run_stream
@@ -36,13 +36,17 @@ class Experiment:
             self._r0 = self.evaluator.evaluate(self.teacher.teacher, seen=0)
         return self._r0
 
-    def run(self, method: str, train: TrainConfig, *, checkpoint_dir: Path | None = None,
-            config: Config | None = None) -> RunResult:  # fmt: skip
-        """Run `method` (with `config` instead of its preset, if given) on the stream."""
+    def make(self, method: str, train: TrainConfig, *, config: Config | None = None) -> Method:
+        """A fresh `method` (with `config` instead of its preset, if given), sharing this stream's teacher."""
         teacher = self.teacher if needs_teacher(method, config) else None
         if teacher is not None:
             teacher.embeddings()  # encode the reference set before the clock of the first task starts
-        m = make_method(method, load_minilm(), train=train, teacher=teacher, config=config)
+        return make_method(method, load_minilm(), train=train, teacher=teacher, config=config)
+
+    def run(self, method: str | Method, train: TrainConfig | None = None, *, checkpoint_dir: Path | None = None,
+            config: Config | None = None) -> RunResult:  # fmt: skip
+        """Run `method` (a name, made with `train` and `config`, or a method from `make`) on the stream."""
+        m = self.make(method, train, config=config) if isinstance(method, str) else method
         return run_stream(m, self.evaluator, r0=self.r0(), checkpoint_dir=checkpoint_dir, log=self.log)
 
 
