@@ -98,7 +98,7 @@ ROUTED: dict[str, RoutedConfig] = {
         reject_penalty=2.0,
         # issue 44: the probabilities' scale where none was fitted on held-out texts (the benchmark); the
         # lowest mean ECE of the answered texts over 4 quick VALIDATION streams among 8-16 and 30 (12: 0.030,
-        # 10: 0.036, 14: 0.038, 30: 0.065); a new store fits each task's own
+        # 10: 0.035, 14: 0.038, 30: 0.065; bench/results/lifelong_abstain_val.json); a store fits each task's own
         score_scale=12.0,
     ),
     # per-task LoRA adapters routed by per-class prototypes of the frozen embeddings (task-agnostic; the default
