@@ -303,7 +303,7 @@ def main(argv=None) -> None:
     prompt_lens = [len(i) for i in encode_chat(tok, test)]
     idx = resample(len(test), args.requests, args.seed)
     static = static_table(idx, prompt_lens, y_test, preds, cost, args.cap)
-    base = OnlineConfig(max_new_tokens=args.cap, repredict_every=k, token_s=cost.step_time(16, 200))
+    base = OnlineConfig(max_new_tokens=args.cap, repredict_every=k)
     train_lens = [len(i) for i in encode_chat(tok, train)]
     slack = choose_slack(train, y_train, y_label, train_lens, preds["minilm"][1], base, cost, args)
     online = online_tables(

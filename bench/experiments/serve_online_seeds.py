@@ -51,8 +51,7 @@ def ratios_over_seeds(
     pp, run = data["per_prompt"], data["config"]
     lens, plens, pred = pp["true_lengths"], pp["prompt_lens"], pp["predicted"][predictor]
     traj = pp["remaining_trajectories"]
-    base = OnlineConfig(max_new_tokens=run["max_new_tokens"], repredict_every=run["repredict_every"],
-                        token_s=cost.step_time(16, 200))  # fmt: skip
+    base = OnlineConfig(max_new_tokens=run["max_new_tokens"], repredict_every=run["repredict_every"])
     per = {name: [] for name in configs}
     for seed in range(seeds):
         idx = resample(len(lens), requests, seed)

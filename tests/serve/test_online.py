@@ -11,7 +11,7 @@ UNIT = CostModel(1.0, 0.0, 0.0, 0.0, 0.0, source="1 s per decode step, free pref
 
 
 def config(**kw) -> OnlineConfig:
-    return OnlineConfig(**{"max_batch_size": 1, "max_new_tokens": 100, "refill_min": 1, "token_s": 1.0, **kw})
+    return OnlineConfig(**{"max_batch_size": 1, "max_new_tokens": 100, "refill_min": 1, **kw})
 
 
 def finish_order(result, trace) -> list[int]:
@@ -166,7 +166,7 @@ def test_arrival_forwards_hold_at_most_max_batch_size_prompts():
 
 
 def test_arrival_forwards_are_the_engines_groups_each_with_its_own_first_tokens():
-    from ecru.serve.arrival import arrival_groups
+    from ecru.serve.continuous import arrival_groups
 
     per_token = CostModel(1.0, 0.0, 0.0, 0.0, 1.0, source="1 s per prompt position")
     trace = [OnlineRequest(0.0, n, 1, predicted=1) for n in (4, 100, 4)]  # answers end at the first token

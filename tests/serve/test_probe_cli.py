@@ -226,10 +226,10 @@ def test_probe_refuses_too_few_prompts(chat_model_dir, tmp_path, capsys):
 
 
 def test_the_cli_knows_every_engine_policy():
-    from ecru.serve import cli, request_engine
+    from ecru.serve import cli, scheduler
 
-    assert cli.ENGINE_POLICIES == request_engine.ENGINE_POLICIES
-    assert cli.SJF_POLICIES == request_engine.SJF_POLICIES
+    assert cli.ENGINE_POLICIES == scheduler.ENGINE_POLICIES
+    assert cli.SJF_POLICIES == scheduler.SJF_POLICIES
 
 
 def test_the_server_serves_cb_srpt_with_a_probe(probe_dir, chat_model_dir, monkeypatch):

@@ -4,7 +4,8 @@ any batch composition; per-request caps, stop tokens, sampling, streaming callba
 import pytest
 import torch
 
-from ecru.serve.request_engine import ENGINE_POLICIES, EngineConfig, RequestEngine
+from ecru.serve.names import ENGINE_POLICIES
+from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
 
 from .conftest import remaining_for

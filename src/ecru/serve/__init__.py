@@ -10,7 +10,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 _LAZY: dict[str, str] = {
-    "EngineConfig": "ecru.serve.request_engine",
+    "EngineConfig": "ecru.serve.scheduler",
+    "Scheduler": "ecru.serve.scheduler",
+    "SimulatedRunner": "ecru.serve.sim_runner",
     "EngineThread": "ecru.serve.background",
     "Request": "ecru.serve.request_engine",
     "RequestEngine": "ecru.serve.request_engine",
@@ -120,10 +122,12 @@ if TYPE_CHECKING:  # static analysers see the real imports
     )
     from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue, make_queue
     from ecru.serve.remaining import RemainingProbe
-    from ecru.serve.request_engine import EngineConfig, Request, RequestEngine, generate_continuous
+    from ecru.serve.request_engine import Request, RequestEngine, generate_continuous
     from ecru.serve.runner import POLICIES, PolicyRun, run_policy
     from ecru.serve.sampling import SamplingParams
+    from ecru.serve.scheduler import EngineConfig, Scheduler
     from ecru.serve.self_predict import PiAPredictor, SelfLoRAConfig, SelfLoRAPredictor
+    from ecru.serve.sim_runner import SimulatedRunner
     from ecru.serve.simulator import SimResult, TraceRequest, read_trace, simulate, simulate_continuous
 
 
@@ -141,6 +145,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "EngineConfig",
+    "Scheduler",
+    "SimulatedRunner",
     "EngineThread",
     "Request",
     "RequestEngine",

@@ -14,10 +14,10 @@ similar lengths (`prefill_groups`), at most `max_batch_size` of them (`arrival_g
 larger than an admission's, whatever burst arrives.
 
 `KeptKV` holds each waiting request's cache rows without padding (exactly its cached positions: the prompt,
-and for a row cb-srpt preempted its tokens but the newest), for at most `bound` requests: beyond, the rows
-of the request predicted longest are dropped (it keeps its prediction and tokens and is prefilled at
-admission, prompt plus tokens, as a recomputed preempted request is). At admission the kept rows are
-left-padded and stacked into one cache, with no forward.
+and for a row cb-srpt preempted its tokens but the newest) for the requests the scheduler keeps
+(`Scheduler.kept`: at most `arrival_kv_requests`; beyond, the request predicted longest is prefilled again at
+admission, prompt plus tokens). At admission the kept rows are left-padded and stacked into one cache, with
+no forward.
 """
 
 from __future__ import annotations
@@ -27,22 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ecru.serve.continuous import prefill_groups
 from ecru.serve.kv_cache import row_kv, stack_rows
-
-
-def arrival_prefill_due(
-    *, arrived: int, running: int, waiting: int, max_batch_size: int, refill_min: int
-) -> bool:
-    """Whether the `arrived` (unprefilled) requests are prefilled now: `refill_min` of them have arrived,
-    or the batch could take them now (`running` rows + `waiting` prefilled requests < `max_batch_size`)."""
-    return arrived > 0 and (arrived >= refill_min or running + waiting < max_batch_size)
-
-
-def arrival_groups(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
-    """The arrival prefill forwards: `prefill_groups` of the prompt lengths, each cut into consecutive
-    pieces (in length order) of at most `max_rows` prompts. Indices into `lengths`."""
-    return [g[i : i + max_rows] for g in prefill_groups(lengths) for i in range(0, len(g), max_rows)]
 
 
 @dataclass
@@ -53,7 +38,6 @@ class KeptRow:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     pending: int
     """Its newest token (the first, sampled at arrival; a preempted row's last), not yet in the cache."""
-    predicted: float
 
     @property
     def length(self) -> int:
@@ -61,12 +45,10 @@ class KeptRow:
 
 
 class KeptKV:
-    """The KV rows of prefilled waiting requests, by request key, for at most `bound` requests."""
+    """The KV rows of prefilled or preempted waiting requests, by request key (which ones: the scheduler's
+    `kept`)."""
 
-    def __init__(self, bound: int):
-        if bound < 1:
-            raise ValueError(f"bound must be >= 1, got {bound}")
-        self.bound = bound
+    def __init__(self):
         self.rows: dict[int, KeptRow] = {}
 
     def __len__(self) -> int:
@@ -80,22 +62,12 @@ class KeptKV:
         """KV positions held (the kept rows have no padding)."""
         return sum(r.length for r in self.rows.values())
 
-    def keep(self, key: int, cache, row: int, length: int, *, pending: int, predicted: float) -> None:
+    def keep(self, key: int, cache, row: int, length: int, *, pending: int) -> None:
         """Copy row `row` of a left-padded `cache` (its last `length` positions are the request's cached ones)."""
-        self.rows[key] = KeptRow(row_kv(cache, row, length), pending, predicted)
+        self.rows[key] = KeptRow(row_kv(cache, row, length), pending)
 
     def drop(self, key: int) -> None:
         self.rows.pop(key, None)
-
-    def drop_over_bound(self) -> list[int]:
-        """Drop the rows of the longest-predicted requests (the newest among equals) until `bound` are
-        kept; their keys."""
-        dropped = []
-        while len(self.rows) > self.bound:
-            key = max(reversed(self.rows), key=lambda k: self.rows[k].predicted)
-            del self.rows[key]
-            dropped.append(key)
-        return dropped
 
     def take(self, model, keys: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, object]:
         """Remove the rows of `keys` and stack them as a running batch's pieces: pending tokens [B], a

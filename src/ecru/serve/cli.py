@@ -45,7 +45,7 @@ def _out_file(path: str | None, flag: str = "--json") -> None:
 # ---- api and run: the request engine -------------------------------------------------------------------
 def _engine_config(args: argparse.Namespace, *, max_new_tokens: int):
     from ecru.cliargs import config_from
-    from ecru.serve.request_engine import EngineConfig
+    from ecru.serve.scheduler import EngineConfig
 
     if args.fcfs_slack is not None and args.policy not in SJF_POLICIES:
         raise EcruError(
@@ -661,7 +661,7 @@ def _probe(args: argparse.Namespace) -> int:
     from ecru.cliargs import config_from, prepare_out_dir
     from ecru.serve import batch_run
     from ecru.serve.models import ServedModel
-    from ecru.serve.request_engine import EngineConfig
+    from ecru.serve.scheduler import EngineConfig
 
     config = config_from(EngineConfig, max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens)
     lines, _ = batch_run.read_batch(args.input, skip_invalid=False, hint="")

@@ -98,3 +98,52 @@ def stack_rows(
     for i in range(len(cache.layers)):
         cache.update(*(right_aligned([row[i][part] for row in rows], width) for part in (0, 1)), i)
     return mask, cache
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zero-pad `t` on the left of dimension `dim` (-1 or -2) up to `width`."""
+    return F.pad(t, (0, 0) * (-dim - 1) + (width - t.shape[dim], 0))
+
+
+class RunningBatch:
+    """The running batch: request ids, pending (not yet cached) tokens, attention mask, KV cache."""
+
+    def __init__(self, model):
+        self.ids: list[int] = []
+        self.pending = torch.empty(0, dtype=torch.long)
+        self.mask = torch.empty(0, 0, dtype=torch.long)
+        self.cache = HeadroomCache(model.config)
+
+    def merge(self, ids: list[int], pending: torch.Tensor, mask: torch.Tensor, cache) -> None:
+        if not self.ids:
+            self.ids, self.pending, self.mask, self.cache = ids, pending, mask, cache
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([_pad_left(old.keys, width, -2), _pad_left(new.keys, width, -2)])
+            old.values = torch.cat([_pad_left(old.values, width, -2), _pad_left(new.values, width, -2)])
+        self.mask = torch.cat([_pad_left(self.mask, width, -1), _pad_left(mask, width, -1)])
+        self.ids, self.pending = self.ids + ids, torch.cat([self.pending, pending])
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (a bool mask), then drop cache columns that are padding in every row.
+
+        Nothing is copied when every row stays: re-indexing would copy the whole KV cache at every
+        decode step, a cost of the order of the step's own attention.
+        """
+        if not bool(rows.all()):
+            self.select(rows.nonzero().flatten())
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (positions, in that order), then drop the columns that are padding in every
+        row."""
+        if index.tolist() == list(range(len(self.ids))):
+            return  # nothing would change; re-indexing would copy the whole cache
+        self.ids = [self.ids[i] for i in index.tolist()]
+        self.pending, self.mask = self.pending[index], self.mask[index]
+        if not self.ids:
+            return
+        first = int(self.mask.any(0).nonzero()[0])
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[index, :, first:], layer.values[index, :, first:]
