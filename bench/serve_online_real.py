@@ -94,7 +94,7 @@ def policies(slack: float) -> dict[str, tuple[str, dict, dict]]:
         "cb": ("cb", {}, {}),
         "cb-sjf": ("cb-sjf", {}, {}),
         "cb-sjf[fcfs-slack]": ("cb-sjf", deadline, {}),
-        "cb-srpt[fcfs-slack]": ("cb-srpt", deadline | {"preempt_mode": "keep"}, {"preempt": True}),
+        "cb-srpt[fcfs-slack]": ("cb-srpt", deadline | {"preempt_mode": "keep"}, {}),
     }
 
 

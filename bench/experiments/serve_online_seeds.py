@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     configs = {"aging 0.1": ("cb-sjf", {})}
     configs |= {f"fcfs_slack {s:g}": ("cb-sjf", {"aging": 0.0, "fcfs_slack": s}) for s in slacks}
     for mode in PREEMPT_MODES:
-        srpt = {"repredict_s": repredict_s, "preempt": True, "preempt_mode": mode, "aging": 0.0}
+        srpt = {"repredict_s": repredict_s, "preempt_mode": mode, "aging": 0.0}
         configs |= {f"cb-srpt {mode} fcfs_slack {s:g}": ("cb-srpt", srpt | {"fcfs_slack": s}) for s in slacks}
     result = ratios_over_seeds(data, cost, predict_s, configs, args.seeds, args.predictor, args.requests)
     for name, r in result.items():

@@ -272,3 +272,17 @@ def test_a_probe_folder_with_a_damaged_file_is_refused(model, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum mismatch in .*length_predictor.safetensors"):
         EmbeddingPredictor.load(tmp_path, model, None)
+
+
+def test_plain_cb_srpt_reads_the_probe_folders_length_predictor(tmp_path):
+    import argparse
+
+    from ecru.serve.cli import _length_folder
+    from ecru.serve.predictors import LENGTH_FILE
+
+    args = argparse.Namespace(policy="cb-srpt", remaining_probe=str(tmp_path), length_predictor=None)
+    assert _length_folder(args) is None  # a folder with the probe only: max_tokens orders the queue
+    (tmp_path / LENGTH_FILE).write_bytes(b"")
+    assert _length_folder(args) == str(tmp_path)  # as `ecru serve probe` leaves it: the shipped predictor
+    assert _length_folder(argparse.Namespace(**{**vars(args), "length_predictor": "other"})) == "other"
+    assert _length_folder(argparse.Namespace(**{**vars(args), "policy": "cb-sjf"})) is None

@@ -61,13 +61,17 @@ def test_online_tables_report_every_policy_at_every_load(bench):
     assert set(out["loads"]) == {"0.8", "1.2", "2.0"}
     for load in out["loads"].values():
         pols = load["policies"]
-        assert {"fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt", "cb-sjf[at-arrival]"} <= set(pols)
+        assert {"fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt", "cb-sjf[at-arrival]", "cb-srpt[no-deadline]",
+                "cb-srpt[recompute]", "cb-srpt[no-preempt]"} <= set(pols)  # fmt: skip
         for r in pols.values():
             assert {"mean_latency_s", "p99_latency_s", "tokens_per_s", "peak_kv_tokens"} <= set(r)
         # with perfect predictions and no prediction cost, shortest-first without preemption is oracle SJF
         assert pols["cb-sjf"]["mean_latency_s"] == pytest.approx(
-            pols["oracle-srpt[no-preempt]"]["mean_latency_s"]
+            pols["oracle-srpt[no-preempt][no-deadline]"]["mean_latency_s"]
         )
+        # perfect predictions: the shipped cb-srpt is the oracle's
+        assert pols["cb-srpt"]["mean_latency_s"] == pytest.approx(pols["oracle-srpt"]["mean_latency_s"])
+    assert out["shipped_predictor"] == "probe"  # no `embed` among these predictors: the first learned one
 
 
 def test_online_tables_with_a_slack_add_the_fcfs_deadline_policies(bench):

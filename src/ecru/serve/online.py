@@ -6,8 +6,9 @@ Policies (`ONLINE_POLICIES`):
 - `cb`: continuous batching, first come first served;
 - `cb-sjf`: continuous batching, shortest predicted (prompt-only) answer admitted first;
 - `cb-srpt`: shortest predicted *remaining* answer first: every `repredict_every` tokens a running row's
-  remaining length is predicted again (from its own hidden states); with `preempt`, the running row
-  predicted to run longest gives its place to a waiting request predicted shorter by `preempt_margin`;
+  remaining length is predicted again (from its own hidden states) and a full batch swaps the row
+  predicted to run longest for a waiting request predicted shorter by `preempt_margin`, keeping its KV;
+  by default under the FCFS deadline `names.FCFS_SLACK` (the shipped configuration);
 - `oracle-srpt`: `cb-srpt` on the true remaining lengths.
 
 Every continuous policy is the engine's own `Scheduler` (`scheduler.py`) driven by a `SimulatedRunner`
@@ -23,6 +24,7 @@ waits with it and admission costs no forward.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,7 +33,6 @@ import numpy as np
 
 from ecru.serve.cost import CostModel
 from ecru.serve.names import ONLINE_POLICIES, PREEMPT_MODES
-from ecru.serve.queues import DEFAULT_AGING
 from ecru.serve.scheduler import EngineConfig, Scheduler
 from ecru.serve.sim_runner import SimulatedRunner
 
@@ -70,18 +71,15 @@ class OnlineConfig:
     """Continuous policies admit only when this many rows are free (or the batch is empty), as the engine."""
     repredict_every: int = 16
     """cb-srpt: tokens between re-predictions of a running row's remaining length."""
-    aging: float = DEFAULT_AGING
-    """Priority tokens gained per decode step waited (0: none, long requests may starve)."""
-    preempt: bool = False
-    """cb-srpt, oracle-srpt: preempt the longest-predicted running row when a shorter one waits."""
+    aging: float | None = None
+    """Priority tokens gained per decode step waited (`EngineConfig.aging`; None: the policy's shipped default)."""
     preempt_margin: float = 64.0
-    """Tokens by which the waiting request must be predicted shorter than the row it displaces."""
-    preempt_mode: str = "recompute"
-    """What a preempted row's KV does: "recompute" drops it and the row is prefilled again with its tokens
-    when readmitted (the engine's cb-kv); "keep" holds it while the row waits (counted in
-    `peak_kv_tokens`, in host memory on a CPU server; the engine's cb-srpt default) and the row rejoins the
-    batch without a forward. Rows that would be past their FCFS deadline as soon as they waited again are
-    not preempted (the deadline would readmit them at once)."""
+    """cb-srpt, oracle-srpt: a full batch swaps a just re-predicted row for a waiting request predicted this many
+    tokens shorter (inf: never preempt)."""
+    preempt_mode: str = "keep"
+    """What a preempted row's KV does: "keep" holds it while the row waits (counted in `peak_kv_tokens`) and
+    the row rejoins the batch without a forward; "recompute" drops it and the row is prefilled again with its
+    tokens when readmitted."""
     predict_s: float = 0.0
     """Seconds of prompt-only prediction per request (cb-sjf, cb-srpt), charged on arrival."""
     repredict_s: float = 0.0
@@ -94,9 +92,8 @@ class OnlineConfig:
     engine's `arrival_groups` (similar lengths, at most `max_batch_size` rows); each gets its first token
     there and its KV waits with it, queued in arrival order, so admission needs no forward."""
     fcfs_slack: float | None = None
-    """cb-sjf, cb-srpt, oracle-srpt: a request that has waited (1 + fcfs_slack) x the FCFS wait estimate
-    (predicted backlog / max_batch_size, in decode steps) is admitted first, longest-waiting first; None:
-    aging alone bounds the wait."""
+    """cb-sjf, cb-srpt, oracle-srpt: the FCFS deadline (`EngineConfig.fcfs_slack`; inf: off; None: the policy's
+    shipped default, on for cb-srpt)."""
     arrival_kv_requests: int = 256
     """Waiting requests whose KV is kept at most (prefilled on arrival, or preempted with `preempt_mode`
     keep); beyond, the longest-predicted one's KV is dropped and it is prefilled again (prompt and the
@@ -105,10 +102,10 @@ class OnlineConfig:
     def __post_init__(self):
         if min(self.max_batch_size, self.max_new_tokens, self.refill_min, self.repredict_every) < 1:
             raise ValueError("max_batch_size, max_new_tokens, refill_min, repredict_every must be >= 1")
-        if min(self.aging, self.preempt_margin, self.predict_s, self.repredict_s) < 0:
+        if min(self.aging or 0.0, self.preempt_margin, self.predict_s, self.repredict_s) < 0:
             raise ValueError("aging, preempt_margin, predict_s, repredict_s must be >= 0")
         if self.fcfs_slack is not None and self.fcfs_slack < 0:
-            raise ValueError(f"fcfs_slack must be >= 0 (or None: off), got {self.fcfs_slack}")
+            raise ValueError(f"fcfs_slack must be >= 0 (inf: off), got {self.fcfs_slack}")
         if self.arrival_kv_requests < 1:
             raise ValueError(f"arrival_kv_requests must be >= 1, got {self.arrival_kv_requests}")
         if self.preempt_mode not in PREEMPT_MODES:
@@ -122,8 +119,7 @@ class OnlineConfig:
             policy="cb-srpt" if policy == "oracle-srpt" else policy, max_batch_size=self.max_batch_size,
             max_new_tokens=self.max_new_tokens, refill_min=self.refill_min, aging=self.aging,
             fcfs_slack=self.fcfs_slack, prefix_cache=0, arrival_kv_requests=self.arrival_kv_requests,
-            repredict_every=self.repredict_every, preempt_mode=self.preempt_mode,
-            preempt_margin=self.preempt_margin if self.preempt else float("inf"),
+            repredict_every=self.repredict_every, preempt_mode=self.preempt_mode, preempt_margin=self.preempt_margin,
         )  # fmt: skip
 
 
@@ -183,7 +179,7 @@ def simulate_online(
         raise ValueError(f"unknown online policy {policy!r}; choose from {', '.join(ONLINE_POLICIES)}")
     if not trace:
         raise ValueError("the trace is empty")
-    if config.fcfs_slack is not None and policy in ("fcfs", "cb"):
+    if config.fcfs_slack not in (None, math.inf) and policy in ("fcfs", "cb"):
         raise ValueError(f"fcfs_slack orders predicted-shortest-first admission: not for policy {policy!r}")
     if policy == "fcfs":
         return _simulate_static(trace, config, cost)

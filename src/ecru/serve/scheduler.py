@@ -24,6 +24,7 @@ predictor at re-prediction points).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from ecru.serve.continuous import (
     arrival_groups,
     arrival_prefill_due,
 )
-from ecru.serve.names import ENGINE_POLICIES, PREEMPT_MODES, SJF_POLICIES
+from ecru.serve.names import ENGINE_POLICIES, FCFS_SLACK, PREEMPT_MODES, SJF_POLICIES
 from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue
 
 
@@ -54,12 +55,14 @@ class EngineConfig:
     """The largest max_tokens a request may ask for (and the default in the front ends)."""
     refill_min: int = 4
     """Admit only when this many rows are free (or the batch is empty, or fewer wait)."""
-    aging: float = DEFAULT_AGING
-    """cb-sjf, cb-srpt: priority tokens gained per decode step waited (no starvation)."""
+    aging: float | None = None
+    """cb-sjf, cb-srpt: priority tokens gained per decode step waited (no starvation); None: 0 under an FCFS
+    deadline (it bounds the wait instead), else `DEFAULT_AGING`."""
     fcfs_slack: float | None = None
     """cb-sjf, cb-srpt: admit the longest-waiting request first once it has waited (1 + fcfs_slack) x the wait
     first-come-first-served would now impose (predicted backlog / max_batch_size decode steps;
-    `queues.SJFQueue`); None: aging alone bounds the wait. With it, set aging to 0."""
+    `queues.SJFQueue`); inf: off, aging alone bounds the wait; None: the shipped default, `FCFS_SLACK` for
+    cb-srpt, off for cb-sjf."""
     kv_prompt_tokens: int = 128
     """cb-kv: prompt tokens per row in the budget, max_batch_size x (max_new_tokens + this)."""
     kv_row_factor: int = 4
@@ -82,6 +85,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.policy not in ENGINE_POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(ENGINE_POLICIES)}")
+        if self.fcfs_slack is None:  # the shipped configuration
+            object.__setattr__(self, "fcfs_slack", FCFS_SLACK if self.policy == "cb-srpt" else math.inf)
+        if self.aging is None:
+            object.__setattr__(self, "aging", DEFAULT_AGING if self.deadline is None else 0.0)
         ints = ("max_batch_size", "max_new_tokens", "refill_min", "kv_prompt_tokens", "kv_row_factor",
                 "arrival_kv_requests", "repredict_every")  # fmt: skip
         for name in ints:
@@ -91,12 +98,17 @@ class EngineConfig:
             raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {self.prefix_cache}")
         if self.aging < 0:
             raise ValueError(f"aging must be >= 0, got {self.aging}")
-        if self.fcfs_slack is not None and (self.fcfs_slack < 0 or self.policy not in SJF_POLICIES):
-            raise ValueError(f"fcfs_slack must be >= 0 and needs policy cb-sjf or cb-srpt (None: off), got "
+        if self.fcfs_slack < 0 or (self.deadline is not None and self.policy not in SJF_POLICIES):
+            raise ValueError(f"fcfs_slack must be >= 0 and needs policy cb-sjf or cb-srpt (inf: off), got "
                              f"{self.fcfs_slack} with {self.policy}")  # fmt: skip
         if self.preempt_margin < 0 or self.preempt_mode not in PREEMPT_MODES:
             raise ValueError(f"preempt_margin must be >= 0 and preempt_mode one of {PREEMPT_MODES}; got "
                              f"{self.preempt_margin}, {self.preempt_mode!r}")  # fmt: skip
+
+    @property
+    def deadline(self) -> float | None:
+        """The FCFS deadline's slack, None when off."""
+        return None if math.isinf(self.fcfs_slack) else self.fcfs_slack
 
     def continuous(self) -> ContinuousConfig:
         """The admitter's limits."""
@@ -265,7 +277,7 @@ class Scheduler:
 
     def _sjf_queue(self) -> SJFQueue:
         cfg = self.config
-        return SJFQueue(self._predicted, aging=cfg.aging, fcfs_slack=cfg.fcfs_slack, rows=cfg.max_batch_size,
+        return SJFQueue(self._predicted, aging=cfg.aging, fcfs_slack=cfg.deadline, rows=cfg.max_batch_size,
                         running_tokens=self._running_tokens)  # fmt: skip
 
     def _running_tokens(self) -> float:
