@@ -30,10 +30,10 @@ def test_greedy_equals_hf_generate_through_preemptions(model, prompts, reference
     assert not engine.kept.rows and not engine.requests  # nothing left behind
 
 
-def spy_on(engine, name: str, check, *, before: bool = False) -> None:
+def spy_on(runner, name: str, check, *, before: bool = False) -> None:
     """Call `check(*args, **kw)` with the arguments of each call of the engine's runner method `name` (the
     scheduler's `Runner` protocol), before or after it."""
-    real = getattr(engine, name)
+    real = getattr(runner, name)
 
     def spied(*args, **kw):
         if before:
@@ -43,7 +43,7 @@ def spy_on(engine, name: str, check, *, before: bool = False) -> None:
             check(*args, **kw)
         return out
 
-    setattr(engine, name, spied)
+    setattr(runner, name, spied)
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
@@ -54,7 +54,7 @@ def test_kept_kv_rejoins_without_a_forward_recompute_prefills_again(model, promp
     def admitted(kept, fresh):
         prefilled.extend(len(engine.requests[k].output) for k in fresh)
 
-    spy_on(engine, "admit", admitted, before=True)
+    spy_on(engine.runner, "admit", admitted, before=True)
     kept = []
 
     def kept_exactly(keys, *, keep_kv, discard):  # a kept row holds its prompt and every token but the newest
@@ -63,7 +63,7 @@ def test_kept_kv_rejoins_without_a_forward_recompute_prefills_again(model, promp
             req = engine.requests[seq]
             kept.append(engine.kept.rows[seq].length == len(req.prompt) + len(req.output) - 1)
 
-    spy_on(engine, "preempt", kept_exactly)
+    spy_on(engine.runner, "preempt", kept_exactly)
     assert [r.output for r in engine.generate(prompts, GREEDY)] == reference
     assert engine.stats.preemptions > 0
     if mode == "keep":  # only fresh prompts are prefilled; kept rows rejoin without a forward
@@ -122,7 +122,7 @@ def test_a_request_admitted_past_its_deadline_is_never_preempted(model, prompts,
         assert not set(keys) & queue.past_deadline
         preempted.extend(keys)
 
-    spy_on(engine, "preempt", spy, before=True)
+    spy_on(engine.runner, "preempt", spy, before=True)
     for p in prompts:
         engine.add_request(p, GREEDY)
     while engine.has_unfinished():

@@ -1,14 +1,8 @@
-"""Iteration-level (continuous) batching with static-batch efficiency: finished rows are refilled.
-
-The running batch is one left-padded KV cache. When rows finish they leave the batch at once (their
-cache rows are dropped); when enough rows are free, waiting requests are admitted: their prompts are
-prefilled together in a fresh cache, which is left-padded to the running cache's width (or the other way
-round) and concatenated on the batch axis. Every row keeps its own positions (from its attention mask),
-so outputs equal unbatched generation; columns that are padding in every row are trimmed.
-
-This module holds the pieces (limits, admission, the running batch); the loop that drives them is
-`request_engine.RequestEngine`, and `generate_continuous` is its offline front end for measurements (all
-prompts known, arrivals in decode steps), with exactly the admissions the simulator replays.
+"""Continuous batching's admission pieces, model-free and torch-free: limits (`ContinuousConfig`), how many
+waiting requests join (`admissions`), KV reservations and cb-kv's preemption (`Admitter`), prefill grouping
+(`prefill_groups`) and prefill on arrival's timing (`arrival_prefill_due`, `arrival_groups`). The scheduler
+(`scheduler.Scheduler`) drives them for the engine and every simulator; the running batch itself is
+`kv_cache.RunningBatch`.
 """
 
 from __future__ import annotations

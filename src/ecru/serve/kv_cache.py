@@ -14,6 +14,7 @@ batches merge (`batch_select_indices`, padding, concatenation); the layer notice
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -147,3 +148,52 @@ class RunningBatch:
         self.mask = self.mask[:, first:]
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys[index, :, first:], layer.values[index, :, first:]
+
+
+@dataclass
+class KeptRow:
+    """One waiting request's cached KV (per layer, [heads, positions, head_dim] keys and values) and its
+    pending token."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    pending: int
+    """Its newest token (the first, sampled at arrival; a preempted row's last), not yet in the cache."""
+
+    @property
+    def length(self) -> int:
+        return self.kv[0][0].shape[-2]
+
+
+class KeptKV:
+    """The KV rows of waiting requests prefilled on arrival or preempted by cb-srpt, by request key, without
+    padding (exactly their cached positions: the prompt, and for a preempted row its tokens but the newest).
+    Which requests keep theirs is the scheduler's call (`Scheduler.kept`, at most `arrival_kv_requests`); at
+    admission the kept rows are left-padded and stacked into one cache (`stack_rows`), with no forward."""
+
+    def __init__(self):
+        self.rows: dict[int, KeptRow] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.rows
+
+    @property
+    def tokens(self) -> int:
+        """KV positions held (the kept rows have no padding)."""
+        return sum(r.length for r in self.rows.values())
+
+    def keep(self, key: int, cache, row: int, length: int, *, pending: int) -> None:
+        """Copy row `row` of a left-padded `cache` (its last `length` positions are the request's cached ones)."""
+        self.rows[key] = KeptRow(row_kv(cache, row, length), pending)
+
+    def drop(self, key: int) -> None:
+        self.rows.pop(key, None)
+
+    def take(self, model, keys: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Remove the rows of `keys` and stack them as a running batch's pieces: pending tokens [B], a
+        left-padded attention mask [B, T] and a KV cache for `model`."""
+        rows = [self.rows.pop(k) for k in keys]
+        mask, cache = stack_rows(model.config, [r.kv for r in rows])
+        return torch.tensor([r.pending for r in rows]), mask, cache

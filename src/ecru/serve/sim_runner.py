@@ -12,9 +12,12 @@ any admission). A row ends at its trace length; predictions come from the trace 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from ecru.serve.cost import CostModel
 from ecru.serve.scheduler import Outcome
+
+if TYPE_CHECKING:  # torch-free at run time: any object with CostModel's three timings will do
+    from ecru.serve.cost import CostModel
 
 
 class SimulatedRunner:
