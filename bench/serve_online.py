@@ -14,16 +14,18 @@ fitted on train prompts only and its measured prediction time is charged on the 
 - Re-prediction (cb-srpt): `RemainingProbe`, ridge on the running row's own last hidden state, trained
   teacher-forced on the train prompts' answers (cached in --answers-dir; generated if missing), scored on
   the test answers every --repredict-every tokens.
-- Online: the labelled test prompts resampled to --requests requests, Poisson arrivals at each --loads
+- Online: the labelled test prompts resampled to --requests requests, Poisson arrivals at each load
   (load = arrival rate / cb's saturated throughput on the same trace), policies fcfs (static), cb, cb-sjf,
-  cb-srpt (re-prediction, preemption), oracle-srpt (true remaining lengths); aging and preemption sweeps.
-  A preempted row is prefilled again with its tokens when readmitted (`preempt_mode` recompute), or, in
-  the `[keep-kv]` rows, keeps its KV while it waits and rejoins without a forward (`preempt_mode` keep,
-  what `RequestEngine`'s cb-srpt does by default; the kept KV counts in peak_kv_tokens).
+  cb-srpt, oracle-srpt (true remaining lengths), each the engine's own scheduler on a simulated runner. A
+  plain name is the configuration the product ships: the `embed` predictor; cb-srpt with the FCFS deadline
+  `names.FCFS_SLACK` (aging 0) and preemption that keeps the preempted row's KV. Study variants say what
+  they change: `[minilm]`/`[probe]` (another prompt-only predictor), `[no-deadline]` (aged instead),
+  `[recompute]` (the KV dropped, prefilled again with its tokens), `[no-preempt]`; aging and margin sweeps.
 - FCFS deadline (`fcfs_slack`, aging 0): a request that has waited (1 + slack) x the wait FCFS would now
   impose is admitted first. The slack is chosen on a validation trace of train prompts (out-of-fold MiniLM
   predictions, load 1.2): the lowest mean latency whose p99 stays within 1.2x cb's; then applied to the
-  test traces as `[fcfs-slack]` policies, with a sweep over slacks on the test trace for the picture.
+  test traces as `[fcfs-slack]` policies (cb-srpt's plain name keeps the shipped slack), with a sweep over
+  slacks on the test trace for the picture.
 - Static (the paper's offline recipe): groups of 256 requests, fcfs vs sorted, FCR+VBS and FCR+VBS with
   50-token bins, on each predictor.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import random
 import statistics
 import sys
@@ -58,8 +61,17 @@ RESULTS = Path(__file__).parent / "results"
 NOTE = "replayed through simulator with measured lengths/predictions"
 SLACKS = (0.1, 0.15, 0.2, 0.25, 0.3, 0.4)
 """fcfs_slack values tried on the validation trace (and swept on the test trace)."""
-KEEP = {"preempt": True, "preempt_mode": "keep"}
-"""The `[keep-kv]` variants: preemption that keeps the preempted row's KV."""
+SHIPPED = "embed"
+"""The prompt-only predictor of the plain names cb-sjf and cb-srpt (`ecru serve probe` fits it)."""
+NO_PREEMPT = {"preempt_margin": math.inf}
+STUDY = {
+    "[no-deadline]": {"fcfs_slack": math.inf},
+    "[recompute]": {"preempt_mode": "recompute"},
+    "[no-preempt]": NO_PREEMPT,
+    "[no-preempt][no-deadline]": {**NO_PREEMPT, "fcfs_slack": math.inf},
+}
+"""cb-srpt's study variants: what each changes in the shipped configuration (FCFS deadline `FCFS_SLACK`, aging
+0, preemption keeping the KV); without the deadline, requests are aged (`DEFAULT_AGING`)."""
 SLACK_P99_BOUND = 1.2
 """The chosen slack keeps the validation trace's p99 latency within this many times cb's."""
 
@@ -73,19 +85,24 @@ def read_split(path: Path, n: int, cap: int, samples: int = 1) -> tuple[list[str
     return [r["prompt"] for r in rows], greedy, [min(cap, max(r["lengths"][:samples])) for r in rows]
 
 
-def prompt_predictors(model, tok, train, y_train, test, cap) -> dict[str, tuple[list[float], float]]:
-    """name -> (test predictions, seconds per request), each fitted on the train prompts only."""
+def prompt_predictors(
+    model, tok, train, y_train, test, cap, *, quick=False
+) -> dict[str, tuple[list[float], float]]:
+    """name -> (test predictions, seconds per request), each fitted on the train prompts only (`quick`: no
+    PiA, which generates an answer per prompt)."""
     fitted = {
         "constant": ConstantPredictor(statistics.median(y_train)),
         "probe": ProbePredictor(model, tok, cap=cap).fit(train, y_train),
         "minilm": MiniLMPredictor(cap=cap).fit(train, y_train),
-        "pia": PiAPredictor(model, tok, cap=cap, default=statistics.median(y_train)),
     }
+    if not quick:
+        fitted["pia"] = PiAPredictor(model, tok, cap=cap, default=statistics.median(y_train))
     out = {}
     for name, p in fitted.items():
         pred, s = timed_predict(p, test)
         out[name] = (pred, s / len(test))
-    print(f"pia: {fitted['pia'].parsed} of {len(test)} answers held a number", file=sys.stderr)
+    if not quick:
+        print(f"pia: {fitted['pia'].parsed} of {len(test)} answers held a number", file=sys.stderr)
     embed = EmbeddingPredictor(model, tok, cap=cap).fit(train, y_train)
     print(f"embed: lam {embed.lam} (out-of-fold Spearman {embed.cv})", file=sys.stderr)
     out["embed"] = predict_one_by_one(embed.engine_predict, encode_chat(tok, test))
@@ -198,12 +215,12 @@ def saturated_capacity(idx, prompt_lens, lengths, base, cost) -> float:
     return len(idx) / simulate_online(trace, policy="cb", config=base, cost=cost).time_s
 
 
-def slack_curve(trace, base, cost, predict_s: float, policy: str = "cb-sjf") -> dict:
+def slack_curve(trace, base, cost, predict_s: float, policy: str = "cb-sjf", extra=None) -> dict:
     """`policy` without aging at each of SLACKS: mean and p99 latency over cb's on `trace`."""
     cb = simulate_online(trace, policy="cb", config=base, cost=cost)
     out = {}
     for slack in SLACKS:
-        cfg = dataclasses.replace(base, aging=0.0, fcfs_slack=slack, predict_s=predict_s)
+        cfg = dataclasses.replace(base, aging=0.0, fcfs_slack=slack, predict_s=predict_s, **(extra or {}))
         r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
         out[str(slack)] = {"mean_latency_x_cb": r.mean_latency_s / cb.mean_latency_s,
                            "p99_latency_x_cb": r.p99_latency_s / cb.p99_latency_s}  # fmt: skip
@@ -238,7 +255,9 @@ def run_policies(trace_for, policies, config, cost) -> dict:
 
 def main(argv=None) -> None:
     ap = ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer train answers for the remaining probe")
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer train answers for the remaining probe, no PiA"
+    )
     ap.add_argument("--json", required=True, help="write the results here")
     ap.add_argument("--cap", type=positive_int, default=256, help="max new tokens (the labels' cap)")
     ap.add_argument("--requests", type=positive_int, default=3000, help="requests per online trace")
@@ -275,7 +294,7 @@ def main(argv=None) -> None:
     model, tok = load_model("smollm2")
     print("measuring the cost model ...", file=sys.stderr)
     cost = measure_cost_model(model, reps=3, source="SmolLM2-135M fp32, measured in this run")
-    preds = prompt_predictors(model, tok, train, y_label, test, args.cap)
+    preds = prompt_predictors(model, tok, train, y_label, test, args.cap, quick=args.quick)
     n_answers = 240 if args.quick else 480
     answers_dir = Path(args.answers_dir)
     gen_start = time.perf_counter()
@@ -303,7 +322,7 @@ def main(argv=None) -> None:
     prompt_lens = [len(i) for i in encode_chat(tok, test)]
     idx = resample(len(test), args.requests, args.seed)
     static = static_table(idx, prompt_lens, y_test, preds, cost, args.cap)
-    base = OnlineConfig(max_new_tokens=args.cap, repredict_every=k, token_s=cost.step_time(16, 200))
+    base = OnlineConfig(max_new_tokens=args.cap, repredict_every=k)
     train_lens = [len(i) for i in encode_chat(tok, train)]
     slack = choose_slack(train, y_train, y_label, train_lens, preds["minilm"][1], base, cost, args)
     online = online_tables(
@@ -341,7 +360,13 @@ def main(argv=None) -> None:
         "answers_length_mismatch_vs_labels": mismatch,
         "cost_model": cost.__dict__,
         "capacity_requests_per_s": online["capacity"],
-        "config": {**base.__dict__, "cb-srpt": "preemption on; oracle-srpt too"},
+        "config": {
+            **base.__dict__,
+            "plain names": "the shipped configuration: the prompt-only predictor "
+            f"{online['shipped_predictor']!r}; cb-srpt (and oracle-srpt) with the FCFS deadline "
+            "names.FCFS_SLACK, aging 0, preemption keeping the KV; [bracketed] study variants say what "
+            "they change",
+        },
         "loads": online["loads"],
         "predictors": predictors,
         "static_throughput_x_fcfs": static,
@@ -398,44 +423,49 @@ def plot_slack(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def shipped(preds) -> str:
+    """The prompt-only predictor of the plain names: the shipped one (`embed`, the served model's own
+    embeddings, what `ecru serve probe` fits), else the first learned one."""
+    learned = [n for n in preds if n != "constant"]
+    return SHIPPED if SHIPPED in learned else learned[0]
+
+
 def online_tables(
     idx, prompt_lens, lengths, preds, traj, repredict_s, base, cost, seed, *, slack=None
 ) -> dict:
-    """Every policy at each load; load = arrival rate / cb's throughput with every request waiting at t=0;
-    with `slack`, the `[fcfs-slack]` policies too (aging 0, that fcfs_slack)."""
+    """Every policy at each load; load = arrival rate / cb's throughput with every request waiting at t=0.
+    A plain name is the shipped configuration (`shipped` predictor, cb-srpt with its FCFS deadline and kept
+    KV); study variants say what they change in brackets. With `slack`, the `[fcfs-slack]` policies too
+    (aging 0, that fcfs_slack)."""
     capacity = saturated_capacity(idx, prompt_lens, lengths, base, cost)
     policies = {"fcfs": ("fcfs", None, {}), "cb": ("cb", None, {})}
-    learned = [n for n in preds if n != "constant"]
-    primary = "probe" if "probe" in learned else learned[0]
-    for name in learned:
-        per_req = preds[name][1]
+    primary = shipped(preds)
+    for name in (n for n in preds if n != "constant"):
         tag = "" if name == primary else f"[{name}]"
-        policies[f"cb-sjf{tag}"] = ("cb-sjf", name, {"predict_s": per_req})
-        policies[f"cb-sjf{tag}[free-predict]"] = ("cb-sjf", name, {})
+        policies[f"cb-sjf{tag}"] = ("cb-sjf", name, {"predict_s": preds[name][1]})
         if traj:
-            srpt = {"predict_s": per_req, "repredict_s": repredict_s}
-            policies[f"cb-srpt{tag}"] = ("cb-srpt", name, {**srpt, "preempt": True})
-            policies[f"cb-srpt{tag}[keep-kv]"] = ("cb-srpt", name, {**srpt, **KEEP})
-            policies[f"cb-srpt{tag}[no-preempt]"] = ("cb-srpt", name, srpt)
-            policies[f"cb-srpt{tag}[free-predict]"] = (
+            policies[f"cb-srpt{tag}"] = (
                 "cb-srpt",
                 name,
-                {"repredict_s": repredict_s, "preempt": True},
+                {"predict_s": preds[name][1], "repredict_s": repredict_s},
             )
-    if "probe" in learned:  # the probe reads the prompt prefill's own hidden states: prefill on arrival
+    policies["cb-sjf[free-predict]"] = ("cb-sjf", primary, {})
+    if traj:
+        srpt = {"predict_s": preds[primary][1], "repredict_s": repredict_s}
+        for variant, change in STUDY.items():
+            policies[f"cb-srpt{variant}"] = ("cb-srpt", primary, {**srpt, **change})
+        policies["cb-srpt[free-predict]"] = ("cb-srpt", primary, {"repredict_s": repredict_s})
+    if "probe" in preds:  # the probe reads the prompt prefill's own hidden states: prefill on arrival
         tag = "" if primary == "probe" else "[probe]"
         policies[f"cb-sjf{tag}[at-arrival]"] = ("cb-sjf", "probe", {"prefill_at_arrival": True})
         if traj:
-            policies[f"cb-srpt{tag}[at-arrival]"] = (
-                "cb-srpt",
-                "probe",
-                {"prefill_at_arrival": True, "repredict_s": repredict_s, "preempt": True},
-            )
-    policies["oracle-srpt"] = ("oracle-srpt", None, {"preempt": True})
-    policies["oracle-srpt[keep-kv]"] = ("oracle-srpt", None, KEEP)
-    policies["oracle-srpt[no-preempt]"] = ("oracle-srpt", None, {})
+            at_arrival = {"prefill_at_arrival": True, "repredict_s": repredict_s}
+            policies[f"cb-srpt{tag}[at-arrival]"] = ("cb-srpt", "probe", at_arrival)
+    policies["oracle-srpt"] = ("oracle-srpt", None, {})
+    for variant, change in STUDY.items():
+        policies[f"oracle-srpt{variant}"] = ("oracle-srpt", None, change)
     if slack is not None:
-        policies |= slack_policies(learned, primary, preds, traj, repredict_s, slack)
+        policies |= slack_policies(preds, traj, repredict_s, slack)
     loads = {}
     for load in (0.8, 1.2, 2.0):
         arrivals = poisson_arrivals(len(idx), load * capacity, seed + 1)
@@ -451,29 +481,28 @@ def online_tables(
         loads[str(load)] = {"arrival_rate_per_s": load * capacity, "policies": res}
         print(f"load {load}: " + "; ".join(f"{n} {r['mean_latency_x_cb']:.2f}/{r['p99_latency_x_cb']:.2f}"
                                            for n, r in res.items()))  # fmt: skip
-    return {"capacity": capacity, "loads": loads}
+    return {"capacity": capacity, "loads": loads, "shipped_predictor": primary}
 
 
-def slack_policies(learned, primary, preds, traj, repredict_s, slack) -> dict:
-    """The `[fcfs-slack]` variants: no aging, the longest-waiting request first once past its FCFS deadline."""
+def slack_policies(preds, traj, repredict_s, slack) -> dict:
+    """The `[fcfs-slack]` variants: no aging, the longest-waiting request first once past its FCFS deadline
+    of `slack` (chosen on a validation trace) instead of the shipped one."""
     deadline = {"aging": 0.0, "fcfs_slack": slack}
-    out = {}
-    for name in learned:
+    primary, out = shipped(preds), {}
+    for name in (n for n in preds if n != "constant"):
         tag = "" if name == primary else f"[{name}]"
         out[f"cb-sjf{tag}[fcfs-slack]"] = ("cb-sjf", name, {"predict_s": preds[name][1], **deadline})
-        if traj:
-            srpt = {"predict_s": preds[name][1], "repredict_s": repredict_s, "preempt": True}
-            out[f"cb-srpt{tag}[fcfs-slack]"] = ("cb-srpt", name, {**srpt, **deadline})
-            out[f"cb-srpt{tag}[fcfs-slack][keep-kv]"] = ("cb-srpt", name, {**srpt, **deadline, **KEEP})
-    if "probe" in learned:
+    if traj:
+        srpt = {"predict_s": preds[primary][1], "repredict_s": repredict_s}
+        out["cb-srpt[fcfs-slack]"] = ("cb-srpt", primary, {**srpt, **deadline})
+    if "probe" in preds:
         tag = "" if primary == "probe" else "[probe]"
         out[f"cb-sjf{tag}[at-arrival][fcfs-slack]"] = (
             "cb-sjf",
             "probe",
             {"prefill_at_arrival": True, **deadline},
         )
-    out["oracle-srpt[no-preempt][fcfs-slack]"] = ("oracle-srpt", None, deadline)
-    out["oracle-srpt[fcfs-slack][keep-kv]"] = ("oracle-srpt", None, {**deadline, **KEEP})
+    out["oracle-srpt[no-preempt][fcfs-slack]"] = ("oracle-srpt", None, {**deadline, **NO_PREEMPT})
     return out
 
 
@@ -490,7 +519,7 @@ def slack_sweep(idx, prompt_lens, lengths, preds, capacity, base, cost, seed) ->
         if per_req:
             out[f"{name}[free-predict]"] = slack_curve(trace, base, cost, 0.0)
     trace = build_trace(idx, arrivals, prompt_lens, lengths, lengths, None)
-    out["oracle[no-preempt]"] = slack_curve(trace, base, cost, 0.0, policy="oracle-srpt")
+    out["oracle[no-preempt]"] = slack_curve(trace, base, cost, 0.0, policy="oracle-srpt", extra=NO_PREEMPT)
     return out
 
 
@@ -518,15 +547,21 @@ def clinc_banking(base, cost, args, *, slack=None) -> dict:
 
 
 def sweep(idx, prompt_lens, lengths, preds, traj, capacity, base, cost, repredict_s, seed) -> dict:
-    """cb-sjf and cb-srpt at load 1.2 over aging and preemption margins (latency x cb)."""
+    """cb-sjf and cb-srpt without the FCFS deadline at load 1.2 over aging and preemption margins (latency x
+    cb), with the shipped predictor."""
     arrivals = poisson_arrivals(len(idx), 1.2 * capacity, seed + 1)
-    trace = build_trace(idx, arrivals, prompt_lens, lengths, preds["probe"][0], traj)
+    primary = shipped(preds)
+    trace = build_trace(idx, arrivals, prompt_lens, lengths, preds[primary][0], traj)
     cb = simulate_online(trace, policy="cb", config=base, cost=cost)
     out = {}
     for aging, charge in itertools.product((0.0, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), (True, False)):
         for policy, margin in (("cb-sjf", None), ("cb-srpt", 32.0), ("cb-srpt", 64.0), ("cb-srpt", 128.0)):
-            extra = {"preempt": True, "preempt_margin": margin, "repredict_s": repredict_s} if margin else {}
-            predict_s = preds["probe"][1] if charge else 0.0
+            extra = (
+                {"preempt_margin": margin, "repredict_s": repredict_s, "fcfs_slack": math.inf}
+                if margin
+                else {}
+            )
+            predict_s = preds[primary][1] if charge else 0.0
             cfg = dataclasses.replace(base, aging=aging, predict_s=predict_s, **extra)
             r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
             key = (

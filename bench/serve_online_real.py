@@ -94,7 +94,7 @@ def policies(slack: float) -> dict[str, tuple[str, dict, dict]]:
         "cb": ("cb", {}, {}),
         "cb-sjf": ("cb-sjf", {}, {}),
         "cb-sjf[fcfs-slack]": ("cb-sjf", deadline, {}),
-        "cb-srpt[fcfs-slack]": ("cb-srpt", deadline | {"preempt_mode": "keep"}, {"preempt": True}),
+        "cb-srpt[fcfs-slack]": ("cb-srpt", deadline | {"preempt_mode": "keep"}, {}),
     }
 
 
@@ -407,7 +407,7 @@ def replay(trace, args, base: OnlineConfig, costs: dict, charged: tuple[float, f
         cost = costs[name]
         extra = {"predict_s": charged[0]} if policy != "cb" else {}
         extra |= {"repredict_s": charged[1]} if policy == "cb-srpt" else {}
-        config = dataclasses.replace(base, **overrides, **sim_only, **extra, token_s=cost.step_time(16, 200))
+        config = dataclasses.replace(base, **overrides, **sim_only, **extra)
         sim = simulate_online(trace, policy=policy, cost=cost, config=config)
         out[name] = sim.to_json() | {"latencies_s": sim.latencies}  # per request, as the real runs'
         print(f"{name}: simulated {sim.mean_latency_s:.1f} / {sim.p99_latency_s:.1f} ({cost.source})",
@@ -433,9 +433,7 @@ def main(argv=None) -> None:
     probe, traj, repredict_s = remaining_probe(served, texts, args.cap)
     print("measuring the cost model ...", file=sys.stderr)
     cost = measure_cost_model(served.model, reps=3, source="SmolLM2-135M fp32, measured in this run")
-    base = OnlineConfig(
-        max_new_tokens=args.cap, repredict_every=REPREDICT_EVERY, token_s=cost.step_time(16, 200)
-    )
+    base = OnlineConfig(max_new_tokens=args.cap, repredict_every=REPREDICT_EVERY)
     trace, capacity = timed_trace(ids, lengths, predicted, traj, cost, base, args, served)
     predictors = (predict_one, predict_s, probe, repredict_s)
     rounds, steps = [], []

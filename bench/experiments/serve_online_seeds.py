@@ -51,8 +51,7 @@ def ratios_over_seeds(
     pp, run = data["per_prompt"], data["config"]
     lens, plens, pred = pp["true_lengths"], pp["prompt_lens"], pp["predicted"][predictor]
     traj = pp["remaining_trajectories"]
-    base = OnlineConfig(max_new_tokens=run["max_new_tokens"], repredict_every=run["repredict_every"],
-                        token_s=cost.step_time(16, 200))  # fmt: skip
+    base = OnlineConfig(max_new_tokens=run["max_new_tokens"], repredict_every=run["repredict_every"])
     per = {name: [] for name in configs}
     for seed in range(seeds):
         idx = resample(len(lens), requests, seed)
@@ -118,7 +117,7 @@ def main(argv=None) -> None:
     configs = {"aging 0.1": ("cb-sjf", {})}
     configs |= {f"fcfs_slack {s:g}": ("cb-sjf", {"aging": 0.0, "fcfs_slack": s}) for s in slacks}
     for mode in PREEMPT_MODES:
-        srpt = {"repredict_s": repredict_s, "preempt": True, "preempt_mode": mode, "aging": 0.0}
+        srpt = {"repredict_s": repredict_s, "preempt_mode": mode, "aging": 0.0}
         configs |= {f"cb-srpt {mode} fcfs_slack {s:g}": ("cb-srpt", srpt | {"fcfs_slack": s}) for s in slacks}
     result = ratios_over_seeds(data, cost, predict_s, configs, args.seeds, args.predictor, args.requests)
     for name, r in result.items():

@@ -5,7 +5,7 @@ forward per arrival group and per decode step (no admission or prediction forwar
 import pytest
 import torch
 
-from ecru.serve.arrival import arrival_groups
+from ecru.serve.continuous import arrival_groups
 from ecru.serve.predictors import ProbePredictor
 from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams

@@ -1,6 +1,7 @@
 """The online simulator: arrivals in seconds, shortest-(remaining-)first admission, aging, preemption."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -11,7 +12,7 @@ UNIT = CostModel(1.0, 0.0, 0.0, 0.0, 0.0, source="1 s per decode step, free pref
 
 
 def config(**kw) -> OnlineConfig:
-    return OnlineConfig(**{"max_batch_size": 1, "max_new_tokens": 100, "refill_min": 1, "token_s": 1.0, **kw})
+    return OnlineConfig(**{"max_batch_size": 1, "max_new_tokens": 100, "refill_min": 1, **kw})
 
 
 def finish_order(result, trace) -> list[int]:
@@ -68,10 +69,10 @@ def test_aging_bounds_the_wait_in_tokens():
 
 def test_oracle_srpt_preempts_a_long_row_for_a_short_one():
     trace = [OnlineRequest(0.0, 4, 80), OnlineRequest(10.5, 4, 3)]
-    base = config(aging=0.0, repredict_every=4, preempt_margin=10)
-    plain = simulate_online(trace, policy="oracle-srpt", config=base, cost=UNIT)
-    pre = simulate_online(trace, policy="oracle-srpt", config=dataclasses.replace(base, preempt=True),
-                          cost=UNIT)  # fmt: skip
+    base = config(fcfs_slack=math.inf, repredict_every=4, preempt_margin=10, preempt_mode="recompute")
+    plain = simulate_online(trace, policy="oracle-srpt", config=dataclasses.replace(base, preempt_margin=math.inf),
+                            cost=UNIT)  # fmt: skip
+    pre = simulate_online(trace, policy="oracle-srpt", config=base, cost=UNIT)
     assert finish_order(plain, trace) == [0, 1] and plain.preemptions == 0
     assert finish_order(pre, trace) == [1, 0] and pre.preemptions == 1
     assert pre.latencies[1] < 5
@@ -84,7 +85,7 @@ def test_cb_srpt_uses_the_repredicted_remaining_length():
     # both predicted short from the prompt; after 4 tokens row 0 is re-predicted to run long
     long_row = OnlineRequest(0.0, 4, 80, predicted=5, remaining=(5.0, 76.0, 72.0))
     short = OnlineRequest(5.5, 4, 3, predicted=3)
-    base = config(aging=0.0, repredict_every=4, preempt_margin=10, preempt=True)
+    base = config(aging=0.0, fcfs_slack=math.inf, repredict_every=4, preempt_margin=10)
     r = simulate_online([long_row, short], policy="cb-srpt", config=base, cost=UNIT)
     assert r.preemptions == 1 and finish_order(r, [long_row, short]) == [1, 0]
     wrong = OnlineRequest(0.0, 4, 80, predicted=5, remaining=(5.0, 5.0, 5.0))  # never re-predicted long
@@ -166,7 +167,7 @@ def test_arrival_forwards_hold_at_most_max_batch_size_prompts():
 
 
 def test_arrival_forwards_are_the_engines_groups_each_with_its_own_first_tokens():
-    from ecru.serve.arrival import arrival_groups
+    from ecru.serve.continuous import arrival_groups
 
     per_token = CostModel(1.0, 0.0, 0.0, 0.0, 1.0, source="1 s per prompt position")
     trace = [OnlineRequest(0.0, n, 1, predicted=1) for n in (4, 100, 4)]  # answers end at the first token
@@ -190,7 +191,7 @@ def test_a_row_admitted_past_its_deadline_is_never_preempted():
     # once admitted, later short arrivals do not push it out again
     trace = [OnlineRequest(0.0, 4, 3, predicted=3), OnlineRequest(0.5, 4, 80, predicted=80)]
     trace += [OnlineRequest(1.0 + 2 * i, 4, 3, predicted=3) for i in range(100)]
-    cfg = config(aging=0.0, fcfs_slack=0.0, repredict_every=4, preempt_margin=10, preempt=True)
+    cfg = config(aging=0.0, fcfs_slack=0.0, repredict_every=4, preempt_margin=10)
     r = simulate_online(trace, policy="oracle-srpt", config=cfg, cost=UNIT)
     assert r.preemptions == 0 and r.latencies[1] <= 80 + 83 + 6
 
@@ -205,10 +206,11 @@ def test_fcfs_slack_rejected_where_nothing_is_predicted_shortest_first():
 
 def test_a_preempted_row_that_keeps_its_kv_rejoins_without_a_prefill():
     trace = [OnlineRequest(0.0, 4, 80), OnlineRequest(10.5, 100, 3)]
-    base = config(aging=0.0, repredict_every=4, preempt_margin=10)
-    plain = simulate_online(trace, policy="oracle-srpt", config=base, cost=PREFILL)
+    base = config(fcfs_slack=math.inf, repredict_every=4, preempt_margin=10)
+    plain = simulate_online(trace, policy="oracle-srpt", config=dataclasses.replace(base, preempt_margin=math.inf),
+                            cost=PREFILL)  # fmt: skip
     runs = {mode: simulate_online(trace, policy="oracle-srpt", cost=PREFILL,
-                                  config=dataclasses.replace(base, preempt=True, preempt_mode=mode))
+                                  config=dataclasses.replace(base, preempt_mode=mode))
             for mode in ("recompute", "keep")}  # fmt: skip
     for r in runs.values():
         assert r.preemptions == 1 and finish_order(r, trace) == [1, 0]
@@ -223,3 +225,13 @@ def test_a_preempted_row_that_keeps_its_kv_rejoins_without_a_prefill():
     assert runs["keep"].peak_kv_tokens == 100 + 2 + 4 + 4
     with pytest.raises(ValueError, match="preempt_mode"):
         OnlineConfig(preempt_mode="swap")
+
+
+def test_plain_cb_srpt_is_the_shipped_configuration():
+    from ecru.serve.names import FCFS_SLACK
+
+    engine = OnlineConfig().engine("cb-srpt")
+    assert (engine.fcfs_slack, engine.aging, engine.preempt_mode) == (FCFS_SLACK, 0.0, "keep")
+    assert OnlineConfig().engine("cb-sjf").deadline is None and OnlineConfig().engine("cb-sjf").aging == 0.1
+    study = OnlineConfig(fcfs_slack=math.inf, preempt_mode="recompute").engine("cb-srpt")
+    assert study.deadline is None and study.aging == 0.1 and study.preempt_mode == "recompute"

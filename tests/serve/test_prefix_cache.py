@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from ecru.serve.names import ENGINE_POLICIES
 from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix
-from ecru.serve.request_engine import ENGINE_POLICIES, EngineConfig, RequestEngine
+from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
 
 from .conftest import MAX_NEW, VOCAB, remaining_for
@@ -120,7 +121,7 @@ def test_prefill_logits_with_a_cached_prefix_match_a_full_prefill(model, gen, sh
     engine.generate([prompts[0]], GREEDY)  # stores prompts[0]'s KV
     hits = [engine.prefixes.lookup(r) for r in rows]
     assert all(h.length == 20 for h in hits)
-    ids, mask, cache = engine._prefill_inputs(rows, hits)
+    ids, mask, cache = engine.runner._prefill_inputs(rows, hits)
     assert ids.shape[1] < 20  # only the tails are computed
     torch.testing.assert_close(forward(model, ids, mask, cache), full, rtol=1e-5, atol=1e-5)
 

@@ -226,10 +226,10 @@ def test_probe_refuses_too_few_prompts(chat_model_dir, tmp_path, capsys):
 
 
 def test_the_cli_knows_every_engine_policy():
-    from ecru.serve import cli, request_engine
+    from ecru.serve import cli, scheduler
 
-    assert cli.ENGINE_POLICIES == request_engine.ENGINE_POLICIES
-    assert cli.SJF_POLICIES == request_engine.SJF_POLICIES
+    assert cli.ENGINE_POLICIES == scheduler.ENGINE_POLICIES
+    assert cli.SJF_POLICIES == scheduler.SJF_POLICIES
 
 
 def test_the_server_serves_cb_srpt_with_a_probe(probe_dir, chat_model_dir, monkeypatch):
@@ -272,3 +272,17 @@ def test_a_probe_folder_with_a_damaged_file_is_refused(model, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum mismatch in .*length_predictor.safetensors"):
         EmbeddingPredictor.load(tmp_path, model, None)
+
+
+def test_plain_cb_srpt_reads_the_probe_folders_length_predictor(tmp_path):
+    import argparse
+
+    from ecru.serve.cli import _length_folder
+    from ecru.serve.predictors import LENGTH_FILE
+
+    args = argparse.Namespace(policy="cb-srpt", remaining_probe=str(tmp_path), length_predictor=None)
+    assert _length_folder(args) is None  # a folder with the probe only: max_tokens orders the queue
+    (tmp_path / LENGTH_FILE).write_bytes(b"")
+    assert _length_folder(args) == str(tmp_path)  # as `ecru serve probe` leaves it: the shipped predictor
+    assert _length_folder(argparse.Namespace(**{**vars(args), "length_predictor": "other"})) == "other"
+    assert _length_folder(argparse.Namespace(**{**vars(args), "policy": "cb-sjf"})) is None

@@ -1,10 +1,13 @@
 """The request-level engine: greedy outputs equal Hugging Face `generate` under every admission policy and
 any batch composition; per-request caps, stop tokens, sampling, streaming callbacks and cancellation."""
 
+import math
+
 import pytest
 import torch
 
-from ecru.serve.request_engine import ENGINE_POLICIES, EngineConfig, RequestEngine
+from ecru.serve.names import ENGINE_POLICIES
+from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
 
 from .conftest import remaining_for
@@ -21,7 +24,8 @@ def make_engine(model, gen, **kw):
 @pytest.mark.parametrize("policy", ENGINE_POLICIES)
 def test_greedy_equals_hf_generate_for_every_policy(model, prompts, reference, gen, policy):
     engine = make_engine(model, gen, policy=policy, kv_prompt_tokens=1,
-                         **({"preempt_margin": 0.0, "repredict_every": 4} if policy == "cb-srpt" else {}))  # fmt: skip
+                         **({"preempt_margin": 0.0, "repredict_every": 4, "fcfs_slack": math.inf}
+                            if policy == "cb-srpt" else {}))  # fmt: skip
     # cb-kv: every request reserves 2 answer tokens, so rows outgrow their reservations and get preempted;
     # cb-srpt: waiting requests predicted 2 tokens, running rows re-predicted to their cap: swapped out
     predict = (lambda prompt, params: 2.0) if policy in ("cb-kv", "cb-srpt") else None

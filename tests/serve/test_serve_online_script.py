@@ -52,7 +52,7 @@ def small_online_tables(bench, **kw) -> dict:
     idx = bench.resample(len(lengths), 200, seed=0)
     preds = {"constant": ([50.0] * 40, 0.0), "probe": (list(map(float, lengths)), 0.0)}
     traj = [[n - t for t in range(0, n, 16)] for n in lengths]
-    base = OnlineConfig(max_batch_size=4, max_new_tokens=128, token_s=1.0)
+    base = OnlineConfig(max_batch_size=4, max_new_tokens=128)
     return bench.online_tables(idx, [5] * 40, lengths, preds, traj, 0.0, base, UNIT, seed=0, **kw)
 
 
@@ -61,13 +61,17 @@ def test_online_tables_report_every_policy_at_every_load(bench):
     assert set(out["loads"]) == {"0.8", "1.2", "2.0"}
     for load in out["loads"].values():
         pols = load["policies"]
-        assert {"fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt", "cb-sjf[at-arrival]"} <= set(pols)
+        assert {"fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt", "cb-sjf[at-arrival]", "cb-srpt[no-deadline]",
+                "cb-srpt[recompute]", "cb-srpt[no-preempt]"} <= set(pols)  # fmt: skip
         for r in pols.values():
             assert {"mean_latency_s", "p99_latency_s", "tokens_per_s", "peak_kv_tokens"} <= set(r)
         # with perfect predictions and no prediction cost, shortest-first without preemption is oracle SJF
         assert pols["cb-sjf"]["mean_latency_s"] == pytest.approx(
-            pols["oracle-srpt[no-preempt]"]["mean_latency_s"]
+            pols["oracle-srpt[no-preempt][no-deadline]"]["mean_latency_s"]
         )
+        # perfect predictions: the shipped cb-srpt is the oracle's
+        assert pols["cb-srpt"]["mean_latency_s"] == pytest.approx(pols["oracle-srpt"]["mean_latency_s"])
+    assert out["shipped_predictor"] == "probe"  # no `embed` among these predictors: the first learned one
 
 
 def test_online_tables_with_a_slack_add_the_fcfs_deadline_policies(bench):
@@ -84,7 +88,7 @@ def test_online_tables_with_a_slack_add_the_fcfs_deadline_policies(bench):
 def test_slack_curve_trades_mean_for_tail(bench):
     lengths = [3, 200, 5, 150, 4, 8] * 40
     idx = bench.resample(len(lengths), 1500, seed=1)
-    base = OnlineConfig(max_batch_size=2, max_new_tokens=256, token_s=1.0, refill_min=1)
+    base = OnlineConfig(max_batch_size=2, max_new_tokens=256, refill_min=1)
     capacity = bench.saturated_capacity(idx, [5] * len(lengths), lengths, base, UNIT)
     arrivals = bench.poisson_arrivals(len(idx), 1.2 * capacity, seed=2)
     trace = bench.build_trace(idx, arrivals, [5] * len(lengths), lengths, list(map(float, lengths)), None)

@@ -30,36 +30,40 @@ def test_greedy_equals_hf_generate_through_preemptions(model, prompts, reference
     assert not engine.kept.rows and not engine.requests  # nothing left behind
 
 
-def spy_on(engine, name: str, check, *, before: bool = False) -> None:
-    """Call `check(*args)` with the arguments of each call of the engine's method `name`, before or after it."""
-    real = getattr(engine, name)
+def spy_on(runner, name: str, check, *, before: bool = False) -> None:
+    """Call `check(*args, **kw)` with the arguments of each call of the engine's runner method `name` (the
+    scheduler's `Runner` protocol), before or after it."""
+    real = getattr(runner, name)
 
-    def spied(*args):
+    def spied(*args, **kw):
         if before:
-            check(*args)
-        out = real(*args)
+            check(*args, **kw)
+        out = real(*args, **kw)
         if not before:
-            check(*args)
+            check(*args, **kw)
         return out
 
-    setattr(engine, name, spied)
+    setattr(runner, name, spied)
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
 def test_kept_kv_rejoins_without_a_forward_recompute_prefills_again(model, prompts, reference, gen, mode):
     engine = srpt_engine(model, gen, RunsLong(), preempt_mode=mode)
     prefilled = []  # answer tokens each prefilled request already had
-    spy_on(
-        engine, "_prefill", lambda admitted, _: prefilled.extend(len(r.output) for r in admitted), before=True
-    )
+
+    def admitted(kept, fresh):
+        prefilled.extend(len(engine.requests[k].output) for k in fresh)
+
+    spy_on(engine.runner, "admit", admitted, before=True)
     kept = []
 
-    def kept_exactly(seq, left):  # a kept row holds its prompt and every token but the pending newest
-        req = engine.requests[seq]
-        if mode == "keep":
+    def kept_exactly(keys, *, keep_kv, discard):  # a kept row holds its prompt and every token but the newest
+        assert keep_kv == (mode == "keep") and not discard
+        for seq in keys if keep_kv else ():
+            req = engine.requests[seq]
             kept.append(engine.kept.rows[seq].length == len(req.prompt) + len(req.output) - 1)
 
-    spy_on(engine, "_preempt", kept_exactly)
+    spy_on(engine.runner, "preempt", kept_exactly)
     assert [r.output for r in engine.generate(prompts, GREEDY)] == reference
     assert engine.stats.preemptions > 0
     if mode == "keep":  # only fresh prompts are prefilled; kept rows rejoin without a forward
@@ -112,14 +116,13 @@ def test_repredicts_from_the_rows_own_state_every_k_tokens(model, prompts, refer
 
 def test_a_request_admitted_past_its_deadline_is_never_preempted(model, prompts, gen):
     engine = srpt_engine(model, gen, RunsLong(), aging=0.0, fcfs_slack=0.0)
-    queue, preempt, preempted, overdue = engine.admitter.queue, engine._preempt, [], set()
+    queue, preempted, overdue = engine.admitter.queue, [], set()
 
-    def spy(seq: int, left: float) -> None:
-        assert seq not in queue.past_deadline
-        preempted.append(seq)
-        preempt(seq, left)
+    def spy(keys, *, keep_kv, discard):
+        assert not set(keys) & queue.past_deadline
+        preempted.extend(keys)
 
-    engine._preempt = spy
+    spy_on(engine.runner, "preempt", spy, before=True)
     for p in prompts:
         engine.add_request(p, GREEDY)
     while engine.has_unfinished():

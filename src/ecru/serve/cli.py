@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ecru.cliargs import (
     existing_file,
@@ -21,6 +22,7 @@ from ecru.serve.queues import DEFAULT_AGING
 
 PENALTY = number_in(float, "a number", lambda v: -2 <= v <= 2, "between -2 and 2")  # OpenAI's range
 PORT = number_in(int, "an integer", lambda v: 1 <= v <= 65535, "a TCP port, 1..65535")
+SLACK = number_in(float, "a number", lambda v: v >= 0, ">= 0 (inf: off)")
 API_KEY_ENV = "ECRU_API_KEY"
 
 MODEL_HELP = "smollm2 (bundled), tiny (random, for tests) or the path of a local Hugging Face model folder"
@@ -45,12 +47,13 @@ def _out_file(path: str | None, flag: str = "--json") -> None:
 # ---- api and run: the request engine -------------------------------------------------------------------
 def _engine_config(args: argparse.Namespace, *, max_new_tokens: int):
     from ecru.cliargs import config_from
-    from ecru.serve.request_engine import EngineConfig
+    from ecru.serve.scheduler import EngineConfig
 
     if args.fcfs_slack is not None and args.policy not in SJF_POLICIES:
         raise EcruError(
             "--fcfs-slack applies to --policy cb-sjf or cb-srpt only: drop it or add --policy cb-sjf"
         )
+    args.length_predictor = _length_folder(args)
     if args.length_predictor is not None:
         _check_length_file(args, max_new_tokens)
     if (args.policy == "cb-srpt") != (args.remaining_probe is not None):
@@ -63,8 +66,17 @@ def _engine_config(args: argparse.Namespace, *, max_new_tokens: int):
         max_new_tokens=max_new_tokens,
         prefix_cache=args.prefix_cache,
         fcfs_slack=args.fcfs_slack,
-        **({} if args.fcfs_slack is None else {"aging": 0.0}),  # the deadline bounds the wait instead
     )
+
+
+def _length_folder(args: argparse.Namespace) -> str | None:
+    """`--length-predictor`; for cb-srpt without it, the `--remaining-probe` folder when it holds one (`ecru serve
+    probe` writes both there): plain cb-srpt is the shipped configuration, predictor included."""
+    if args.length_predictor is not None or args.policy != "cb-srpt" or args.remaining_probe is None:
+        return args.length_predictor
+    from ecru.serve.predictors import LENGTH_FILE
+
+    return args.remaining_probe if (Path(args.remaining_probe) / LENGTH_FILE).is_file() else None
 
 
 def _check_bindable(host: str, port: int) -> None:
@@ -261,7 +273,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
         default=None,
         metavar="DIR",
         help="cb-sjf, cb-srpt: predict each answer's length from the prompt with the predictor `ecru serve probe "
-        "--out DIR` fitted for this model (a lookup of its own embeddings and a dot product per request)",
+        "--out DIR` fitted for this model (a lookup of its own embeddings and a dot product per request); "
+        "cb-srpt's default: the --remaining-probe folder's",
     )
     p.add_argument(
         "--remaining-probe",
@@ -272,10 +285,11 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -
     p.add_argument("--max-batch-size", type=positive_int, default=16, help="rows decoded together at most")
     p.add_argument(
         "--fcfs-slack",
-        type=non_negative_float,
+        type=SLACK,
         default=None,
-        help="cb-sjf without aging: a request that has waited (1 + S) x the wait first come first served "
-        "would now impose is admitted first (the wait estimated from the predicted lengths; docs/serve.md)",
+        help="cb-sjf, cb-srpt without aging: a request that has waited (1 + S) x the wait first come first "
+        "served would now impose is admitted first (the wait estimated from the predicted lengths; "
+        "docs/serve.md); cb-srpt's default 0.15, inf: off (aged instead)",
     )
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help=max_new_tokens_help)
     p.add_argument(
@@ -661,7 +675,7 @@ def _probe(args: argparse.Namespace) -> int:
     from ecru.cliargs import config_from, prepare_out_dir
     from ecru.serve import batch_run
     from ecru.serve.models import ServedModel
-    from ecru.serve.request_engine import EngineConfig
+    from ecru.serve.scheduler import EngineConfig
 
     config = config_from(EngineConfig, max_batch_size=args.max_batch_size, max_new_tokens=args.max_new_tokens)
     lines, _ = batch_run.read_batch(args.input, skip_invalid=False, hint="")

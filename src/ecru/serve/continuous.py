@@ -1,14 +1,8 @@
-"""Iteration-level (continuous) batching with static-batch efficiency: finished rows are refilled.
-
-The running batch is one left-padded KV cache. When rows finish they leave the batch at once (their
-cache rows are dropped); when enough rows are free, waiting requests are admitted: their prompts are
-prefilled together in a fresh cache, which is left-padded to the running cache's width (or the other way
-round) and concatenated on the batch axis. Every row keeps its own positions (from its attention mask),
-so outputs equal unbatched generation; columns that are padding in every row are trimmed.
-
-This module holds the pieces (limits, admission, the running batch); the loop that drives them is
-`request_engine.RequestEngine`, and `generate_continuous` is its offline front end for measurements (all
-prompts known, arrivals in decode steps), with exactly the admissions the simulator replays.
+"""Continuous batching's admission pieces, model-free and torch-free: limits (`ContinuousConfig`), how many
+waiting requests join (`admissions`), KV reservations and cb-kv's preemption (`Admitter`), prefill grouping
+(`prefill_groups`) and prefill on arrival's timing (`arrival_prefill_due`, `arrival_groups`). The scheduler
+(`scheduler.Scheduler`) drives them for the engine and every simulator; the running batch itself is
+`kv_cache.RunningBatch`.
 """
 
 from __future__ import annotations
@@ -17,10 +11,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
-
-from ecru.serve.engine import new_cache
 from ecru.serve.queues import RequestQueue
 
 KV_ACCOUNTING = ("reserved", "padded")
@@ -267,50 +257,15 @@ def prefill_groups(lengths: Sequence[int], *, overhead: int = PREFILL_OVERHEAD_T
     return groups[::-1]
 
 
-def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Zero-pad `t` on the left of dimension `dim` (-1 or -2) up to `width`."""
-    return F.pad(t, (0, 0) * (-dim - 1) + (width - t.shape[dim], 0))
+def arrival_prefill_due(
+    *, arrived: int, running: int, waiting: int, max_batch_size: int, refill_min: int
+) -> bool:
+    """Whether the `arrived` (unprefilled) requests are prefilled now: `refill_min` of them have arrived,
+    or the batch could take them now (`running` rows + `waiting` prefilled requests < `max_batch_size`)."""
+    return arrived > 0 and (arrived >= refill_min or running + waiting < max_batch_size)
 
 
-class RunningBatch:
-    """The running batch: request ids, pending (not yet cached) tokens, attention mask, KV cache."""
-
-    def __init__(self, model):
-        self.ids: list[int] = []
-        self.pending = torch.empty(0, dtype=torch.long)
-        self.mask = torch.empty(0, 0, dtype=torch.long)
-        self.cache = new_cache(model)
-
-    def merge(self, ids: list[int], pending: torch.Tensor, mask: torch.Tensor, cache) -> None:
-        if not self.ids:
-            self.ids, self.pending, self.mask, self.cache = ids, pending, mask, cache
-            return
-        width = max(self.mask.shape[1], mask.shape[1])
-        for old, new in zip(self.cache.layers, cache.layers, strict=True):
-            old.keys = torch.cat([_pad_left(old.keys, width, -2), _pad_left(new.keys, width, -2)])
-            old.values = torch.cat([_pad_left(old.values, width, -2), _pad_left(new.values, width, -2)])
-        self.mask = torch.cat([_pad_left(self.mask, width, -1), _pad_left(mask, width, -1)])
-        self.ids, self.pending = self.ids + ids, torch.cat([self.pending, pending])
-
-    def keep(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (a bool mask), then drop cache columns that are padding in every row.
-
-        Nothing is copied when every row stays: re-indexing would copy the whole KV cache at every
-        decode step, a cost of the order of the step's own attention.
-        """
-        if not bool(rows.all()):
-            self.select(rows.nonzero().flatten())
-
-    def select(self, index: torch.Tensor) -> None:
-        """Keep rows `index` (positions, in that order), then drop the columns that are padding in every
-        row."""
-        if index.tolist() == list(range(len(self.ids))):
-            return  # nothing would change; re-indexing would copy the whole cache
-        self.ids = [self.ids[i] for i in index.tolist()]
-        self.pending, self.mask = self.pending[index], self.mask[index]
-        if not self.ids:
-            return
-        first = int(self.mask.any(0).nonzero()[0])
-        self.mask = self.mask[:, first:]
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[index, :, first:], layer.values[index, :, first:]
+def arrival_groups(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
+    """The arrival prefill forwards: `prefill_groups` of the prompt lengths, each cut into consecutive
+    pieces (in length order) of at most `max_rows` prompts. Indices into `lengths`."""
+    return [g[i : i + max_rows] for g in prefill_groups(lengths) for i in range(0, len(g), max_rows)]

@@ -84,7 +84,8 @@ def real_runs(ctx: DemoContext) -> dict[str, list[dict]]:
     ids = encode_chat(served.tokenizer, [r["prompt"] for r in test])
     configs = {
         "cb": EngineConfig(policy="cb", max_new_tokens=CAP),
-        "cb-srpt": EngineConfig(policy="cb-srpt", max_new_tokens=CAP),  # the engine's defaults: aging 0.1
+        # aging 0.1, no FCFS deadline (fcfs_slack inf: off; the shipped cb-srpt has one, see the docstring)
+        "cb-srpt": EngineConfig(policy="cb-srpt", max_new_tokens=CAP, fcfs_slack=float("inf")),
     }
     runs: dict[str, list[dict]] = {"cb": [], "cb-srpt": []}
     for name in ORDER:

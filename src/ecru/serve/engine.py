@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ecru.serve.sampling import SamplingParams, next_token_ids
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -22,7 +24,7 @@ class GenerationConfig:
     pad_token_id: int
     """Token fed to padded prompt positions and to rows that have finished."""
     temperature: float = 0.0
-    """0 for greedy decoding; > 0 samples from softmax(logits / temperature)."""
+    """0 for greedy decoding; > 0 samples from softmax(logits / temperature) (`sampling.next_token_ids`)."""
     seed: int = 0
     """Seed of the sampling generator (unused when greedy)."""
 
@@ -31,8 +33,8 @@ class GenerationConfig:
             raise ValueError(
                 "eos_token_ids is empty: give the tokenizer's EOS id(s), e.g. (tok.eos_token_id,)"
             )
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.temperature <= 2:
+            raise ValueError(f"temperature must be in [0, 2] (0 = greedy), got {self.temperature}")
 
     @classmethod
     def for_tokenizer(cls, tokenizer, *, temperature: float = 0.0, seed: int = 0) -> GenerationConfig:
@@ -87,16 +89,6 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch
 def positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids of a left-padded batch: 0 at each row's first real token (padding clamped to 0)."""
     return (mask.cumsum(-1) - 1).clamp_min(0)
-
-
-def next_tokens(
-    logits: torch.Tensor, *, temperature: float, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Greedy argmax, or one sample per row from softmax(logits / temperature). logits: [B, V] -> [B]."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def forward(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
@@ -204,11 +196,13 @@ def _decode(
     device = logits.device
     eos = torch.tensor(config.eos_token_ids, device=device)
     gen = torch.Generator(device=device).manual_seed(config.seed) if config.temperature > 0 else None
+    rows = len(budgets)
+    params, no_output = [SamplingParams(temperature=config.temperature)] * rows, [()] * rows
     done = torch.zeros(len(budgets), dtype=torch.bool, device=device)
     ended, limit = done.clone(), torch.tensor(budgets, device=device)
     columns = []
     for step in range(max_new_tokens):
-        tok = next_tokens(logits, temperature=config.temperature, generator=gen)
+        tok = next_token_ids(logits, params, no_output, [gen] * rows)  # the engine's sampling, row by row
         tok = torch.where(done, config.pad_token_id, tok)
         columns.append(torch.where(done, -1, tok))  # -1 marks slots after a row has finished
         hit = torch.isin(tok, eos) & ~done

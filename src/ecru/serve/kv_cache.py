@@ -14,6 +14,7 @@ batches merge (`batch_select_indices`, padding, concatenation); the layer notice
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -98,3 +99,101 @@ def stack_rows(
     for i in range(len(cache.layers)):
         cache.update(*(right_aligned([row[i][part] for row in rows], width) for part in (0, 1)), i)
     return mask, cache
+
+
+def _pad_left(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zero-pad `t` on the left of dimension `dim` (-1 or -2) up to `width`."""
+    return F.pad(t, (0, 0) * (-dim - 1) + (width - t.shape[dim], 0))
+
+
+class RunningBatch:
+    """The running batch: request ids, pending (not yet cached) tokens, attention mask, KV cache."""
+
+    def __init__(self, model):
+        self.ids: list[int] = []
+        self.pending = torch.empty(0, dtype=torch.long)
+        self.mask = torch.empty(0, 0, dtype=torch.long)
+        self.cache = HeadroomCache(model.config)
+
+    def merge(self, ids: list[int], pending: torch.Tensor, mask: torch.Tensor, cache) -> None:
+        if not self.ids:
+            self.ids, self.pending, self.mask, self.cache = ids, pending, mask, cache
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for old, new in zip(self.cache.layers, cache.layers, strict=True):
+            old.keys = torch.cat([_pad_left(old.keys, width, -2), _pad_left(new.keys, width, -2)])
+            old.values = torch.cat([_pad_left(old.values, width, -2), _pad_left(new.values, width, -2)])
+        self.mask = torch.cat([_pad_left(self.mask, width, -1), _pad_left(mask, width, -1)])
+        self.ids, self.pending = self.ids + ids, torch.cat([self.pending, pending])
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (a bool mask), then drop cache columns that are padding in every row.
+
+        Nothing is copied when every row stays: re-indexing would copy the whole KV cache at every
+        decode step, a cost of the order of the step's own attention.
+        """
+        if not bool(rows.all()):
+            self.select(rows.nonzero().flatten())
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (positions, in that order), then drop the columns that are padding in every
+        row."""
+        if index.tolist() == list(range(len(self.ids))):
+            return  # nothing would change; re-indexing would copy the whole cache
+        self.ids = [self.ids[i] for i in index.tolist()]
+        self.pending, self.mask = self.pending[index], self.mask[index]
+        if not self.ids:
+            return
+        first = int(self.mask.any(0).nonzero()[0])
+        self.mask = self.mask[:, first:]
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[index, :, first:], layer.values[index, :, first:]
+
+
+@dataclass
+class KeptRow:
+    """One waiting request's cached KV (per layer, [heads, positions, head_dim] keys and values) and its
+    pending token."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    pending: int
+    """Its newest token (the first, sampled at arrival; a preempted row's last), not yet in the cache."""
+
+    @property
+    def length(self) -> int:
+        return self.kv[0][0].shape[-2]
+
+
+class KeptKV:
+    """The KV rows of waiting requests prefilled on arrival or preempted by cb-srpt, by request key, without
+    padding (exactly their cached positions: the prompt, and for a preempted row its tokens but the newest).
+    Which requests keep theirs is the scheduler's call (`Scheduler.kept`, at most `arrival_kv_requests`); at
+    admission the kept rows are left-padded and stacked into one cache (`stack_rows`), with no forward."""
+
+    def __init__(self):
+        self.rows: dict[int, KeptRow] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.rows
+
+    @property
+    def tokens(self) -> int:
+        """KV positions held (the kept rows have no padding)."""
+        return sum(r.length for r in self.rows.values())
+
+    def keep(self, key: int, cache, row: int, length: int, *, pending: int) -> None:
+        """Copy row `row` of a left-padded `cache` (its last `length` positions are the request's cached ones)."""
+        self.rows[key] = KeptRow(row_kv(cache, row, length), pending)
+
+    def drop(self, key: int) -> None:
+        self.rows.pop(key, None)
+
+    def take(self, model, keys: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Remove the rows of `keys` and stack them as a running batch's pieces: pending tokens [B], a
+        left-padded attention mask [B, T] and a KV cache for `model`."""
+        rows = [self.rows.pop(k) for k in keys]
+        mask, cache = stack_rows(model.config, [r.kv for r in rows])
+        return torch.tensor([r.pending for r in rows]), mask, cache

@@ -17,10 +17,15 @@ ONLINE_POLICIES = ("fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt")
 """The online (Poisson arrivals) simulator's."""
 PREEMPT_MODES = ("keep", "recompute")
 """What happens to a preempted request's KV: kept, or dropped and recomputed."""
+FCFS_SLACK = 0.15
+"""The FCFS deadline plain `cb-srpt` ships with (aging 0 then): the best measured (docs/serve.md). With the
+length predictor `ecru serve probe` fits and kept KV, it is the configuration the name `cb-srpt` means in
+`ecru serve api/run`, the simulators and the benchmarks; other settings are study variants, named as such."""
 
 __all__ = [
     "CONTINUOUS_POLICIES",
     "ENGINE_POLICIES",
+    "FCFS_SLACK",
     "ONLINE_POLICIES",
     "POLICIES",
     "PREEMPT_MODES",

@@ -7,8 +7,9 @@ prefills each row's prompt plus the tokens it had and runs until its longest row
 stopping at its answer's end or its own budget, max_new_tokens in all; with `PlanConfig.keep_kv` it has no
 prefill, only its decode steps. A request's useful tokens, min(output_len, max_new_tokens), count once, on
 the run that completes it.
-Continuous batching (`simulate_continuous`): the admission rule of `generate_continuous`, step by step,
-with the same queue objects, so its admission order, decode steps, prefills and slots are the runner's.
+Continuous batching (`simulate_continuous`): the engine's `Scheduler` on a `SimulatedRunner`, driven as
+`generate_continuous` drives the engine, so its admission order, decode steps, prefills and slots are the
+engine's by construction.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
-from ecru.serve.continuous import Admitter, ContinuousConfig, admissions
+from ecru.serve.continuous import ContinuousConfig
 from ecru.serve.cost import SMOLLM2_CPU, CostModel
 from ecru.serve.policies import Batch, PlanConfig, is_failure, plan_batches, rerun_batches
 from ecru.serve.queues import RequestQueue
+from ecru.serve.scheduler import EngineConfig, Scheduler, run_in_steps
+from ecru.serve.sim_runner import SimulatedRunner
 
 
 @dataclass(frozen=True)
@@ -190,73 +193,38 @@ def simulate_continuous(
     preempts as the real loop does (either `kv_accounting`); a preempted request's tokens are computed again (slots count both
     attempts) and `failures` counts preemptions.
     """
-    n = len(trace)
-    arrivals = list(arrivals) if arrivals is not None else [0] * n
-    target = [max(1, min(r.output_len, config.max_new_tokens)) for r in trace]
-    incoming = sorted(range(n), key=lambda i: arrivals[i])
-    done = [0] * n
-    arrived_at, finished_at = [0.0] * n, [0.0] * n
-    running: list[int] = []
-    clock, step, slots, prefills, order = predict_s, 0, 0, 0, []
-    # padded accounting: the tokens each request holds
-    admitter = Admitter(queue, [r.prompt_len for r in trace], config, reserve, generated=lambda i: done[i])
-    while incoming or len(admitter) or running:
-        while incoming and arrivals[incoming[0]] <= step:
-            i = incoming.pop(0)
-            queue.push(i, now=step)
-            arrived_at[i] = clock
-        n_admit = admissions(
-            free=config.max_batch_size - len(running),
-            waiting=len(admitter),
-            upcoming=len(incoming),
-            running=len(running),
-            refill_min=config.refill_min,
-        )
-        admit = admitter.admit(n_admit, now=step)
-        if admit:
-            order += admit
-            clock += cost.prefill_time(len(admit), max(trace[i].prompt_len for i in admit))
-            prefills, slots = prefills + 1, slots + len(admit)
-            for i in admit:
-                done[i] = 1
-                if done[i] >= target[i]:
-                    finished_at[i] = clock
-                    admitter.leave(i)
-                else:
-                    running.append(i)
-        if not running:
-            if incoming and not len(admitter):
-                step = max(step + 1, arrivals[incoming[0]])
-            continue
-        clock += cost.step_time(len(running), max(trace[i].prompt_len + done[i] for i in running))
-        slots += len(running)
-        for i in running:
-            done[i] += 1
-            if done[i] >= target[i]:
-                finished_at[i] = clock
-                admitter.leave(i)
-        running = [i for i in running if done[i] < target[i]]
-        preempted = admitter.preempt(running, [done[i] for i in running])
-        for i in preempted:
-            done[i] = 0  # restarts from its prompt, as the real loop does
-        running = [i for i in running if i not in preempted]
-        step += 1
+    n, cap = len(trace), config.max_new_tokens
+    target = [max(1, min(r.output_len, cap)) for r in trace]
+    sched = Scheduler(EngineConfig(max_batch_size=config.max_batch_size, max_new_tokens=cap, prefix_cache=0),
+                      queue=queue, limits=config, discard_preempted=True)  # fmt: skip
+    sched.admission_log = []
+    runner = SimulatedRunner([r.prompt_len for r in trace], target, cost=cost, start_s=predict_s)
+    arrived_at = [0.0] * n
+
+    def add(i: int) -> None:
+        arrived_at[i] = runner.clock
+        sched.add(i, trace[i].prompt_len, cap, None if reserve is None else reserve[i])
+
+    if reserve is not None and len(reserve) != n:
+        raise ValueError(f"reserve has {len(reserve)} entries for {n} prompts")
+    run_in_steps(sched, [0] * n if arrivals is None else arrivals, add, lambda: sched.step(runner))
+    clock, slots, finished_at = runner.clock, runner.slots, runner.finish
     useful = sum(target)
     result = SimResult(
         policy=policy,
         requests=n,
-        batches=prefills,
+        batches=runner.prefills,
         rerun_batches=0,
-        batch_steps=step,
+        batch_steps=sched.steps,
         padded_slots=slots,
         useful_tokens=useful,
         effective_token_ratio=useful / slots if slots else 1.0,
-        failures=admitter.preemptions,
-        failure_ratio=admitter.preemptions / n,
+        failures=sched.preemptions,
+        failure_ratio=sched.preemptions / n,
         avg_padded_length=slots / n,
         time_s=clock,
         samples_per_s=n / clock if clock else float("inf"),
         tokens_per_s=useful / clock if clock else float("inf"),
         mean_latency_s=sum(f - a for f, a in zip(finished_at, arrived_at, strict=True)) / n,
     )
-    return result, order
+    return result, sched.admission_log
