@@ -275,13 +275,12 @@ class L2L:
         for j, mb in enumerate(micro):
             self._rng[(RESIDENT, j)] = capture(self._rng_devices)
             with torch.no_grad():
-                h, ctx = self._call(self.parts.stem, self._bindings["stem"], stem, (mb.inputs,))
+                h, ctx = self.run_stem(stem, mb.inputs)
             hidden.append(h)
             contexts.append(ctx)
         self.store.begin("forward", [i + 1 for i in order])
         keep = order[len(order) - min(self.config.keep_graph_blocks, len(order)) :]
         for pos, i in enumerate(order):
-            block = self.parts.blocks[i]
             weights = self.store.weights(i + 1)
             for nxt in order[pos + 1 : pos + 1 + self.config.prefetch]:
                 self.store.prefetch(nxt + 1)
@@ -294,7 +293,7 @@ class L2L:
                 self._rng[(i + 1, j)] = capture(self._rng_devices)
                 self.stash.put(i, j, x)
                 with torch.no_grad(), record_function("l2l.block.forward"):
-                    outputs.append(self._call(block, self._block_bindings[i], weights, (x, contexts[j])))
+                    outputs.append(self.run_block(i, weights, x, contexts[j]))
             self.store.done_with(i + 1)
             hidden = outputs
         return hidden, contexts
@@ -311,7 +310,7 @@ class L2L:
         """Block `i` over every micro-batch under autograd, keeping each graph for the backward. Nothing is
         stashed and no RNG state captured: the graph holds the input and its own dropout masks, and the
         forward draws exactly what the no-grad forward would, so later blocks' masks are unchanged."""
-        binding, block = self._block_bindings[i], self.parts.blocks[i]
+        binding = self._block_bindings[i]
         leaves, trainable = self._leaves(binding, weights, i + 1)
         if not self.store.binds_masters:  # device weights sit in reused slots / wire buffers: keep a copy
             leaves = {idx: w.detach().clone().requires_grad_(idx in trainable) for idx, w in leaves.items()}
@@ -321,7 +320,7 @@ class L2L:
             if needs_input and x.is_floating_point():
                 x = x.detach().requires_grad_()
             with torch.enable_grad():
-                y = self._call(block, binding, leaves, (x, contexts[j]))
+                y = self.run_block(i, leaves, x, contexts[j])
             graphs.append((x if x.requires_grad else None, y) if y.requires_grad else (None, None))
             outputs.append(y.detach())
         self._kept[i] = (leaves, trainable, graphs)
@@ -335,9 +334,7 @@ class L2L:
             x = hidden[j].detach().requires_grad_()
             hidden[j] = None
             with torch.enable_grad():
-                loss = self._call(
-                    self.parts.head, self._bindings["head"], weights, (x, mb.targets, mb.weight)
-                )
+                loss = self.run_head(weights, x, mb)
                 grads.append(self._grad(RESIDENT, loss * scale, None, x, weights, indices))
             total += loss.detach().float()
         return grads, float(total)
@@ -384,14 +381,7 @@ class L2L:
         # y is only backpropagated through, never read: the block may skip what only its value needs
         kwargs = {"output_used": False} if self.parts.output_unused_ok else None
         with replay(self._rng[(i + 1, j)]), torch.enable_grad(), record_function("l2l.recompute"):
-            y = self._call(
-                self.parts.blocks[i],
-                self._block_bindings[i],
-                weights,
-                (x, context),
-                kwargs=kwargs,
-                fresh_buffers=True,
-            )
+            y = self.run_block(i, weights, x, context, kwargs=kwargs, fresh_buffers=True)
         return (x if needs_input else None), y
 
     def _backward_stem(self, micro: list[MicroBatch], grads: list[torch.Tensor]) -> None:
@@ -404,7 +394,7 @@ class L2L:
                         weights[idx].grad = torch.zeros_like(weights[idx])
             for j, mb in enumerate(micro):
                 with replay(self._rng[(RESIDENT, j)]), torch.enable_grad():
-                    h, _ = self._call(self.parts.stem, binding, weights, (mb.inputs,), fresh_buffers=True)
+                    h, _ = self.run_stem(weights, mb.inputs, fresh_buffers=True)
                     self._grad(RESIDENT, h, grads[j], None, weights, indices)
         self.store.done_with(RESIDENT)
         if self.store.groups[RESIDENT].trainable:
@@ -469,6 +459,41 @@ class L2L:
         if self.store.binds_masters:
             return {idx: weights[idx] for idx in indices}, train
         return {idx: weights[idx].detach().requires_grad_(idx in trainable) for idx in indices}, train
+
+    # ---- the block executor: every forward of a part, in training, evaluation and export -----------
+    def run_stem(self, weights, inputs: Any, *, fresh_buffers: bool = False) -> tuple[torch.Tensor, Any]:
+        """The stem over one micro-batch's `inputs` with the resident group's `weights` (a sequence or an
+        index -> tensor dict): the first hidden state and the context every block receives."""
+        return self._call(
+            self.parts.stem, self._bindings["stem"], weights, (inputs,), fresh_buffers=fresh_buffers
+        )
+
+    def run_block(
+        self,
+        i: int,
+        weights,
+        hidden: torch.Tensor,
+        context: Any,
+        *,
+        kwargs: dict[str, Any] | None = None,
+        fresh_buffers: bool = False,
+    ) -> torch.Tensor:
+        """Block `i` over one micro-batch's `hidden` state with group `i + 1`'s `weights`."""
+        block, binding = self.parts.blocks[i], self._block_bindings[i]
+        return self._call(
+            block, binding, weights, (hidden, context), kwargs=kwargs, fresh_buffers=fresh_buffers
+        )
+
+    def run_head(self, weights, hidden: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
+        """The head's weighted loss of one micro-batch from the last `hidden` state (resident `weights`)."""
+        args = (hidden, micro.targets, micro.weight)
+        return self._call(self.parts.head, self._bindings["head"], weights, args)
+
+    def run_logits(self, weights, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's outputs (logits) from the last `hidden` state; the parts must define `logits`."""
+        if self.parts.logits is None:
+            raise L2LInputError("these model parts define no logits: read the hidden state instead")
+        return self._call(self.parts.logits, self._bindings["logits"], weights, (hidden,))
 
     def _call(
         self,

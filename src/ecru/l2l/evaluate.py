@@ -42,17 +42,14 @@ def _split(engine: L2L, batch: Any) -> list[MicroBatch]:
 
 def _through_blocks(engine: L2L, micro: list[MicroBatch], order: list[int]):
     stem = engine.store.weights(RESIDENT)
-    pairs = [engine._call(engine.parts.stem, engine._bindings["stem"], stem, (mb.inputs,)) for mb in micro]
+    pairs = [engine.run_stem(stem, mb.inputs) for mb in micro]
     hidden, contexts = [h for h, _ in pairs], [c for _, c in pairs]
     engine.store.begin("forward", [i + 1 for i in order])
     for pos, i in enumerate(order):
         weights = engine.store.weights(i + 1)
         for nxt in order[pos + 1 : pos + 1 + engine.config.prefetch]:
             engine.store.prefetch(nxt + 1)
-        block, binding = engine.parts.blocks[i], engine._block_bindings[i]
-        hidden = [
-            engine._call(block, binding, weights, (h, c)) for h, c in zip(hidden, contexts, strict=True)
-        ]
+        hidden = [engine.run_block(i, weights, h, c) for h, c in zip(hidden, contexts, strict=True)]
         engine.store.done_with(i + 1)
     return hidden
 
@@ -62,15 +59,10 @@ def _head(engine: L2L, hidden: list[torch.Tensor], micro: list[MicroBatch]) -> F
     count = engine.parts.count(micro) if engine.parts.count is not None else 1.0
     loss = None
     if count:
-        binding = engine._bindings["head"]
-        loss = sum(
-            float(engine._call(engine.parts.head, binding, weights, (h, mb.targets, mb.weight)))
-            for h, mb in zip(hidden, micro, strict=True)
-        )
+        loss = sum(float(engine.run_head(weights, h, mb)) for h, mb in zip(hidden, micro, strict=True))
     outputs = hidden
     if engine.parts.logits is not None:
-        binding = engine._bindings["logits"]
-        outputs = [engine._call(engine.parts.logits, binding, weights, (h,)) for h in hidden]
+        outputs = [engine.run_logits(weights, h) for h in hidden]
     engine.store.done_with(RESIDENT)
     return ForwardOutput(loss, torch.cat([o.float().cpu() for o in outputs]))
 
