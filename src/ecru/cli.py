@@ -68,7 +68,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     only = [s.strip() for s in args.only.split(",")] if args.only else None
     out = prepare_out_dir(args.out)
     if only is None:
-        note_long_run("ecru demo runs every pillar's section: 3-7 minutes on 2 CPU cores")
+        note_long_run("ecru demo runs every pillar's section: up to 13 minutes on 2 busy CPU cores")
     failed = run_demo(out, only=only)
     if failed:
         raise EcruError(f"demo section(s) failed: {', '.join(failed)} (the report still holds the others)")
