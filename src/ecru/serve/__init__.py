@@ -56,9 +56,10 @@ _EXPORTS = {
         "Batch",
         "PlanConfig",
         "STATIC_POLICIES",
-        "is_failure",
         "plan_batches",
         "rerun_batches",
+        "run_plan",
+        "BatchRunner",
     ),
     "ecru.serve.predictors": (
         "ConstantPredictor",

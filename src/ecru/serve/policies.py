@@ -1,6 +1,7 @@
 """Static scheduling policies: how an offline group of requests is cut into batches, and with what cap.
 
-A policy returns a plan (a list of `Batch`); the real runner and the simulator both execute it, so
+A policy returns a plan (a list of `Batch`); one executor, `run_plan`, runs it on a `BatchRunner`: the
+model (`runner.ModelBatches`) or a trace's lengths on a cost-model clock (`simulator.TraceBatches`), so
 their accounting cannot drift apart. FCR batches stop at their predicted cap; the rows that had not
 finished by then are failures, rerun after every planned batch at the global cap (`rerun_batches`): from
 scratch as in the paper, or resumed from the tokens they already generated (`PlanConfig.resume`).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ecru.serve.names import STATIC_POLICIES
 
@@ -156,11 +158,6 @@ def plan_batches(
     return [Batch(rows, predicted_cap(rows, predicted, cap)) for rows in groups]
 
 
-def is_failure(output_len: int, cap: int, max_new_tokens: int) -> bool:
-    """A row fails when its batch's cap is below the global cap and its answer is longer than the cap."""
-    return cap < max_new_tokens and output_len > cap
-
-
 def rerun_batches(
     failed: Sequence[int], *, batch_size: int, max_new_tokens: int, generated: Mapping[int, int] | None = None
 ) -> list[Batch]:
@@ -172,3 +169,36 @@ def rerun_batches(
     if generated is None:
         return [Batch(rows, max_new_tokens, rerun=True) for rows in batches]
     return [Batch(rows, max(max_new_tokens - generated[r] for r in rows), rerun=True) for rows in batches]
+
+
+class BatchRunner(Protocol):
+    """Executes the static batches of a plan: on the model (`runner.ModelBatches`) or on a cost-model clock
+    with a trace's lengths (`simulator.TraceBatches`)."""
+
+    def run(self, batch: Batch) -> set[int]:
+        """Run `batch` (a rerun's rows continue from what `collect` kept of them); the rows whose answer
+        ended within it (an FCR row that did not is cut at the batch's cap)."""
+        ...
+
+    def collect(self, batch: Batch, cut: list[int]) -> None:
+        """The rows of `batch` not in `cut` are complete now; those in `cut` wait for their rerun, keeping
+        their tokens (`PlanConfig.resume`) and KV (`PlanConfig.keep_kv`)."""
+        ...
+
+
+def run_plan(plan: Sequence[Batch], runner: BatchRunner, config: PlanConfig) -> list[int]:
+    """Execute `plan` on `runner`, then the FCR reruns of the rows cut at a predicted cap (`rerun_batches`:
+    from scratch, or resumed with `config.resume`); returns those rows (the failures) in the order they failed."""
+    queue, failed, generated = list(plan), [], {}
+    while queue:
+        batch = queue.pop(0)
+        ended = runner.run(batch)
+        capped = not batch.rerun and batch.cap < config.max_new_tokens
+        cut = [r for r in batch.rows if r not in ended] if capped else []
+        runner.collect(batch, cut)
+        failed += cut
+        generated |= {r: batch.cap for r in cut}  # a cut row has its batch's cap of tokens
+        if not queue and failed and not batch.rerun:
+            queue = rerun_batches(failed, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
+                                  generated=generated if config.resume else None)  # fmt: skip
+    return failed

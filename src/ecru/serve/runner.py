@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ecru.serve.continuous import ContinuousConfig, kv_budget_config
 from ecru.serve.engine import GenerationConfig, generate_static, resume_static
 from ecru.serve.names import CONTINUOUS_POLICIES, POLICIES
-from ecru.serve.policies import PlanConfig, plan_batches, rerun_batches
+from ecru.serve.policies import PlanConfig, plan_batches, run_plan
 from ecru.serve.queues import DEFAULT_AGING, make_queue
 from ecru.serve.request_engine import generate_continuous
 
@@ -63,67 +63,74 @@ def run_static(
     predict_s: float = 0.0,
     progress: bool = False,
 ) -> PolicyRun:
-    """Execute a static policy's plan, then FCR reruns of the rows cut at a predicted cap (from scratch, or
-    resumed from the tokens they had with `plan.resume`, their KV kept with `plan.keep_kv`)."""
+    """Execute a static policy's plan, then FCR reruns of the rows cut at a predicted cap (`run_plan`)."""
     from tqdm.auto import tqdm
 
     batches = plan_batches(policy, predicted=predicted, prompt_lens=[len(p) for p in prompts], config=plan)
-    tokens, finish = [None] * len(prompts), [0.0] * len(prompts)
-    slots, failed, partial, kept, start = 0, [], {}, {}, time.perf_counter()
-    bar = tqdm(total=len(prompts), desc=policy, unit="req", disable=not progress, leave=False)
-    while batches:
-        batch = batches.pop(0)
-        had = [partial.get(r, []) if batch.rerun else [] for r in batch.rows]
-        used, rows = _generate(model, prompts, batch, had, [kept.pop(r, None) for r in batch.rows], plan, gen)
-        slots += used
-        now = predict_s + time.perf_counter() - start
-        _collect(batch, rows, plan, tokens, finish, failed, partial, kept, now=now)
-        bar.update(sum(tokens[r] is not None for r in batch.rows))
-        if not batches and not batch.rerun and failed:
-            generated = {r: len(partial[r]) for r in failed} if plan.resume else None
-            partial = partial if plan.resume else {}
-            batches = rerun_batches(failed, batch_size=plan.batch_size, max_new_tokens=plan.max_new_tokens,
-                                    generated=generated)  # fmt: skip
-    bar.close()
-    return PolicyRun(policy, tokens, finish, predict_s + time.perf_counter() - start, slots, len(failed))
+    with tqdm(total=len(prompts), desc=policy, unit="req", disable=not progress, leave=False) as bar:
+        runner = ModelBatches(model, prompts, gen, plan, start_s=predict_s, done=bar.update)
+        failed = run_plan(batches, runner, plan)
+    return PolicyRun(policy, runner.tokens, runner.finish, runner.clock(), runner.slots, len(failed))
 
 
-def _generate(model, prompts, batch, had, kv, plan: PlanConfig, gen: GenerationConfig):
-    """One batch: the token slots it computed, and per row its answer (the tokens it `had`, then the new ones,
-    each row stopping at an EOS or at its own budget, max_new_tokens in all), whether it ended with an EOS
-    and, with `plan.keep_kv`, the KV of a row cut at the cap. A rerun whose rows all have their KV (`kv`)
-    continues them without a prefill. A batch capped at 0 (every prediction 0) computes nothing."""
-    if batch.cap == 0:
-        return 0, [(h, False, None) for h in had]
-    budgets = [min(batch.cap, plan.max_new_tokens - len(h)) for h in had]
-    if batch.rerun and all(v is not None for v in kv):
-        result = resume_static(model, kv, [h[-1] for h in had], max_new_tokens=batch.cap, config=gen,
-                               budgets=budgets)  # fmt: skip
-    else:
-        seqs = [list(prompts[r]) + h for r, h in zip(batch.rows, had, strict=True)]
-        keep = plan.keep_kv and not batch.rerun and batch.cap < plan.max_new_tokens  # FCR cuts only
-        result = generate_static(
-            model, seqs, max_new_tokens=batch.cap, config=gen, budgets=budgets, keep_cut=keep
-        )
-    kept = result.kept or [None] * len(had)
-    return result.slots, [
-        (h + t, e, k) for h, t, e, k in zip(had, result.tokens, result.ended, kept, strict=True)
-    ]
+class ModelBatches:
+    """Static batches on the model (`policies.BatchRunner`): each batch generates until every row has an EOS
+    or its budget; a cut row keeps its tokens (`plan.resume`) and its KV (`plan.keep_kv`) for its rerun."""
 
+    def __init__(self, model, prompts, gen: GenerationConfig, plan: PlanConfig, *, start_s: float, done=None):
+        self.model, self.prompts, self.gen, self.plan, self.done = model, prompts, gen, plan, done
+        self.tokens: list = [None] * len(prompts)
+        self.finish, self.slots = [0.0] * len(prompts), 0
+        self.partial: dict[int, list[int]] = {}
+        self.kept: dict = {}
+        self._last: dict = {}
+        self._start = time.perf_counter() - start_s
 
-def _collect(
-    batch, rows, plan: PlanConfig, tokens, finish, failed: list[int], partial: dict, kept: dict, *, now: float
-) -> None:
-    """Store the rows a batch completed; collect the rows cut at a predicted cap (failures), their tokens
-    and, with `plan.keep_kv`, their KV."""
-    for r, (toks, ended, kv) in zip(batch.rows, rows, strict=True):
-        if not batch.rerun and batch.cap < plan.max_new_tokens and not ended:
-            failed.append(r)  # cut at the predicted cap: rerun later, from scratch or resumed
-            partial[r] = toks
-            if kv is not None:
-                kept[r] = kv
+    def clock(self) -> float:
+        """Seconds since the start, prediction time included."""
+        return time.perf_counter() - self._start
+
+    def run(self, batch) -> set[int]:
+        had = [self.partial.pop(r, []) for r in batch.rows]
+        kv = [self.kept.pop(r, None) for r in batch.rows]
+        used, rows = self._generate(batch, had, kv)
+        self.slots += used
+        self._last = dict(zip(batch.rows, rows, strict=True))
+        return {r for r, (_, ended, _) in self._last.items() if ended}
+
+    def collect(self, batch, cut: list[int]) -> None:
+        now = self.clock()
+        for r, (toks, _, kv) in self._last.items():
+            if r not in cut:
+                self.tokens[r], self.finish[r] = toks, now
+            elif self.plan.resume:  # rerun from the tokens it had (else from scratch)
+                self.partial[r] = toks
+                if kv is not None:
+                    self.kept[r] = kv
+        if self.done is not None:
+            self.done(len(batch.rows) - len(cut))
+
+    def _generate(self, batch, had, kv):
+        """One batch: the token slots it computed, and per row its answer (the tokens it `had`, then the new
+        ones, each row stopping at an EOS or at its own budget, max_new_tokens in all), whether it ended with an
+        EOS and, with `plan.keep_kv`, the KV of a row cut at the cap. A rerun whose rows all have their KV
+        (`kv`) continues them without a prefill. A batch capped at 0 (every prediction 0) computes nothing."""
+        if batch.cap == 0:
+            return 0, [(h, False, None) for h in had]
+        plan, gen = self.plan, self.gen
+        budgets = [min(batch.cap, plan.max_new_tokens - len(h)) for h in had]
+        if batch.rerun and all(v is not None for v in kv):
+            result = resume_static(self.model, kv, [h[-1] for h in had], max_new_tokens=batch.cap, config=gen,
+                                   budgets=budgets)  # fmt: skip
         else:
-            tokens[r], finish[r] = toks, now
+            seqs = [list(self.prompts[r]) + h for r, h in zip(batch.rows, had, strict=True)]
+            keep = plan.keep_kv and not batch.rerun and batch.cap < plan.max_new_tokens  # FCR cuts only
+            result = generate_static(self.model, seqs, max_new_tokens=batch.cap, config=gen, budgets=budgets,
+                                     keep_cut=keep)  # fmt: skip
+        kept = result.kept or [None] * len(had)
+        return result.slots, [
+            (h + t, e, k) for h, t, e, k in zip(had, result.tokens, result.ended, kept, strict=True)
+        ]
 
 
 def run_continuous(

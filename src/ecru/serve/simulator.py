@@ -15,14 +15,14 @@ engine's by construction.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
 from ecru.serve.continuous import ContinuousConfig
 from ecru.serve.cost import SMOLLM2_CPU, CostModel
-from ecru.serve.policies import Batch, PlanConfig, is_failure, plan_batches, rerun_batches
+from ecru.serve.policies import Batch, PlanConfig, plan_batches, run_plan
 from ecru.serve.queues import RequestQueue
 from ecru.serve.scheduler import EngineConfig, Scheduler, run_in_steps
 from ecru.serve.sim_runner import SimulatedRunner
@@ -93,26 +93,39 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     return out
 
 
-def run_batch(
-    batch: Batch,
-    trace: Sequence[TraceRequest],
-    max_new_tokens: int,
-    generated: Mapping[int, int] | None = None,
-) -> tuple[int, int, list[int]]:
-    """Steps a batch runs, its padded prompt length and its failed rows. `generated`: the tokens each row of a
-    resumed rerun already has (they join its prompt; it generates the rest, up to max_new_tokens in all)."""
-    had = generated or {}
-    steps = max(
-        min(trace[r].output_len - had.get(r, 0), batch.cap, max_new_tokens - had.get(r, 0))
-        for r in batch.rows
-    )
-    prompt = max(trace[r].prompt_len + had.get(r, 0) for r in batch.rows)
-    failed = [
-        r
-        for r in batch.rows
-        if not batch.rerun and is_failure(trace[r].output_len, batch.cap, max_new_tokens)
-    ]
-    return steps, prompt, failed
+class TraceBatches:
+    """Static batches on a cost-model clock with a trace's lengths (`policies.BatchRunner`): a batch runs
+    until its longest row is done, each row stopping at its answer's end or its own budget (its cap, and
+    max_new_tokens in all), and computes rows x steps token slots."""
+
+    def __init__(self, trace: Sequence[TraceRequest], config: PlanConfig, cost: CostModel, *, start_s: float):
+        self.trace, self.config, self.cost = trace, config, cost
+        self.clock, self.slots, self.steps, self.batches, self.reruns = start_s, 0, 0, 0, 0
+        self.generated: dict[int, int] = {}
+        """Tokens a cut row keeps for its resumed rerun (they join its prompt)."""
+        self.done_at: dict[int, float] = {}
+
+    def run(self, batch: Batch) -> set[int]:
+        had, trace, cap = self.generated, self.trace, self.config.max_new_tokens
+        steps = max(
+            min(trace[r].output_len - had.get(r, 0), batch.cap, cap - had.get(r, 0)) for r in batch.rows
+        )
+        prompt = max(trace[r].prompt_len + had.get(r, 0) for r in batch.rows)
+        if batch.rerun and self.config.keep_kv and all(had.get(r, 0) for r in batch.rows):
+            # every row's KV was kept (a row cut at cap 0 has none): no prefill, prompt - 1 positions cached
+            self.clock += self.cost.decode_time(len(batch.rows), prompt - 1, steps)
+        else:
+            self.clock += self.cost.batch_time(len(batch.rows), prompt, steps)
+        self.slots += len(batch.rows) * steps
+        self.steps += steps
+        return {r for r in batch.rows if trace[r].output_len <= batch.cap}
+
+    def collect(self, batch: Batch, cut: list[int]) -> None:
+        if self.config.resume:
+            self.generated |= {r: batch.cap for r in cut}
+        self.done_at |= {r: self.clock for r in batch.rows if r not in cut}
+        self.batches += 1
+        self.reruns += batch.rerun
 
 
 def simulate(
@@ -131,43 +144,32 @@ def simulate(
         if policy != "fcfs" and any(p is None for p in predicted):
             raise EcruError(f"policy {policy!r} needs predicted_len on every trace line")
     plan = plan_batches(policy, predicted=predicted, prompt_lens=[r.prompt_len for r in trace], config=config)
-    clock, slots, steps_total, failures, done_at = predict_s, 0, 0, [], {}
-    queue, reruns, generated = list(plan), 0, {}
-    while queue:
-        batch = queue.pop(0)
-        steps, prompt, failed = run_batch(batch, trace, config.max_new_tokens, generated)
-        if batch.rerun and config.keep_kv and all(generated.get(r, 0) for r in batch.rows):
-            # every row's KV was kept (a row cut at cap 0 has none): no prefill, prompt - 1 positions cached
-            clock += cost.decode_time(len(batch.rows), prompt - 1, steps)
-        else:
-            clock += cost.batch_time(len(batch.rows), prompt, steps)
-        slots += len(batch.rows) * steps
-        steps_total += steps
-        failures += failed
-        generated.update({r: batch.cap for r in failed if config.resume})
-        done_at.update({r: clock for r in batch.rows if r not in failed})
-        reruns += batch.rerun
-        if not queue and failures and not batch.rerun:
-            queue = rerun_batches(failures, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
-                                  generated=generated if config.resume else None)  # fmt: skip
+    runner = TraceBatches(trace, config, cost, start_s=predict_s)
+    failures = run_plan(plan, runner, config)
     useful = sum(min(r.output_len, config.max_new_tokens) for r in trace)
+    return _result(policy, trace, runner.clock, runner.slots, useful, batches=runner.batches,
+                   rerun_batches=runner.reruns, batch_steps=runner.steps, failures=len(failures),
+                   latency=sum(runner.done_at.values()))  # fmt: skip
+
+
+def _result(policy, trace, clock, slots, useful, *, batches, rerun_batches, batch_steps, failures, latency):
     n = len(trace)
     return SimResult(
         policy=policy,
         requests=n,
-        batches=len(plan) + reruns,
-        rerun_batches=reruns,
-        batch_steps=steps_total,
+        batches=batches,
+        rerun_batches=rerun_batches,
+        batch_steps=batch_steps,
         padded_slots=slots,
         useful_tokens=useful,
         effective_token_ratio=useful / slots if slots else 1.0,
-        failures=len(failures),
-        failure_ratio=len(failures) / n,
+        failures=failures,
+        failure_ratio=failures / n,
         avg_padded_length=slots / n,
         time_s=clock,
         samples_per_s=n / clock if clock else float("inf"),
         tokens_per_s=useful / clock if clock else float("inf"),
-        mean_latency_s=sum(done_at.values()) / n,
+        mean_latency_s=latency / n,
     )
 
 
@@ -208,23 +210,7 @@ def simulate_continuous(
     if reserve is not None and len(reserve) != n:
         raise ValueError(f"reserve has {len(reserve)} entries for {n} prompts")
     run_in_steps(sched, [0] * n if arrivals is None else arrivals, add, lambda: sched.step(runner))
-    clock, slots, finished_at = runner.clock, runner.slots, runner.finish
-    useful = sum(target)
-    result = SimResult(
-        policy=policy,
-        requests=n,
-        batches=runner.prefills,
-        rerun_batches=0,
-        batch_steps=sched.steps,
-        padded_slots=slots,
-        useful_tokens=useful,
-        effective_token_ratio=useful / slots if slots else 1.0,
-        failures=sched.preemptions,
-        failure_ratio=sched.preemptions / n,
-        avg_padded_length=slots / n,
-        time_s=clock,
-        samples_per_s=n / clock if clock else float("inf"),
-        tokens_per_s=useful / clock if clock else float("inf"),
-        mean_latency_s=sum(f - a for f, a in zip(finished_at, arrived_at, strict=True)) / n,
-    )
+    latency = sum(f - a for f, a in zip(runner.finish, arrived_at, strict=True))
+    result = _result(policy, trace, runner.clock, runner.slots, sum(target), batches=runner.prefills,
+                     rerun_batches=0, batch_steps=sched.steps, failures=sched.preemptions, latency=latency)  # fmt: skip
     return result, sched.admission_log
