@@ -34,7 +34,6 @@ fitted on train prompts only and its measured prediction time is charged on the 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -50,11 +49,12 @@ from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file
 from ecru.io import atomic_write_json
 from ecru.serve import EmbeddingPredictor, MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
-from ecru.serve.online import OnlineConfig, OnlineRequest, poisson_arrivals, simulate_online
+from ecru.serve.online import OnlineRequest, poisson_arrivals, simulate_online, simulate_policy
 from ecru.serve.predictors import ConstantPredictor, ProbePredictor, ridge_fit, spearman, timed_predict
 from ecru.serve.prompts import encode_chat
 from ecru.serve.remaining import RemainingProbe, answer_states
 from ecru.serve.responses import generate_responses
+from ecru.serve.scheduler import EngineConfig
 from ecru.serve.self_predict import PiAPredictor
 
 RESULTS = Path(__file__).parent / "results"
@@ -220,8 +220,8 @@ def slack_curve(trace, base, cost, predict_s: float, policy: str = "cb-sjf", ext
     cb = simulate_online(trace, policy="cb", config=base, cost=cost)
     out = {}
     for slack in SLACKS:
-        cfg = dataclasses.replace(base, aging=0.0, fcfs_slack=slack, predict_s=predict_s, **(extra or {}))
-        r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
+        knobs = {"aging": 0.0, "fcfs_slack": slack, "predict_s": predict_s, **(extra or {})}
+        r = simulate_policy(trace, policy, base, cost, knobs)
         out[str(slack)] = {"mean_latency_x_cb": r.mean_latency_s / cb.mean_latency_s,
                            "p99_latency_x_cb": r.p99_latency_s / cb.p99_latency_s}  # fmt: skip
     return out
@@ -248,8 +248,7 @@ def choose_slack(train, y_train, y_label, train_lens, predict_s, base, cost, arg
 def run_policies(trace_for, policies, config, cost) -> dict:
     out = {}
     for name, (policy, predictor, overrides) in policies.items():
-        cfg = dataclasses.replace(config, **overrides)
-        out[name] = simulate_online(trace_for(predictor), policy=policy, config=cfg, cost=cost).to_json()
+        out[name] = simulate_policy(trace_for(predictor), policy, config, cost, overrides).to_json()
     return out
 
 
@@ -322,7 +321,7 @@ def main(argv=None) -> None:
     prompt_lens = [len(i) for i in encode_chat(tok, test)]
     idx = resample(len(test), args.requests, args.seed)
     static = static_table(idx, prompt_lens, y_test, preds, cost, args.cap)
-    base = OnlineConfig(max_new_tokens=args.cap, repredict_every=k)
+    base = EngineConfig(max_new_tokens=args.cap, repredict_every=k)
     train_lens = [len(i) for i in encode_chat(tok, train)]
     slack = choose_slack(train, y_train, y_label, train_lens, preds["minilm"][1], base, cost, args)
     online = online_tables(
@@ -562,8 +561,7 @@ def sweep(idx, prompt_lens, lengths, preds, traj, capacity, base, cost, repredic
                 else {}
             )
             predict_s = preds[primary][1] if charge else 0.0
-            cfg = dataclasses.replace(base, aging=aging, predict_s=predict_s, **extra)
-            r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
+            r = simulate_policy(trace, policy, base, cost, {"aging": aging, "predict_s": predict_s, **extra})
             key = (
                 f"{policy} aging={aging}"
                 + (f" margin={margin:g}" if margin else "")

@@ -64,7 +64,7 @@ from ecru.io import atomic_write_json
 from ecru.serve import EmbeddingPredictor, MiniLMPredictor
 from ecru.serve.cost import CostModel, StepWork, fit_cost_model, measure_cost_model, record_forwards
 from ecru.serve.models import ServedModel
-from ecru.serve.online import OnlineConfig, OnlineRequest, poisson_arrivals, simulate_online
+from ecru.serve.online import OnlineRequest, poisson_arrivals, simulate_online, simulate_policy
 from ecru.serve.packed import packed_layers
 from ecru.serve.prompts import encode_chat
 from ecru.serve.request_engine import EngineConfig, RequestEngine
@@ -88,7 +88,7 @@ def read_labels(path: Path, cap: int) -> tuple[list[str], list[int]]:
 
 
 def policies(slack: float) -> dict[str, tuple[str, dict, dict]]:
-    """name -> (policy, EngineConfig and OnlineConfig overrides, OnlineConfig's alone)."""
+    """name -> (policy, EngineConfig overrides, the simulator's alone: `online.SIM_KNOBS`)."""
     deadline = {"aging": 0.0, "fcfs_slack": slack}
     return {
         "cb": ("cb", {}, {}),
@@ -398,7 +398,7 @@ def summary(rounds: list[dict], order: list[str]) -> dict:
     return out
 
 
-def replay(trace, args, base: OnlineConfig, costs: dict, charged: tuple[float, float]) -> dict:
+def replay(trace, args, base: EngineConfig, costs: dict, charged: tuple[float, float]) -> dict:
     """Each policy of args.order on the simulator, charged `costs[name]` per step; `charged`: the prompt
     predictor's seconds per request, the probe's per row."""
     out, table = {}, policies(args.slack)
@@ -407,8 +407,7 @@ def replay(trace, args, base: OnlineConfig, costs: dict, charged: tuple[float, f
         cost = costs[name]
         extra = {"predict_s": charged[0]} if policy != "cb" else {}
         extra |= {"repredict_s": charged[1]} if policy == "cb-srpt" else {}
-        config = dataclasses.replace(base, **overrides, **sim_only, **extra)
-        sim = simulate_online(trace, policy=policy, cost=cost, config=config)
+        sim = simulate_policy(trace, policy, base, cost, overrides | sim_only | extra)
         out[name] = sim.to_json() | {"latencies_s": sim.latencies}  # per request, as the real runs'
         print(f"{name}: simulated {sim.mean_latency_s:.1f} / {sim.p99_latency_s:.1f} ({cost.source})",
               file=sys.stderr)  # fmt: skip
@@ -433,7 +432,7 @@ def main(argv=None) -> None:
     probe, traj, repredict_s = remaining_probe(served, texts, args.cap)
     print("measuring the cost model ...", file=sys.stderr)
     cost = measure_cost_model(served.model, reps=3, source="SmolLM2-135M fp32, measured in this run")
-    base = OnlineConfig(max_new_tokens=args.cap, repredict_every=REPREDICT_EVERY)
+    base = EngineConfig(max_new_tokens=args.cap, repredict_every=REPREDICT_EVERY)
     trace, capacity = timed_trace(ids, lengths, predicted, traj, cost, base, args, served)
     predictors = (predict_one, predict_s, probe, repredict_s)
     rounds, steps = [], []

@@ -17,7 +17,6 @@ else unchanged. No model runs: seconds.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import sys
@@ -26,7 +25,9 @@ from pathlib import Path
 from ecru.cliargs import ArgumentParser, existing_file, non_negative_float, positive_int, prepare_out_file
 from ecru.io import atomic_write_json
 from ecru.serve.cost import CostModel
-from ecru.serve.online import PREEMPT_MODES, OnlineConfig, poisson_arrivals, simulate_online
+from ecru.serve.names import PREEMPT_MODES
+from ecru.serve.online import poisson_arrivals, simulate_online, simulate_policy
+from ecru.serve.scheduler import EngineConfig
 
 BENCH = Path(__file__).resolve().parents[1]  # bench/: the product benchmark this study builds on
 if str(BENCH) not in sys.path:
@@ -46,12 +47,12 @@ def ratios_over_seeds(
     requests: int = 3000,
 ) -> dict:
     """name -> per-seed (mean, p99) latency over cb's, and their mean, std, min and max; `configs`: name ->
-    (policy, OnlineConfig overrides); cap and re-prediction interval as `data` (a serve_online JSON) ran;
+    (policy, EngineConfig overrides); cap and re-prediction interval as `data` (a serve_online JSON) ran;
     the prompt-only predictions are `predictor`'s; `requests` resampled per trace."""
     pp, run = data["per_prompt"], data["config"]
     lens, plens, pred = pp["true_lengths"], pp["prompt_lens"], pp["predicted"][predictor]
     traj = pp["remaining_trajectories"]
-    base = OnlineConfig(max_new_tokens=run["max_new_tokens"], repredict_every=run["repredict_every"])
+    base = EngineConfig(max_new_tokens=run["max_new_tokens"], repredict_every=run["repredict_every"])
     per = {name: [] for name in configs}
     for seed in range(seeds):
         idx = resample(len(lens), requests, seed)
@@ -59,8 +60,7 @@ def ratios_over_seeds(
         trace = build_trace(idx, poisson_arrivals(len(idx), rate, seed + 1), plens, lens, pred, traj)
         cb = simulate_online(trace, policy="cb", config=base, cost=cost)
         for name, (policy, overrides) in configs.items():
-            cfg = dataclasses.replace(base, predict_s=predict_s, **overrides)
-            r = simulate_online(trace, policy=policy, config=cfg, cost=cost)
+            r = simulate_policy(trace, policy, base, cost, {"predict_s": predict_s, **overrides})
             per[name].append((r.mean_latency_s / cb.mean_latency_s, r.p99_latency_s / cb.p99_latency_s,
                               r.peak_kv_tokens, r.preemptions))  # fmt: skip
     return {name: summary(rows) for name, rows in per.items()}

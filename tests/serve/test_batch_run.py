@@ -167,7 +167,9 @@ def test_engine_config_takes_fcfs_slack_only_with_cb_sjf():
     args = type("Args", (), {"policy": "cb-sjf", "max_batch_size": 4, "prefix_cache": 0, "fcfs_slack": 0.3,
                              "remaining_probe": None, "length_predictor": None})  # fmt: skip
     config = _engine_config(args, max_new_tokens=16)
-    assert config.fcfs_slack == 0.3 and config.aging == 0.0  # the deadline bounds the wait instead of aging
+    assert (
+        config.deadline == 0.3 and config.aging_per_step == 0.0
+    )  # the deadline bounds the wait instead of aging
     with pytest.raises(ValueError, match="fcfs_slack"):
         EngineConfig(policy="cb", fcfs_slack=0.3)
     with pytest.raises(ValueError, match="fcfs_slack"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ecru.serve.cost import CostModel
-from ecru.serve.online import OnlineConfig, OnlineRequest, simulate_online
+from ecru.serve.online import OnlineRequest, simulate_policy
 from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
 from ecru.serve.scheduler import run_in_steps
@@ -72,8 +72,8 @@ def run_simulator(policy: str, overrides: dict, work) -> tuple[list[int], int]:
     prompts, lengths, predicted, arrivals = work
     trace = [OnlineRequest(float(a), len(p), n, q, tuple(REMAINING), max_tokens=n)
              for p, n, q, a in zip(prompts, lengths, predicted, arrivals, strict=True)]  # fmt: skip
-    config = OnlineConfig(max_batch_size=ROWS, max_new_tokens=CAP, repredict_every=K, **overrides)
-    result = simulate_online(trace, policy=policy, config=config, cost=STEP)
+    config = EngineConfig(max_batch_size=ROWS, max_new_tokens=CAP, repredict_every=K)
+    result = simulate_policy(trace, policy, config, STEP, overrides)
     return [round(a + lat) for a, lat in zip(arrivals, result.latencies, strict=True)], result.preemptions
 
 

@@ -6,13 +6,22 @@ import math
 import pytest
 
 from ecru.serve.cost import CostModel
-from ecru.serve.online import OnlineConfig, OnlineRequest, simulate_online
+from ecru.serve.online import OnlineRequest, simulate_online, simulate_policy
+from ecru.serve.scheduler import EngineConfig
 
 UNIT = CostModel(1.0, 0.0, 0.0, 0.0, 0.0, source="1 s per decode step, free prefill")
 
 
-def config(**kw) -> OnlineConfig:
-    return OnlineConfig(**{"max_batch_size": 1, "max_new_tokens": 100, "refill_min": 1, **kw})
+BASE = EngineConfig(max_batch_size=1, max_new_tokens=100, refill_min=1)
+
+
+def config(**kw) -> dict:
+    """Overrides of BASE (`EngineConfig` fields and `online.SIM_KNOBS`)."""
+    return kw
+
+
+def run(trace, policy: str, overrides: dict, cost=UNIT):
+    return simulate_policy(trace, policy, BASE, cost, overrides)
 
 
 def finish_order(result, trace) -> list[int]:
@@ -24,7 +33,7 @@ def test_single_request_latency_and_tokens():
     # the prefill yields token 1, then n - 1 decode steps of 1 s each
     trace = [OnlineRequest(2.0, prompt_len=5, output_len=7)]
     for policy in ("fcfs", "cb", "cb-sjf", "oracle-srpt"):
-        r = simulate_online(trace, policy=policy, config=config(), cost=UNIT)
+        r = run(trace, policy, config())
         assert r.mean_latency_s == pytest.approx(6.0)
         assert r.tokens_per_s == pytest.approx(7 / 8.0)
         assert r.peak_kv_tokens == 5 + 6  # the widest cache a decode step ran over: prompt + 6 tokens
@@ -32,14 +41,14 @@ def test_single_request_latency_and_tokens():
 
 def test_output_capped_at_max_new_tokens():
     trace = [OnlineRequest(0.0, 3, 500)]
-    r = simulate_online(trace, policy="cb", config=config(max_new_tokens=10), cost=UNIT)
+    r = run(trace, "cb", config(max_new_tokens=10))
     assert r.mean_latency_s == pytest.approx(9.0)
 
 
 def test_sjf_admits_shortest_predicted_first():
     trace = [OnlineRequest(0.0, 4, n, predicted=p) for n, p in ((30, 30), (5, 50), (10, 1))]
-    cb = simulate_online(trace, policy="cb", config=config(aging=0.0), cost=UNIT)
-    sjf = simulate_online(trace, policy="cb-sjf", config=config(aging=0.0), cost=UNIT)
+    cb = run(trace, "cb", config(aging=0.0))
+    sjf = run(trace, "cb-sjf", config(aging=0.0))
     assert finish_order(cb, trace) == [0, 1, 2]
     assert finish_order(sjf, trace) == [2, 0, 1]  # by prediction, not by the true length
 
@@ -54,14 +63,14 @@ def _stream():
 
 def test_no_aging_starves_the_long_request():
     trace = _stream()
-    r = simulate_online(trace, policy="cb-sjf", config=config(aging=0.0), cost=UNIT)
+    r = run(trace, "cb-sjf", config(aging=0.0))
     assert finish_order(r, trace)[-1] == 1
 
 
 def test_aging_bounds_the_wait_in_tokens():
     trace = _stream()
     aging = 0.5
-    r = simulate_online(trace, policy="cb-sjf", config=config(aging=aging), cost=UNIT)
+    r = run(trace, "cb-sjf", config(aging=aging))
     # its key falls by 0.5 per second waited; a newcomer's is 3: it must run within (200 - 3) / 0.5 s
     assert r.latencies[1] <= (200 - 3) / aging + 2 * 3 + 1
     assert r.latencies[1] > 100  # but it did let short requests go first
@@ -70,9 +79,8 @@ def test_aging_bounds_the_wait_in_tokens():
 def test_oracle_srpt_preempts_a_long_row_for_a_short_one():
     trace = [OnlineRequest(0.0, 4, 80), OnlineRequest(10.5, 4, 3)]
     base = config(fcfs_slack=math.inf, repredict_every=4, preempt_margin=10, preempt_mode="recompute")
-    plain = simulate_online(trace, policy="oracle-srpt", config=dataclasses.replace(base, preempt_margin=math.inf),
-                            cost=UNIT)  # fmt: skip
-    pre = simulate_online(trace, policy="oracle-srpt", config=base, cost=UNIT)
+    plain = run(trace, "oracle-srpt", base | {"preempt_margin": math.inf})
+    pre = run(trace, "oracle-srpt", base)
     assert finish_order(plain, trace) == [0, 1] and plain.preemptions == 0
     assert finish_order(pre, trace) == [1, 0] and pre.preemptions == 1
     assert pre.latencies[1] < 5
@@ -86,16 +94,16 @@ def test_cb_srpt_uses_the_repredicted_remaining_length():
     long_row = OnlineRequest(0.0, 4, 80, predicted=5, remaining=(5.0, 76.0, 72.0))
     short = OnlineRequest(5.5, 4, 3, predicted=3)
     base = config(aging=0.0, fcfs_slack=math.inf, repredict_every=4, preempt_margin=10)
-    r = simulate_online([long_row, short], policy="cb-srpt", config=base, cost=UNIT)
+    r = run([long_row, short], "cb-srpt", base)
     assert r.preemptions == 1 and finish_order(r, [long_row, short]) == [1, 0]
     wrong = OnlineRequest(0.0, 4, 80, predicted=5, remaining=(5.0, 5.0, 5.0))  # never re-predicted long
-    r = simulate_online([wrong, short], policy="cb-srpt", config=base, cost=UNIT)
+    r = run([wrong, short], "cb-srpt", base)
     assert r.preemptions == 0
 
 
 def test_static_fcfs_batches_what_is_waiting():
     trace = [OnlineRequest(0.0, 4, 10), OnlineRequest(0.0, 6, 2), OnlineRequest(0.5, 4, 2)]
-    r = simulate_online(trace, policy="fcfs", config=config(max_batch_size=4), cost=UNIT)
+    r = run(trace, "fcfs", config(max_batch_size=4))
     # rows 0 and 1 form a batch at t=0 (10 tokens: 9 s); row 2 waits for it, then runs 1 s
     assert r.latencies == pytest.approx([9.0, 1.0, 9.5])
     assert r.peak_kv_tokens == 2 * (6 + 9)
@@ -103,9 +111,9 @@ def test_static_fcfs_batches_what_is_waiting():
 
 def test_config_validated():
     with pytest.raises(ValueError):
-        OnlineConfig(aging=-1)
+        run([OnlineRequest(0, 1, 1)], "cb", {"aging": -1})
     with pytest.raises(ValueError):
-        simulate_online([OnlineRequest(0, 1, 1)], policy="sjf", config=OnlineConfig(), cost=UNIT)
+        simulate_online([OnlineRequest(0, 1, 1)], policy="sjf", config=BASE, cost=UNIT)
 
 
 PREFILL = CostModel(1.0, 0.0, 0.0, 10.0, 0.0, source="1 s per decode step, 10 s per prefill forward")
@@ -113,8 +121,8 @@ PREFILL = CostModel(1.0, 0.0, 0.0, 10.0, 0.0, source="1 s per decode step, 10 s 
 
 def test_prefill_at_arrival_costs_a_lone_request_nothing_more():
     trace = [OnlineRequest(2.0, prompt_len=5, output_len=7, predicted=7)]
-    plain = simulate_online(trace, policy="cb-sjf", config=config(), cost=PREFILL)
-    early = simulate_online(trace, policy="cb-sjf", config=config(prefill_at_arrival=True), cost=PREFILL)
+    plain = run(trace, "cb-sjf", config(), PREFILL)
+    early = run(trace, "cb-sjf", config(prefill_at_arrival=True), PREFILL)
     assert early.latencies == plain.latencies == pytest.approx([10.0 + 6.0])
 
 
@@ -122,8 +130,8 @@ def test_prefill_at_arrival_does_the_waiting_requests_prefill_first():
     # two arrivals, one row: admission prefills the second when its turn comes; on arrival both are
     # prefilled first (forwards of at most one row here), so the first answer ends later, the total is equal
     trace = [OnlineRequest(0.0, 4, 3, predicted=3), OnlineRequest(0.0, 4, 3, predicted=3)]
-    plain = simulate_online(trace, policy="cb-sjf", config=config(), cost=PREFILL)
-    early = simulate_online(trace, policy="cb-sjf", config=config(prefill_at_arrival=True), cost=PREFILL)
+    plain = run(trace, "cb-sjf", config(), PREFILL)
+    early = run(trace, "cb-sjf", config(prefill_at_arrival=True), PREFILL)
     assert plain.latencies == pytest.approx([12.0, 24.0])
     assert early.latencies == pytest.approx([22.0, 24.0])
     # while the first row decodes (its widest cache: 4 + 2), the second's prompt KV (4) waits beside it
@@ -136,7 +144,7 @@ def test_a_lone_arrival_waits_for_company_only_while_the_batch_is_full():
     trace = [OnlineRequest(0.0, 4, 5, predicted=5), OnlineRequest(10.5, 4, 2, predicted=2),
              OnlineRequest(30.0, 4, 2, predicted=2)]  # fmt: skip
     cfg = config(refill_min=2, prefill_at_arrival=True)
-    r = simulate_online(trace, policy="cb-sjf", config=cfg, cost=PREFILL)
+    r = run(trace, "cb-sjf", cfg, PREFILL)
     # 0: prefill 0-10, steps to 14; 1: prefill 14-24, one step; 2: prefill 30-40, one step
     assert r.latencies == pytest.approx([14.0, 25.0 - 10.5, 41.0 - 30.0])
 
@@ -144,25 +152,23 @@ def test_a_lone_arrival_waits_for_company_only_while_the_batch_is_full():
 def test_arrival_kv_bound_drops_the_longest_predicted_and_prefills_it_again():
     trace = [OnlineRequest(0.0, 4, 3, predicted=p) for p in (3, 9, 3)]
     cfg = config(refill_min=3, prefill_at_arrival=True)
-    keep_all = simulate_online(trace, policy="cb-sjf", config=cfg, cost=PREFILL)
-    bounded = simulate_online(trace, policy="cb-sjf", config=dataclasses.replace(cfg, arrival_kv_requests=2),
-                              cost=PREFILL)  # fmt: skip
+    keep_all = run(trace, "cb-sjf", cfg, PREFILL)
+    bounded = run(trace, "cb-sjf", cfg | {"arrival_kv_requests": 2}, PREFILL)
     assert keep_all.time_s == pytest.approx(3 * 10 + 3 * 2)  # three one-row arrival forwards
     # request 1 (predicted 9) is prefilled again, with its first token: that forward yields its second
     assert bounded.time_s == pytest.approx(keep_all.time_s + 10 - 1)
 
 
 def test_prefill_at_arrival_charges_no_prediction_time():
-    with pytest.raises(ValueError, match="predict_s must be 0"):
-        OnlineConfig(prefill_at_arrival=True, predict_s=0.1)
+    with pytest.raises(ValueError, match="predict_s 0 with prefill_at_arrival"):
+        run([OnlineRequest(0, 1, 1)], "cb-sjf", {"prefill_at_arrival": True, "predict_s": 0.1})
     with pytest.raises(ValueError, match="arrival_kv_requests"):
-        OnlineConfig(arrival_kv_requests=0)
+        EngineConfig(arrival_kv_requests=0)
 
 
 def test_arrival_forwards_hold_at_most_max_batch_size_prompts():
     trace = [OnlineRequest(0.0, 4, 1, predicted=1) for _ in range(5)]  # answers end at the first token
-    r = simulate_online(trace, policy="cb-sjf", config=config(max_batch_size=2, prefill_at_arrival=True),
-                        cost=PREFILL)  # fmt: skip
+    r = run(trace, "cb-sjf", config(max_batch_size=2, prefill_at_arrival=True), PREFILL)
     assert r.time_s == pytest.approx(3 * 10)  # 5 arrivals: forwards of 2, 2 and 1 rows
 
 
@@ -172,8 +178,7 @@ def test_arrival_forwards_are_the_engines_groups_each_with_its_own_first_tokens(
     per_token = CostModel(1.0, 0.0, 0.0, 0.0, 1.0, source="1 s per prompt position")
     trace = [OnlineRequest(0.0, n, 1, predicted=1) for n in (4, 100, 4)]  # answers end at the first token
     assert arrival_groups([4, 100, 4], 2) == [[0, 2], [1]]
-    r = simulate_online(trace, policy="cb", config=config(max_batch_size=2, prefill_at_arrival=True),
-                        cost=per_token)  # fmt: skip
+    r = run(trace, "cb", config(max_batch_size=2, prefill_at_arrival=True), per_token)
     assert r.latencies == pytest.approx([8.0, 108.0, 8.0])  # 2 rows x 4, then 1 row x 100
 
 
@@ -181,7 +186,7 @@ def test_fcfs_slack_bounds_the_wait_by_the_backlog():
     # no aging: the long request would starve; with fcfs_slack 0.5 it waits 1.5 x the backlog of predicted
     # tokens (its own 200, capped at 100; a waiting short's 3; the running row's <= 3) on one row, in steps
     trace = _stream()
-    r = simulate_online(trace, policy="cb-sjf", config=config(aging=0.0, fcfs_slack=0.5), cost=UNIT)
+    r = run(trace, "cb-sjf", config(aging=0.0, fcfs_slack=0.5))
     assert 1.5 * 100 <= r.latencies[1] <= 1.5 * 106 + 3
     assert r.latencies[0] <= 3 and max(r.latencies[2:]) <= 3 + 3  # the short ones barely wait
 
@@ -192,25 +197,23 @@ def test_a_row_admitted_past_its_deadline_is_never_preempted():
     trace = [OnlineRequest(0.0, 4, 3, predicted=3), OnlineRequest(0.5, 4, 80, predicted=80)]
     trace += [OnlineRequest(1.0 + 2 * i, 4, 3, predicted=3) for i in range(100)]
     cfg = config(aging=0.0, fcfs_slack=0.0, repredict_every=4, preempt_margin=10)
-    r = simulate_online(trace, policy="oracle-srpt", config=cfg, cost=UNIT)
+    r = run(trace, "oracle-srpt", cfg)
     assert r.preemptions == 0 and r.latencies[1] <= 80 + 83 + 6
 
 
 def test_fcfs_slack_rejected_where_nothing_is_predicted_shortest_first():
     for policy in ("fcfs", "cb"):
         with pytest.raises(ValueError, match="fcfs_slack"):
-            simulate_online(_stream(), policy=policy, config=config(fcfs_slack=0.1), cost=UNIT)
+            run(_stream(), policy, config(fcfs_slack=0.1))
     with pytest.raises(ValueError, match="fcfs_slack"):
-        config(fcfs_slack=-0.1)
+        EngineConfig(policy="cb-sjf", fcfs_slack=-0.1)
 
 
 def test_a_preempted_row_that_keeps_its_kv_rejoins_without_a_prefill():
     trace = [OnlineRequest(0.0, 4, 80), OnlineRequest(10.5, 100, 3)]
     base = config(fcfs_slack=math.inf, repredict_every=4, preempt_margin=10)
-    plain = simulate_online(trace, policy="oracle-srpt", config=dataclasses.replace(base, preempt_margin=math.inf),
-                            cost=PREFILL)  # fmt: skip
-    runs = {mode: simulate_online(trace, policy="oracle-srpt", cost=PREFILL,
-                                  config=dataclasses.replace(base, preempt_mode=mode))
+    plain = run(trace, "oracle-srpt", base | {"preempt_margin": math.inf}, PREFILL)
+    runs = {mode: run(trace, "oracle-srpt", base | {"preempt_mode": mode}, PREFILL)
             for mode in ("recompute", "keep")}  # fmt: skip
     for r in runs.values():
         assert r.preemptions == 1 and finish_order(r, trace) == [1, 0]
@@ -224,14 +227,15 @@ def test_a_preempted_row_that_keeps_its_kv_rejoins_without_a_prefill():
     # cached tokens (the 5th is pending) beside that step
     assert runs["keep"].peak_kv_tokens == 100 + 2 + 4 + 4
     with pytest.raises(ValueError, match="preempt_mode"):
-        OnlineConfig(preempt_mode="swap")
+        EngineConfig(preempt_mode="swap")
 
 
 def test_plain_cb_srpt_is_the_shipped_configuration():
     from ecru.serve.names import FCFS_SLACK
 
-    engine = OnlineConfig().engine("cb-srpt")
-    assert (engine.fcfs_slack, engine.aging, engine.preempt_mode) == (FCFS_SLACK, 0.0, "keep")
-    assert OnlineConfig().engine("cb-sjf").deadline is None and OnlineConfig().engine("cb-sjf").aging == 0.1
-    study = OnlineConfig(fcfs_slack=math.inf, preempt_mode="recompute").engine("cb-srpt")
-    assert study.deadline is None and study.aging == 0.1 and study.preempt_mode == "recompute"
+    engine = EngineConfig(policy="cb-srpt")
+    assert (engine.deadline, engine.aging_per_step, engine.preempt_mode) == (FCFS_SLACK, 0.0, "keep")
+    sjf = dataclasses.replace(engine, policy="cb-sjf")  # the defaults follow the policy
+    assert sjf.deadline is None and sjf.aging_per_step == 0.1
+    study = EngineConfig(policy="cb-srpt", fcfs_slack=math.inf, preempt_mode="recompute")
+    assert study.deadline is None and study.aging_per_step == 0.1 and study.preempt_mode == "recompute"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ecru.serve.cost import CostModel, StepWork
-from ecru.serve.online import OnlineConfig
+from ecru.serve.scheduler import EngineConfig
 from tests.bench_scripts import load_bench_script
 
 from .conftest import RunsLong
@@ -52,7 +52,7 @@ def small_online_tables(bench, **kw) -> dict:
     idx = bench.resample(len(lengths), 200, seed=0)
     preds = {"constant": ([50.0] * 40, 0.0), "probe": (list(map(float, lengths)), 0.0)}
     traj = [[n - t for t in range(0, n, 16)] for n in lengths]
-    base = OnlineConfig(max_batch_size=4, max_new_tokens=128)
+    base = EngineConfig(max_batch_size=4, max_new_tokens=128)
     return bench.online_tables(idx, [5] * 40, lengths, preds, traj, 0.0, base, UNIT, seed=0, **kw)
 
 
@@ -88,7 +88,7 @@ def test_online_tables_with_a_slack_add_the_fcfs_deadline_policies(bench):
 def test_slack_curve_trades_mean_for_tail(bench):
     lengths = [3, 200, 5, 150, 4, 8] * 40
     idx = bench.resample(len(lengths), 1500, seed=1)
-    base = OnlineConfig(max_batch_size=2, max_new_tokens=256, refill_min=1)
+    base = EngineConfig(max_batch_size=2, max_new_tokens=256, refill_min=1)
     capacity = bench.saturated_capacity(idx, [5] * len(lengths), lengths, base, UNIT)
     arrivals = bench.poisson_arrivals(len(idx), 1.2 * capacity, seed=2)
     trace = bench.build_trace(idx, arrivals, [5] * len(lengths), lengths, list(map(float, lengths)), None)

@@ -42,9 +42,9 @@ _EXPORTS = {
     "ecru.serve.models": ("ServedModel",),
     "ecru.serve.online": (
         "ONLINE_POLICIES",
-        "OnlineConfig",
         "OnlineRequest",
         "simulate_online",
+        "simulate_policy",
     ),
     "ecru.serve.openai_api": ("create_app",),
     "ecru.serve.packed": (

@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from ecru.serve.cost import CostModel
-from ecru.serve.names import ONLINE_POLICIES, PREEMPT_MODES
+from ecru.serve.names import ONLINE_POLICIES
 from ecru.serve.scheduler import EngineConfig, Scheduler
 from ecru.serve.sim_runner import SimulatedRunner
 
@@ -46,81 +46,17 @@ class OnlineRequest:
     prompt_len: int
     """Prompt tokens (chat template included)."""
     output_len: int
-    """True answer length in tokens (capped by `OnlineConfig.max_new_tokens` when served)."""
+    """True answer length in tokens (capped by `EngineConfig.max_new_tokens` when served)."""
     predicted: float = 0.0
     """Prompt-only predicted answer length (cb-sjf; cb-srpt before its first re-prediction)."""
     remaining: tuple[float, ...] = ()
     """cb-srpt: predicted remaining length after 0, k, 2k, ... generated tokens (k = repredict_every);
     entry 0 is unused (the prompt-only `predicted` stands there)."""
     max_tokens: int | None = None
-    """Its own cap, as a client's max_tokens (None: `OnlineConfig.max_new_tokens`)."""
+    """Its own cap, as a client's max_tokens (None: `EngineConfig.max_new_tokens`)."""
 
     def cap(self, max_new_tokens: int) -> int:
         return max_new_tokens if self.max_tokens is None else min(self.max_tokens, max_new_tokens)
-
-
-@dataclass(frozen=True)
-class OnlineConfig:
-    """Limits and knobs of the online simulator."""
-
-    max_batch_size: int = 16
-    """Rows decoded together at most."""
-    max_new_tokens: int = 256
-    """Cap on generated tokens per request."""
-    refill_min: int = 4
-    """Continuous policies admit only when this many rows are free (or the batch is empty), as the engine."""
-    repredict_every: int = 16
-    """cb-srpt: tokens between re-predictions of a running row's remaining length."""
-    aging: float | None = None
-    """Priority tokens gained per decode step waited (`EngineConfig.aging`; None: the policy's shipped default)."""
-    preempt_margin: float = 64.0
-    """cb-srpt, oracle-srpt: a full batch swaps a just re-predicted row for a waiting request predicted this many
-    tokens shorter (inf: never preempt)."""
-    preempt_mode: str = "keep"
-    """What a preempted row's KV does: "keep" holds it while the row waits (counted in `peak_kv_tokens`) and
-    the row rejoins the batch without a forward; "recompute" drops it and the row is prefilled again with its
-    tokens when readmitted."""
-    predict_s: float = 0.0
-    """Seconds of prompt-only prediction per request (cb-sjf, cb-srpt), charged on arrival."""
-    repredict_s: float = 0.0
-    """Seconds per row per re-prediction (cb-srpt)."""
-    prefill_at_arrival: bool = False
-    """The engine's prefill on arrival (`RequestEngine(state_predictor=...)`; cb too): prompts are
-    prefilled as they arrive and the prompt-only prediction is read from that forward's hidden states (the
-    probe's features), so `predict_s` must be 0. Arrived prompts are prefilled once `refill_min` of them
-    wait unprefilled or the batch could take them now (running + waiting < `max_batch_size`), in the
-    engine's `arrival_groups` (similar lengths, at most `max_batch_size` rows); each gets its first token
-    there and its KV waits with it, queued in arrival order, so admission needs no forward."""
-    fcfs_slack: float | None = None
-    """cb-sjf, cb-srpt, oracle-srpt: the FCFS deadline (`EngineConfig.fcfs_slack`; inf: off; None: the policy's
-    shipped default, on for cb-srpt)."""
-    arrival_kv_requests: int = 256
-    """Waiting requests whose KV is kept at most (prefilled on arrival, or preempted with `preempt_mode`
-    keep); beyond, the longest-predicted one's KV is dropped and it is prefilled again (prompt and the
-    tokens it has) when admitted."""
-
-    def __post_init__(self):
-        if min(self.max_batch_size, self.max_new_tokens, self.refill_min, self.repredict_every) < 1:
-            raise ValueError("max_batch_size, max_new_tokens, refill_min, repredict_every must be >= 1")
-        if min(self.aging or 0.0, self.preempt_margin, self.predict_s, self.repredict_s) < 0:
-            raise ValueError("aging, preempt_margin, predict_s, repredict_s must be >= 0")
-        if self.fcfs_slack is not None and self.fcfs_slack < 0:
-            raise ValueError(f"fcfs_slack must be >= 0 (inf: off), got {self.fcfs_slack}")
-        if self.arrival_kv_requests < 1:
-            raise ValueError(f"arrival_kv_requests must be >= 1, got {self.arrival_kv_requests}")
-        if self.preempt_mode not in PREEMPT_MODES:
-            raise ValueError(f"preempt_mode must be one of {PREEMPT_MODES}, got {self.preempt_mode!r}")
-        if self.prefill_at_arrival and self.predict_s:
-            raise ValueError("prefill_at_arrival reads the prediction from the prefill: predict_s must be 0")
-
-    def engine(self, policy: str) -> EngineConfig:
-        """The engine's configuration of `policy` (a continuous one; oracle-srpt is cb-srpt) with these limits."""
-        return EngineConfig(
-            policy="cb-srpt" if policy == "oracle-srpt" else policy, max_batch_size=self.max_batch_size,
-            max_new_tokens=self.max_new_tokens, refill_min=self.refill_min, aging=self.aging,
-            fcfs_slack=self.fcfs_slack, prefix_cache=0, arrival_kv_requests=self.arrival_kv_requests,
-            repredict_every=self.repredict_every, preempt_mode=self.preempt_mode, preempt_margin=self.preempt_margin,
-        )  # fmt: skip
 
 
 @dataclass
@@ -172,21 +108,62 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 def simulate_online(
-    trace: Sequence[OnlineRequest], *, policy: str, config: OnlineConfig, cost: CostModel
+    trace: Sequence[OnlineRequest],
+    *,
+    config: EngineConfig,
+    cost: CostModel,
+    policy: str | None = None,
+    predict_s: float = 0.0,
+    repredict_s: float = 0.0,
+    prefill_at_arrival: bool = False,
 ) -> OnlineResult:
-    """Serve `trace` (any order of arrivals) with `policy`; latency = finish - arrival per request."""
+    """Serve `trace` (any order of arrivals) with `policy` (`ONLINE_POLICIES`; None: `config.policy`) under
+    `config`'s limits and knobs; latency = finish - arrival per request. `predict_s`: seconds of prompt-only
+    prediction per request (cb-sjf, cb-srpt), charged on arrival; `repredict_s`: seconds per row per
+    re-prediction (cb-srpt); `prefill_at_arrival`: the engine's prefill on arrival
+    (`RequestEngine(state_predictor=...)`, cb too), whose forward gives the prompt-only prediction, so
+    `predict_s` must be 0."""
+    policy = config.policy if policy is None else policy
     if policy not in ONLINE_POLICIES:
         raise ValueError(f"unknown online policy {policy!r}; choose from {', '.join(ONLINE_POLICIES)}")
     if not trace:
         raise ValueError("the trace is empty")
-    if config.fcfs_slack not in (None, math.inf) and policy in ("fcfs", "cb"):
-        raise ValueError(f"fcfs_slack orders predicted-shortest-first admission: not for policy {policy!r}")
+    if min(predict_s, repredict_s) < 0 or (prefill_at_arrival and predict_s):
+        raise ValueError("predict_s and repredict_s must be >= 0, and predict_s 0 with prefill_at_arrival "
+                         "(the prediction is read from the prefill)")  # fmt: skip
     if policy == "fcfs":
+        if config.fcfs_slack not in (None, math.inf):
+            raise ValueError("fcfs_slack orders predicted-shortest-first admission: not for policy 'fcfs'")
         return _simulate_static(trace, config, cost)
-    return _simulate_continuous(trace, policy, config, cost)
+    engine = dataclasses.replace(
+        config, policy="cb-srpt" if policy == "oracle-srpt" else policy, prefix_cache=0
+    )
+    charge = predict_s if policy in ("cb-sjf", "cb-srpt") else 0.0
+    return _simulate_continuous(trace, policy, engine, cost, charge, repredict_s, prefill_at_arrival)
 
 
-def _simulate_static(trace: Sequence[OnlineRequest], config: OnlineConfig, cost: CostModel) -> OnlineResult:
+SIM_KNOBS = ("predict_s", "repredict_s", "prefill_at_arrival")
+"""`simulate_online`'s own knobs, beside `EngineConfig`'s fields."""
+
+
+def simulate_policy(
+    trace: Sequence[OnlineRequest],
+    policy: str,
+    base: EngineConfig,
+    cost: CostModel,
+    overrides: Mapping | None = None,
+) -> OnlineResult:
+    """`simulate_online` of `policy` under `base` with `overrides` (`EngineConfig` fields and `SIM_KNOBS`):
+    the benchmarks' tables of named configurations."""
+    overrides = overrides or {}
+    knobs = {k: v for k, v in overrides.items() if k in SIM_KNOBS}
+    fields = {k: v for k, v in overrides.items() if k not in SIM_KNOBS}
+    engine = {"fcfs": "cb", "oracle-srpt": "cb-srpt"}.get(policy, policy)
+    config = dataclasses.replace(base, policy=engine, **fields)
+    return simulate_online(trace, policy=policy, config=config, cost=cost, **knobs)
+
+
+def _simulate_static(trace: Sequence[OnlineRequest], config: EngineConfig, cost: CostModel) -> OnlineResult:
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     finish, clock, peak, tokens, pos = [0.0] * len(trace), 0.0, 0, 0, 0
     while pos < len(order):
@@ -214,17 +191,17 @@ def oracle(request: OnlineRequest, *, every: int, cap: int) -> OnlineRequest:
                                                                            range((n - 1) // every + 1)))  # fmt: skip
 
 
-def _simulate_continuous(trace, policy: str, config: OnlineConfig, cost: CostModel) -> OnlineResult:
+def _simulate_continuous(
+    trace, policy, config: EngineConfig, cost, charge, repredict_s, at_arrival
+) -> OnlineResult:
     """The engine's scheduler on a `SimulatedRunner`; requests join at their arrival second."""
     cap, every = config.max_new_tokens, config.repredict_every
     if policy == "oracle-srpt":
         trace = [oracle(r, every=every, cap=cap) for r in trace]
-    srpt = policy in ("cb-srpt", "oracle-srpt")
-    sched = Scheduler(config.engine(policy), srpt=srpt, on_arrival=config.prefill_at_arrival)
+    sched = Scheduler(config, srpt=config.policy == "cb-srpt", on_arrival=at_arrival)
     runner = SimulatedRunner([r.prompt_len for r in trace], [max(1, min(r.output_len, r.cap(cap))) for r in trace],
                              cost=cost, predicted=[r.predicted for r in trace], remaining=[r.remaining for r in trace],
-                             repredict_every=every, repredict_s=config.repredict_s)  # fmt: skip
-    charge = config.predict_s if policy in ("cb-sjf", "cb-srpt") else 0.0
+                             repredict_every=every, repredict_s=repredict_s)  # fmt: skip
     pending = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
     pos = 0
     while pos < len(pending) or sched.has_unfinished():
@@ -233,7 +210,7 @@ def _simulate_continuous(trace, policy: str, config: OnlineConfig, cost: CostMod
         while pos < len(pending) and trace[pending[pos]].arrival_s <= runner.clock:
             i = pending[pos]
             runner.clock += charge
-            predicted = None if config.prefill_at_arrival else trace[i].predicted
+            predicted = None if at_arrival else trace[i].predicted
             sched.add(i, trace[i].prompt_len, trace[i].cap(cap), predicted)
             pos += 1
         sched.upcoming = len(pending) - pos

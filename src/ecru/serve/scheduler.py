@@ -85,10 +85,6 @@ class EngineConfig:
     def __post_init__(self):
         if self.policy not in ENGINE_POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose from {', '.join(ENGINE_POLICIES)}")
-        if self.fcfs_slack is None:  # the shipped configuration
-            object.__setattr__(self, "fcfs_slack", FCFS_SLACK if self.policy == "cb-srpt" else math.inf)
-        if self.aging is None:
-            object.__setattr__(self, "aging", DEFAULT_AGING if self.deadline is None else 0.0)
         ints = ("max_batch_size", "max_new_tokens", "refill_min", "kv_prompt_tokens", "kv_row_factor",
                 "arrival_kv_requests", "repredict_every")  # fmt: skip
         for name in ints:
@@ -96,19 +92,34 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefix_cache < 0:
             raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {self.prefix_cache}")
-        if self.aging < 0:
+        if self.aging_per_step < 0:
             raise ValueError(f"aging must be >= 0, got {self.aging}")
-        if self.fcfs_slack < 0 or (self.deadline is not None and self.policy not in SJF_POLICIES):
+        slack = self.fcfs_slack
+        if (slack is not None and slack < 0) or (
+            self.deadline is not None and self.policy not in SJF_POLICIES
+        ):
             raise ValueError(f"fcfs_slack must be >= 0 and needs policy cb-sjf or cb-srpt (inf: off), got "
-                             f"{self.fcfs_slack} with {self.policy}")  # fmt: skip
+                             f"{slack} with {self.policy}")  # fmt: skip
         if self.preempt_margin < 0 or self.preempt_mode not in PREEMPT_MODES:
             raise ValueError(f"preempt_margin must be >= 0 and preempt_mode one of {PREEMPT_MODES}; got "
                              f"{self.preempt_margin}, {self.preempt_mode!r}")  # fmt: skip
 
     @property
     def deadline(self) -> float | None:
-        """The FCFS deadline's slack, None when off."""
-        return None if math.isinf(self.fcfs_slack) else self.fcfs_slack
+        """The FCFS deadline's slack, None when off (`fcfs_slack`, or the policy's shipped default)."""
+        slack = (
+            (FCFS_SLACK if self.policy == "cb-srpt" else math.inf)
+            if self.fcfs_slack is None
+            else self.fcfs_slack
+        )
+        return None if math.isinf(slack) else slack
+
+    @property
+    def aging_per_step(self) -> float:
+        """The aging in force (`aging`, or the policy's default)."""
+        if self.aging is not None:
+            return self.aging
+        return DEFAULT_AGING if self.deadline is None else 0.0
 
     def continuous(self) -> ContinuousConfig:
         """The admitter's limits."""
@@ -277,7 +288,7 @@ class Scheduler:
 
     def _sjf_queue(self) -> SJFQueue:
         cfg = self.config
-        return SJFQueue(self._predicted, aging=cfg.aging, fcfs_slack=cfg.deadline, rows=cfg.max_batch_size,
+        return SJFQueue(self._predicted, aging=cfg.aging_per_step, fcfs_slack=cfg.deadline, rows=cfg.max_batch_size,
                         running_tokens=self._running_tokens)  # fmt: skip
 
     def _running_tokens(self) -> float:
@@ -397,7 +408,7 @@ class Scheduler:
         if len(self.running) < self.max_rows or not len(queue):
             return
         left = {k: self.seqs[k].predicted - self.seqs[k].generated for k in repredicted}
-        key = {k: left[k] - cfg.aging * queue.waited(k) for k in repredicted}
+        key = {k: left[k] - cfg.aging_per_step * queue.waited(k) for k in repredicted}
         stay = queue.past_deadline | {k for k in repredicted if queue.would_be_overdue(queue.waited(k))}
         victims = sorted((k for k in repredicted if k not in stay), key=key.get, reverse=True)
         waiting = queue.smallest(self.limits.refill_min, now=self.steps)
