@@ -1,8 +1,9 @@
 """Online serving in the simulator: requests arrive over time (seconds), a policy decides who runs.
 
 Policies (`ONLINE_POLICIES`):
-- `fcfs`: static batching; when the model is idle, up to `max_batch_size` waiting requests (arrival order)
-  form one batch that runs until its longest answer ends (a row's answer is complete at its own last token);
+- `fcfs`: static batching on the static policies' executor; when the model is idle, up to `max_batch_size`
+  waiting requests (arrival order) form one batch that runs until its longest answer ends (a row's answer is
+  complete at its own last token);
 - `cb`: continuous batching, first come first served;
 - `cb-sjf`: continuous batching, shortest predicted (prompt-only) answer admitted first;
 - `cb-srpt`: shortest predicted *remaining* answer first: every `repredict_every` tokens a running row's
@@ -33,8 +34,10 @@ import numpy as np
 
 from ecru.serve.cost import CostModel
 from ecru.serve.names import ONLINE_POLICIES
+from ecru.serve.policies import Batch, PlanConfig, run_plan
 from ecru.serve.scheduler import EngineConfig, Scheduler
 from ecru.serve.sim_runner import SimulatedRunner
+from ecru.serve.simulator import TraceBatches, TraceRequest
 
 
 @dataclass(frozen=True)
@@ -164,24 +167,25 @@ def simulate_policy(
 
 
 def _simulate_static(trace: Sequence[OnlineRequest], config: EngineConfig, cost: CostModel) -> OnlineResult:
+    """Static batches on the static policies' executor (`policies.run_plan` on `simulator.TraceBatches`):
+    when the model is idle, the requests that have arrived form batches of `max_batch_size`."""
+    cap = config.max_new_tokens
+    plan = PlanConfig(batch_size=config.max_batch_size, max_new_tokens=cap)
+    lengths = [TraceRequest(r.prompt_len, max(1, min(r.output_len, cap))) for r in trace]
+    runner = TraceBatches(lengths, plan, cost, start_s=0.0)
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
-    finish, clock, peak, tokens, pos = [0.0] * len(trace), 0.0, 0, 0, 0
+    pos = 0
     while pos < len(order):
-        clock = max(clock, trace[order[pos]].arrival_s)
-        batch = []
+        runner.clock = max(runner.clock, trace[order[pos]].arrival_s)
+        rows = []
         while (
-            pos < len(order) and len(batch) < config.max_batch_size and trace[order[pos]].arrival_s <= clock
+            pos < len(order) and len(rows) < plan.batch_size and trace[order[pos]].arrival_s <= runner.clock
         ):
-            batch.append(order[pos])
+            rows.append(order[pos])
             pos += 1
-        lens = [max(1, min(trace[i].output_len, config.max_new_tokens)) for i in batch]
-        prompt = max(trace[i].prompt_len for i in batch)
-        for i, n in zip(batch, lens, strict=True):
-            finish[i] = clock + cost.batch_time(len(batch), prompt, n)
-        clock += cost.batch_time(len(batch), prompt, max(lens))
-        peak = max(peak, len(batch) * (prompt + max(lens) - 1))
-        tokens += sum(lens)
-    return _result("fcfs", trace, finish, tokens, clock, peak, 0)
+        run_plan([Batch(tuple(rows), cap)], runner, plan)
+    finish = [runner.last_token[i] for i in range(len(trace))]
+    return _result("fcfs", trace, finish, sum(r.output_len for r in lengths), runner.clock, runner.peak, 0)
 
 
 def oracle(request: OnlineRequest, *, every: int, cap: int) -> OnlineRequest:

@@ -100,25 +100,32 @@ class TraceBatches:
 
     def __init__(self, trace: Sequence[TraceRequest], config: PlanConfig, cost: CostModel, *, start_s: float):
         self.trace, self.config, self.cost = trace, config, cost
-        self.clock, self.slots, self.steps, self.batches, self.reruns = start_s, 0, 0, 0, 0
+        self.clock, self.slots, self.steps, self.batches, self.reruns, self.peak = start_s, 0, 0, 0, 0, 0
         self.generated: dict[int, int] = {}
         """Tokens a cut row keeps for its resumed rerun (they join its prompt)."""
         self.done_at: dict[int, float] = {}
+        """When the batch that completed each row returned."""
+        self.last_token: dict[int, float] = {}
+        """When each row's last token came out (a streaming client's latency)."""
 
     def run(self, batch: Batch) -> set[int]:
-        had, trace, cap = self.generated, self.trace, self.config.max_new_tokens
-        steps = max(
-            min(trace[r].output_len - had.get(r, 0), batch.cap, cap - had.get(r, 0)) for r in batch.rows
-        )
-        prompt = max(trace[r].prompt_len + had.get(r, 0) for r in batch.rows)
-        if batch.rerun and self.config.keep_kv and all(had.get(r, 0) for r in batch.rows):
-            # every row's KV was kept (a row cut at cap 0 has none): no prefill, prompt - 1 positions cached
-            self.clock += self.cost.decode_time(len(batch.rows), prompt - 1, steps)
-        else:
-            self.clock += self.cost.batch_time(len(batch.rows), prompt, steps)
-        self.slots += len(batch.rows) * steps
+        had, trace, rows = self.generated, self.trace, batch.rows
+        own = {r: min(trace[r].output_len - had.get(r, 0), batch.cap, self.config.max_new_tokens - had.get(r, 0))
+               for r in rows}  # fmt: skip
+        steps, prompt = max(own.values()), max(trace[r].prompt_len + had.get(r, 0) for r in rows)
+        # a rerun whose every row kept its KV (a row cut at cap 0 has none): no prefill, prompt - 1 cached
+        kept = batch.rerun and self.config.keep_kv and all(had.get(r, 0) for r in rows)
+
+        def seconds(n: int) -> float:
+            time = self.cost.decode_time if kept else self.cost.batch_time
+            return time(len(rows), prompt - kept, n)
+
+        self.last_token |= {r: self.clock + seconds(n) for r, n in own.items()}
+        self.clock += seconds(steps)
+        self.peak = max(self.peak, len(rows) * (prompt + steps - 1))
+        self.slots += len(rows) * steps
         self.steps += steps
-        return {r for r in batch.rows if trace[r].output_len <= batch.cap}
+        return {r for r in rows if trace[r].output_len <= batch.cap}
 
     def collect(self, batch: Batch, cut: list[int]) -> None:
         if self.config.resume:
