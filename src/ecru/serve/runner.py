@@ -133,30 +133,6 @@ class ModelBatches:
         ]
 
 
-def run_continuous(
-    model,
-    prompts,
-    *,
-    policy: str,
-    predicted,
-    gen: GenerationConfig,
-    config: ContinuousConfig,
-    aging: float = DEFAULT_AGING,
-    predict_s: float = 0.0,
-) -> PolicyRun:
-    """`cb` (FCFS admission), `cb-sjf` (shortest predicted first) or `cb-ljf` (longest first), aged;
-    `cb-kv` (FCFS, KV reserved by predicted length under `config.kv_budget`; preemptions count as failures)."""
-    queue = make_queue(policy, predicted, aging=aging)
-    reserve = reservations(policy, predicted)
-    start = time.perf_counter()
-    result = generate_continuous(model, prompts, queue=queue, gen=gen, config=config, reserve=reserve)
-    wall = predict_s + time.perf_counter() - start
-    finish = [predict_s + t for t in result.finish_s]
-    return PolicyRun(
-        policy, result.tokens, finish, wall, result.slots, result.preemptions, result.peak_kv_tokens
-    )
-
-
 def reservations(policy: str, predicted: Sequence[float] | None) -> Sequence[float] | None:
     """The answer tokens each request reserves: its predicted length under `cb-kv`, none (the cap) under
     the other continuous policies."""
@@ -198,25 +174,16 @@ def run_policy(
     """Run any policy of `POLICIES`; `predicted` is unused by fcfs and cb (pass the true lengths for oracle)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    if policy in CONTINUOUS_POLICIES:
-        config = continuous_config(policy, plan, [len(p) for p in prompts], refill_min=refill_min)
-        return run_continuous(
-            model,
-            prompts,
-            policy=policy,
-            predicted=predicted,
-            gen=gen,
-            config=config,
-            aging=aging,
-            predict_s=predict_s,
-        )
-    return run_static(
-        model,
-        prompts,
-        policy=policy,
-        predicted=predicted,
-        gen=gen,
-        plan=plan,
-        predict_s=predict_s,
-        progress=progress,
+    if policy not in CONTINUOUS_POLICIES:
+        return run_static(model, prompts, policy=policy, predicted=predicted, gen=gen, plan=plan,
+                          predict_s=predict_s, progress=progress)  # fmt: skip
+    # cb (FCFS admission), cb-sjf (shortest predicted first), cb-ljf (longest first), aged; cb-kv (FCFS, KV
+    # reserved by predicted length under the budget; preemptions count as failures)
+    config = continuous_config(policy, plan, [len(p) for p in prompts], refill_min=refill_min)
+    queue, reserve = make_queue(policy, predicted, aging=aging), reservations(policy, predicted)
+    start = time.perf_counter()
+    result = generate_continuous(model, prompts, queue=queue, gen=gen, config=config, reserve=reserve)
+    wall, finish = predict_s + time.perf_counter() - start, [predict_s + t for t in result.finish_s]
+    return PolicyRun(
+        policy, result.tokens, finish, wall, result.slots, result.preemptions, result.peak_kv_tokens
     )

@@ -36,6 +36,7 @@ from ecru.serve.continuous import (
     admissions,
     arrival_groups,
     arrival_prefill_due,
+    kv_budget_config,
 )
 from ecru.serve.names import ENGINE_POLICIES, FCFS_SLACK, PREEMPT_MODES, SJF_POLICIES
 from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue
@@ -125,10 +126,8 @@ class EngineConfig:
         """The admitter's limits."""
         if self.policy != "cb-kv":
             return ContinuousConfig(self.max_batch_size, self.max_new_tokens, self.refill_min)
-        budget = self.max_batch_size * (self.max_new_tokens + self.kv_prompt_tokens)
-        rows = self.max_batch_size * self.kv_row_factor
-        return ContinuousConfig(rows, self.max_new_tokens, self.refill_min, kv_budget=budget,
-                                kv_accounting="padded")  # fmt: skip
+        return kv_budget_config(self.max_batch_size, self.max_new_tokens, [self.kv_prompt_tokens],
+                                refill_min=self.refill_min, row_factor=self.kv_row_factor, accounting="padded")  # fmt: skip
 
 
 @dataclass
@@ -437,11 +436,6 @@ class Scheduler:
             del self.kept[key]
             dropped.append(key)
         return dropped
-
-    @property
-    def kept_tokens(self) -> int:
-        """KV positions kept for waiting requests."""
-        return sum(n for n, _ in self.kept.values())
 
 
 def run_in_steps(
