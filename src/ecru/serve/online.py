@@ -15,11 +15,9 @@ Policies (`ONLINE_POLICIES`):
 Every continuous policy is the engine's own `Scheduler` (`scheduler.py`) driven by a `SimulatedRunner`
 (`sim_runner.py`: the trace's lengths on a cost-model clock), so admission, aging (tokens of priority per
 decode step waited), the FCFS deadline (`fcfs_slack`), preemption and kept KV are the engine's by
-construction. `oracle-srpt` is `cb-srpt` whose predictions are the true (remaining) lengths. Prompt-only
-prediction costs `predict_s` per request (charged on arrival) and re-prediction `repredict_s` per row,
-both on the serving clock. With `prefill_at_arrival` (the engine's prefill on arrival) the prompt-only
-prediction rides on the prompt's own prefill, done when it arrives; its KV (counted in `peak_kv_tokens`)
-waits with it and admission costs no forward.
+construction. `oracle-srpt` is `cb-srpt` whose predictions are the true (remaining) lengths. With
+`prefill_at_arrival` the prompt-only prediction rides on the prompt's own prefill, done when it arrives; its
+KV (counted in `peak_kv_tokens`) waits with it and admission costs no forward.
 """
 
 from __future__ import annotations
