@@ -1,6 +1,7 @@
 """`L2L`: layer-to-layer training (Pudipeddi et al., arXiv 2002.05645) from an eager parameter server.
 
-One `step`:
+One `step` executes its plan (ecru.l2l.plan: the order of fetches, prefetches, forwards, backwards and
+updates, computed from the settings by a pure function); each op's handler below is the mechanism:
   forward   stem, then for each block: load its weights once, run every micro-batch without autograd,
             keeping only the block's input; the head computes each micro-batch's weighted loss and its
             gradient at once.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,16 +47,63 @@ from torch.profiler import record_function
 from ecru.l2l.collectives import Collectives, data_parallel_group
 from ecru.l2l.config import L2LConfig, L2LInputError, check_device
 from ecru.l2l.parts import ForwardOutput, MicroBatch, ModelParts
+from ecru.l2l.plan import (
+    RESIDENT,  # group of the stem and head; block i is group i + 1
+    Backward,
+    Begin,
+    Collect,
+    Evict,
+    Fetch,
+    Forward,
+    Head,
+    Phase,
+    PlanConfig,
+    Prefetch,
+    StemBackward,
+    StemForward,
+    StepAll,
+    StepPlan,
+    Synchronize,
+    Update,
+    step_plan,
+)
 from ecru.l2l.rng import RngState, capture, replay
 from ecru.l2l.scaling import LossScale
 from ecru.l2l.stash import ActivationStash
 from ecru.l2l.store import OptimizerFactory, ParameterStore, Store
 from ecru.l2l.workspace import Workspace
 
-RESIDENT = 0  # group of the stem and head; block i is group i + 1
 Binding = list[tuple[str, int]]  # (parameter name in the piece, index in its group)
-# a kept block's autograd leaves (index in its group -> weight) and, per micro-batch, (input leaf or None, output)
-KeptGraphs = tuple[dict[int, torch.Tensor], list[int], list[tuple[torch.Tensor | None, torch.Tensor | None]]]
+# a kept block's autograd leaves (index in its group -> weight), its trainable indices and, per micro-batch,
+# (input leaf or None, output), None once its backward has run
+KeptGraphs = tuple[
+    dict[int, torch.Tensor], list[int], list[tuple[torch.Tensor | None, torch.Tensor | None] | None]
+]
+
+
+@dataclass(eq=False)
+class _Run:
+    """What one step's ops share: per micro-batch hidden states, block contexts and gradients, the fetched
+    groups' device weights and autograd leaves, the forward's RNG states and the kept graphs."""
+
+    micro: list[MicroBatch]
+    loss_scale: float
+    head_scale: float
+    """The loss scale times this rank's share of the loss normaliser: what the head's loss is seeded with."""
+    device: torch.device
+    hidden: list = field(init=False)
+    contexts: list = field(init=False)
+    grads: list = field(init=False)
+    loss: torch.Tensor = field(init=False)
+    weights: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    leaves: dict[tuple[int, str], tuple[dict[int, torch.Tensor], list[int]]] = field(default_factory=dict)
+    rng: dict[tuple[int, int], RngState] = field(default_factory=dict)
+    kept: dict[int, KeptGraphs] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.micro)
+        self.hidden, self.contexts, self.grads = [None] * n, [None] * n, [None] * n
+        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
 
 
 class L2L:
@@ -108,8 +157,8 @@ class L2L:
             else None
         )
         self._rng_devices = (self.device.index,) if self.device.type == "cuda" else ()
-        self._rng: dict[tuple[int, int], RngState] = {}
-        self._kept: dict[int, KeptGraphs] = {}  # block -> its kept forward graphs (keep_graph_blocks)
+        self._handlers = self._op_handlers()
+        self._run: _Run | None = None  # the state of the step in progress
         self.steps = self.store.step  # a disk store resumes from its last complete step
         if self.store.extra.get("rng") is not None:
             torch.set_rng_state(self.store.extra["rng"])
@@ -166,7 +215,6 @@ class L2L:
         `blocks` runs only these blocks, in this order (layer drop, reordering; default: all in order);
         blocks left out keep their weights and optimizer state untouched."""
         order = self._order(blocks)
-        self._current_order = order
         micro = [
             mb.to(self.device, self.config.dtype)
             for mb in self.parts.split(batch, self.config.micro_batch_size)
@@ -185,8 +233,7 @@ class L2L:
             raise
         finally:
             self.stash.clear()
-            self._rng.clear()
-            self._kept.clear()
+            self._run = None  # stashed RNG states and kept graphs do not outlive their step
             self.store.discard_grads()
         self.steps += 1
         for scheduler in self._schedulers:  # after end_step: no update is in flight
@@ -194,21 +241,34 @@ class L2L:
         return self._global_loss(loss * share)
 
     def _step(self, micro: list[MicroBatch], order: list[int], share: float) -> float:
-        # torch.profiler spans ("l2l.*"): bench/experiments/l2l_profile.py reads the phases from them
+        """Execute the step's plan (ecru.l2l.plan); each phase is a torch.profiler span ("l2l.*", which
+        bench/experiments/l2l_profile.py reads)."""
         scale = self.scaler.scale if self.scaler else 1.0
-        with record_function("l2l.forward"):
-            hidden, contexts = self._forward(micro, order)
-        with record_function("l2l.head"):
-            grads, loss = self._head(hidden, micro, scale * share)
-        self.store.begin("backward", [i + 1 for i in reversed(order)])
-        for k in reversed(range(len(order))):
-            with record_function("l2l.backward.block"):
-                grads = self._backward_block(order[k], grads, contexts, first=k == 0)
-        with record_function("l2l.backward.stem"):
-            self._backward_stem(micro, grads)
-        with record_function("l2l.finish_update"):
-            self._finish_update(scale)
-        return loss
+        run = _Run(micro, loss_scale=scale, head_scale=scale * share, device=self.device)
+        self._run = run
+        self._execute(self._plan(order, len(micro)).phases, run)
+        return float(run.loss)
+
+    def _plan(self, order: list[int], micro_batches: int) -> StepPlan:
+        trainable = frozenset(g for g, group in enumerate(self.store.groups) if group.trainable)
+        return step_plan(
+            PlanConfig(
+                blocks=tuple(order),
+                micro_batches=micro_batches,
+                prefetch=self.config.prefetch,
+                keep_graph_blocks=self.config.keep_graph_blocks,
+                update="after_step" if self.config.deferred_update else "overlapped",
+                trainable=trainable,
+                stem_trains=self._stem_trains,
+            )
+        )
+
+    def _execute(self, phases: Sequence[Phase], run: _Run) -> None:
+        handlers = self._handlers
+        for phase in phases:
+            with record_function(phase.name):
+                for op in phase.ops:
+                    handlers[type(op)](run, op)
 
     def _order(self, blocks: Sequence[int] | None) -> list[int]:
         n = len(self.parts.blocks)
@@ -266,140 +326,6 @@ class L2L:
         self.store.add_group(params)
         return len(self.parts.blocks) - 1
 
-    def _forward(
-        self, micro: list[MicroBatch], order: list[int] | None = None
-    ) -> tuple[list[torch.Tensor], list[Any]]:
-        order = list(range(len(self.parts.blocks))) if order is None else order
-        stem = self.store.weights(RESIDENT)
-        hidden, contexts = [], []
-        for j, mb in enumerate(micro):
-            self._rng[(RESIDENT, j)] = capture(self._rng_devices)
-            with torch.no_grad():
-                h, ctx = self.run_stem(stem, mb.inputs)
-            hidden.append(h)
-            contexts.append(ctx)
-        self.store.begin("forward", [i + 1 for i in order])
-        keep = order[len(order) - min(self.config.keep_graph_blocks, len(order)) :]
-        for pos, i in enumerate(order):
-            weights = self.store.weights(i + 1)
-            for nxt in order[pos + 1 : pos + 1 + self.config.prefetch]:
-                self.store.prefetch(nxt + 1)
-            if i in keep:
-                hidden = self._forward_kept(i, weights, hidden, contexts, first=pos == 0)
-                self.store.done_with(i + 1)
-                continue
-            outputs = []
-            for j, x in enumerate(hidden):
-                self._rng[(i + 1, j)] = capture(self._rng_devices)
-                self.stash.put(i, j, x)
-                with torch.no_grad(), record_function("l2l.block.forward"):
-                    outputs.append(self.run_block(i, weights, x, contexts[j]))
-            self.store.done_with(i + 1)
-            hidden = outputs
-        return hidden, contexts
-
-    def _forward_kept(
-        self,
-        i: int,
-        weights: list[torch.Tensor],
-        hidden: list[torch.Tensor],
-        contexts: list[Any],
-        *,
-        first: bool,
-    ) -> list[torch.Tensor]:
-        """Block `i` over every micro-batch under autograd, keeping each graph for the backward. Nothing is
-        stashed and no RNG state captured: the graph holds the input and its own dropout masks, and the
-        forward draws exactly what the no-grad forward would, so later blocks' masks are unchanged."""
-        binding = self._block_bindings[i]
-        leaves, trainable = self._leaves(binding, weights, i + 1)
-        if not self.store.binds_masters:  # device weights sit in reused slots / wire buffers: keep a copy
-            leaves = {idx: w.detach().clone().requires_grad_(idx in trainable) for idx, w in leaves.items()}
-        needs_input = not first or self._stem_trains
-        graphs, outputs = [], []
-        for j, x in enumerate(hidden):
-            if needs_input and x.is_floating_point():
-                x = x.detach().requires_grad_()
-            with torch.enable_grad():
-                y = self.run_block(i, leaves, x, contexts[j])
-            graphs.append((x if x.requires_grad else None, y) if y.requires_grad else (None, None))
-            outputs.append(y.detach())
-        self._kept[i] = (leaves, trainable, graphs)
-        return outputs
-
-    def _head(self, hidden: list[torch.Tensor], micro: list[MicroBatch], scale: float):
-        """Each micro-batch's weighted loss and its gradient w.r.t. the last hidden state and the head."""
-        weights, indices = self._leaves(self._bindings["head"], self.store.weights(RESIDENT), RESIDENT)
-        grads, total = [], torch.zeros((), dtype=torch.float32, device=self.device)
-        for j, mb in enumerate(micro):
-            x = hidden[j].detach().requires_grad_()
-            hidden[j] = None
-            with torch.enable_grad():
-                loss = self.run_head(weights, x, mb)
-                grads.append(self._grad(RESIDENT, loss * scale, None, x, weights, indices))
-            total += loss.detach().float()
-        return grads, float(total)
-
-    def _backward_block(
-        self, i: int, grads: list[torch.Tensor], contexts: list[Any], *, first: bool
-    ) -> list[torch.Tensor]:
-        g = i + 1
-        kept = self._kept.pop(i, None)
-        if kept:
-            weights, trainable, graphs = kept
-        else:
-            weights, trainable = self._leaves(self._block_bindings[i], self.store.weights(g), g)
-        for below in self._below(i):
-            self.store.prefetch(below + 1)
-        for j, grad_out in enumerate(grads):
-            if kept:
-                (x, y), graphs[j] = graphs[j], (None, None)  # free each graph as soon as it has run
-            else:
-                x, y = self._recompute(i, j, weights, contexts[j], first=first, trains=bool(trainable))
-            if y is None:
-                continue
-            with torch.enable_grad():
-                grad_in = self._grad(g, y, grad_out, x, weights, trainable)
-            if x is not None:
-                grads[j] = grad_in
-        self.store.done_with(g)
-        if trainable:
-            self._submit(g)
-        return grads
-
-    def _recompute(
-        self, i: int, j: int, weights: dict[int, torch.Tensor], context: Any, *, first: bool, trains: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Block `i`'s forward of micro-batch `j` again, from its stash under the forward's RNG state, with
-        autograd: (the input leaf if its gradient is needed, else None; the output), or (None, None) when
-        nothing needs a gradient."""
-        x = self.stash.pop(i, j)
-        needs_input = (not first or self._stem_trains) and x.is_floating_point()
-        if needs_input:
-            x = x.detach().requires_grad_()
-        if not needs_input and not trains:
-            return None, None
-        # y is only backpropagated through, never read: the block may skip what only its value needs
-        kwargs = {"output_used": False} if self.parts.output_unused_ok else None
-        with replay(self._rng[(i + 1, j)]), torch.enable_grad(), record_function("l2l.recompute"):
-            y = self.run_block(i, weights, x, context, kwargs=kwargs, fresh_buffers=True)
-        return (x if needs_input else None), y
-
-    def _backward_stem(self, micro: list[MicroBatch], grads: list[torch.Tensor]) -> None:
-        binding = self._bindings["stem"]
-        if self._stem_trains:
-            weights, indices = self._leaves(binding, self.store.weights(RESIDENT), RESIDENT)
-            if self.store.grads_in_params:  # embeddings give sparse gradients: add them to a dense one
-                for idx in indices:
-                    if weights[idx].grad is None:
-                        weights[idx].grad = torch.zeros_like(weights[idx])
-            for j, mb in enumerate(micro):
-                with replay(self._rng[(RESIDENT, j)]), torch.enable_grad():
-                    h, _ = self.run_stem(weights, mb.inputs, fresh_buffers=True)
-                    self._grad(RESIDENT, h, grads[j], None, weights, indices)
-        self.store.done_with(RESIDENT)
-        if self.store.groups[RESIDENT].trainable:
-            self._submit(RESIDENT)
-
     def _grad(
         self,
         g: int,
@@ -427,24 +353,154 @@ class L2L:
             self.store.add_grads(g, out[len(leaves) - len(indices) :], indices=indices)
         return out[0] if x is not None else None
 
-    def _below(self, i: int) -> list[int]:
-        """The blocks whose backward follows block `i`'s in the current step (for prefetching)."""
-        order = self._current_order
-        k = order.index(i)
-        return order[max(0, k - self.config.prefetch) : k][::-1]
+    # ---- the plan's ops: each handler executes one op of ecru.l2l.plan on the step's state ----------
+    def _op_handlers(self) -> dict[type, Callable[[_Run, Any], None]]:
+        return {
+            Begin: lambda run, op: self.store.begin(op.phase, list(op.groups)),
+            Fetch: self._fetch,
+            Prefetch: lambda run, op: self.store.prefetch(op.group),
+            Evict: self._evict,
+            StemForward: self._stem_forward,
+            Forward: self._block_forward,
+            Head: self._head,
+            Backward: self._backward,
+            StemBackward: self._stem_backward,
+            Update: lambda run, op: self.store.update(op.group),
+            Collect: lambda run, op: self.store.collect(op.group),
+            StepAll: self._step_all,
+            Synchronize: lambda run, op: self.store.synchronize(),
+        }
 
-    def _submit(self, g: int) -> None:
-        self.store.collect(g) if self.config.deferred_update else self.store.update(g)
+    def _forward(self, micro: list[MicroBatch]) -> list[torch.Tensor]:
+        """The forward phase of a step over all blocks alone, its state dropped (tests: it draws the random
+        numbers a step's forward draws)."""
+        run = _Run(micro, loss_scale=1.0, head_scale=1.0, device=self.device)
+        try:
+            self._execute(self._plan(list(range(len(self.parts.blocks))), len(micro)).phases[:1], run)
+        finally:
+            self.stash.clear()
+        return run.hidden
 
-    def _finish_update(self, scale: float) -> None:
-        if self.config.deferred_update:
-            finite, self.last_grad_norm = self.store.step_all(
-                inv_scale=1.0 / scale, max_norm=self.config.max_grad_norm
-            )
-            if self.scaler is not None:
-                self.scaler.update(finite=finite)
-        # step() returns with the model updated: only the tail (block 1, stem/head) is exposed here
-        self.store.synchronize()
+    def _fetch(self, run: _Run, op: Fetch) -> None:
+        run.weights[op.group] = self.store.weights(op.group)
+        run.leaves = {key: v for key, v in run.leaves.items() if key[0] != op.group}
+
+    def _evict(self, run: _Run, op: Evict) -> None:
+        self.store.done_with(op.group)
+        run.weights.pop(op.group, None)
+        run.leaves = {key: v for key, v in run.leaves.items() if key[0] != op.group}
+        kept = run.kept.get(op.group - 1)
+        if kept is not None and all(graph is None for graph in kept[2]):  # its backward has run
+            del run.kept[op.group - 1]
+
+    def _part_leaves(self, run: _Run, part: str, g: int) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """`_leaves` of `part` ("stem", "head" or "block") in group `g`, made once per fetch."""
+        key = (g, part)
+        if key not in run.leaves:
+            binding = self._bindings[part] if g == RESIDENT else self._block_bindings[g - 1]
+            run.leaves[key] = self._leaves(binding, run.weights[g], g)
+        return run.leaves[key]
+
+    def _stem_forward(self, run: _Run, op: StemForward) -> None:
+        j = op.micro
+        run.rng[(RESIDENT, j)] = capture(self._rng_devices)
+        with torch.no_grad():
+            run.hidden[j], run.contexts[j] = self.run_stem(run.weights[RESIDENT], run.micro[j].inputs)
+
+    def _block_forward(self, run: _Run, op: Forward) -> None:
+        i, j = op.block, op.micro
+        if op.keep_graph:
+            self._forward_kept(run, op)
+            return
+        x = run.hidden[j]
+        run.rng[(i + 1, j)] = capture(self._rng_devices)
+        self.stash.put(i, j, x)
+        with torch.no_grad(), record_function("l2l.block.forward"):
+            run.hidden[j] = self.run_block(i, run.weights[i + 1], x, run.contexts[j])
+
+    def _forward_kept(self, run: _Run, op: Forward) -> None:
+        """Block `op.block` over one micro-batch under autograd, keeping the graph for the backward. Nothing
+        is stashed and no RNG state captured: the graph holds the input and its own dropout masks, and the
+        forward draws exactly what the no-grad forward would, so later blocks' masks are unchanged."""
+        i, j = op.block, op.micro
+        if i not in run.kept:
+            leaves, trainable = self._leaves(self._block_bindings[i], run.weights[i + 1], i + 1)
+            if not self.store.binds_masters:  # device weights sit in reused slots / wire buffers: copy them
+                leaves = {
+                    idx: w.detach().clone().requires_grad_(idx in trainable) for idx, w in leaves.items()
+                }
+            run.kept[i] = (leaves, trainable, [None] * len(run.micro))
+        leaves, _, graphs = run.kept[i]
+        x = run.hidden[j]
+        if op.input_grad and x.is_floating_point():
+            x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = self.run_block(i, leaves, x, run.contexts[j])
+        graphs[j] = (x if x.requires_grad else None, y) if y.requires_grad else (None, None)
+        run.hidden[j] = y.detach()
+
+    def _head(self, run: _Run, op: Head) -> None:
+        """Micro-batch `op.micro`'s weighted loss and its gradient w.r.t. the last hidden state and the head."""
+        weights, indices = self._part_leaves(run, "head", RESIDENT)
+        j = op.micro
+        x = run.hidden[j].detach().requires_grad_()
+        run.hidden[j] = None
+        with torch.enable_grad():
+            loss = self.run_head(weights, x, run.micro[j])
+            run.grads[j] = self._grad(RESIDENT, loss * run.head_scale, None, x, weights, indices)
+        run.loss += loss.detach().float()
+
+    def _backward(self, run: _Run, op: Backward) -> None:
+        i, j, g = op.block, op.micro, op.block + 1
+        if op.kept:
+            weights, trainable, graphs = run.kept[i]
+            (x, y), graphs[j] = graphs[j], None  # free each graph as soon as it has run
+        else:
+            weights, trainable = self._part_leaves(run, "block", g)
+            x, y = self._recompute(run, op, weights, trains=bool(trainable))
+        if y is None:
+            return
+        with torch.enable_grad():
+            grad_in = self._grad(g, y, run.grads[j], x, weights, trainable)
+        if x is not None:
+            run.grads[j] = grad_in
+
+    def _recompute(
+        self, run: _Run, op: Backward, weights: dict[int, torch.Tensor], *, trains: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Block `op.block`'s forward of micro-batch `op.micro` again, from its stash under the forward's RNG
+        state, with autograd: (the input leaf if its gradient is needed, else None; the output), or
+        (None, None) when nothing needs a gradient."""
+        i, j = op.block, op.micro
+        x = self.stash.pop(i, j)
+        needs_input = op.input_grad and x.is_floating_point()
+        if needs_input:
+            x = x.detach().requires_grad_()
+        if not needs_input and not trains:
+            return None, None
+        # y is only backpropagated through, never read: the block may skip what only its value needs
+        kwargs = {"output_used": False} if self.parts.output_unused_ok else None
+        with replay(run.rng[(i + 1, j)]), torch.enable_grad(), record_function("l2l.recompute"):
+            y = self.run_block(i, weights, x, run.contexts[j], kwargs=kwargs, fresh_buffers=True)
+        return (x if needs_input else None), y
+
+    def _stem_backward(self, run: _Run, op: StemBackward) -> None:
+        weights, indices = self._part_leaves(run, "stem", RESIDENT)
+        if self.store.grads_in_params:  # embeddings give sparse gradients: add them to a dense one
+            for idx in indices:
+                if weights[idx].grad is None:
+                    weights[idx].grad = torch.zeros_like(weights[idx])
+        j = op.micro
+        with replay(run.rng[(RESIDENT, j)]), torch.enable_grad():
+            h, _ = self.run_stem(weights, run.micro[j].inputs, fresh_buffers=True)
+            self._grad(RESIDENT, h, run.grads[j], None, weights, indices)
+
+    def _step_all(self, run: _Run, op: StepAll) -> None:
+        finite, self.last_grad_norm = self.store.step_all(
+            inv_scale=1.0 / run.loss_scale, max_norm=self.config.max_grad_norm
+        )
+        if self.scaler is not None:
+            self.scaler.update(finite=finite)
 
     # ---- weight binding -------------------------------------------------------------------------
     def _leaves(

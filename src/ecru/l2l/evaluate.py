@@ -1,8 +1,9 @@
 """`L2L.forward`: evaluation layer by layer, as the training step streams the model, without autograd.
 
-Each block's weights are loaded once and run over every micro-batch (the disk tier reads them and drops
-them again), so a model larger than memory can be evaluated too. The model is in eval mode meanwhile
-(no dropout); weights, optimizer states, the step count and the random stream are untouched.
+It executes the forward phase of a training step's plan (ecru.l2l.plan): each block's weights are
+loaded once and run over every micro-batch (the disk tier reads them and drops them again), so a model
+larger than memory can be evaluated too. The model is in eval mode meanwhile (no dropout); weights,
+optimizer states, the step count and the random stream are untouched.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ecru.l2l.parts import ForwardOutput, MicroBatch
+from ecru.l2l.plan import RESIDENT, Begin, Evict, Fetch, Forward, PlanConfig, Prefetch, StemForward, step_plan
 
 if TYPE_CHECKING:
     from ecru.l2l.engine import L2L
-
-RESIDENT = 0
 
 
 def forward(engine: L2L, batch: Any, *, order: list[int]) -> ForwardOutput:
@@ -40,17 +40,26 @@ def _split(engine: L2L, batch: Any) -> list[MicroBatch]:
     return engine.parts.split(batch, engine.config.micro_batch_size)
 
 
-def _through_blocks(engine: L2L, micro: list[MicroBatch], order: list[int]):
-    stem = engine.store.weights(RESIDENT)
-    pairs = [engine.run_stem(stem, mb.inputs) for mb in micro]
-    hidden, contexts = [h for h, _ in pairs], [c for _, c in pairs]
-    engine.store.begin("forward", [i + 1 for i in order])
-    for pos, i in enumerate(order):
-        weights = engine.store.weights(i + 1)
-        for nxt in order[pos + 1 : pos + 1 + engine.config.prefetch]:
-            engine.store.prefetch(nxt + 1)
-        hidden = [engine.run_block(i, weights, h, c) for h, c in zip(hidden, contexts, strict=True)]
-        engine.store.done_with(i + 1)
+def _through_blocks(engine: L2L, micro: list[MicroBatch], order: list[int]) -> list[torch.Tensor]:
+    """The forward phase of a step's plan (same fetches, prefetches and evictions), without stashing."""
+    config = PlanConfig(blocks=tuple(order), micro_batches=len(micro), prefetch=engine.config.prefetch)
+    weights: dict[int, list[torch.Tensor]] = {}
+    hidden, contexts = [None] * len(micro), [None] * len(micro)
+    for op in step_plan(config).phases[0].ops:
+        match op:
+            case Begin(phase=phase, groups=groups):
+                engine.store.begin(phase, list(groups))
+            case Fetch(group=g):
+                weights[g] = engine.store.weights(g)
+            case Prefetch(group=g):
+                engine.store.prefetch(g)
+            case Evict(group=g):
+                engine.store.done_with(g)
+                del weights[g]
+            case StemForward(micro=j):
+                hidden[j], contexts[j] = engine.run_stem(weights[RESIDENT], micro[j].inputs)
+            case Forward(block=i, micro=j):
+                hidden[j] = engine.run_block(i, weights[i + 1], hidden[j], contexts[j])
     return hidden
 
 
