@@ -130,3 +130,33 @@ def test_peft_export_saves_the_trained_adapter(tmp_path):
     trained = engine.state_dict()
     lora = [k for k in trained if "lora_" in k]
     assert lora and all(torch.equal(back[k], trained[k]) for k in lora)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("keep", [0, 1], ids=["recomputed", "kept-graph"])
+def test_a_bf16_frozen_base_stays_bf16_on_the_ram_tier_and_trains_as_its_fp32_upcast(dtype, keep):
+    """Frozen weights keep their own dtype in host memory (no fp32 copy of a bf16 base); a block's are
+    upcast while it computes, so training equals the same base given in fp32 (its exact upcast), bit for
+    bit: losses and every trainable parameter after 3 steps."""
+    base = tiny_llama(num_layers=3, tie_word_embeddings=False).to(torch.bfloat16)
+    frozen = _freeze_(base)
+    runs = []
+    for model in (copy.deepcopy(base), copy.deepcopy(base).float()):
+        config = L2LConfig(micro_batch_size=2, compute_dtype=dtype, keep_graph_blocks=keep)
+        engine = L2L.from_hf(model, optimizer=ADAMW, config=config)
+        held = {n: p.dtype for n, p in model.named_parameters() if n in frozen}
+        losses = [engine.step(lm_batch(seed=s)) for s in range(3)]
+        runs.append((losses, engine.state_dict(), held))
+        engine.close()
+    (losses, got, held), (want_losses, want, _) = runs
+    assert set(held.values()) == {torch.bfloat16}  # no fp32 copy of the frozen base
+    assert losses == want_losses
+    for name, value in want.items():
+        if name in frozen:
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name].float(), value), name
+        else:
+            assert got[name].dtype == torch.float32 and torch.equal(got[name], value), name
+    assert (
+        got["model.layers.2.mlp.gate_proj.weight"].float()
+        - base.state_dict()["model.layers.2.mlp.gate_proj.weight"].float()
+    ).abs().max() > 1e-3  # it trained

@@ -107,7 +107,8 @@ class _Run:
 
 
 class L2L:
-    """Trains `parts.model` in place: its parameters are the fp32 masters of the parameter server."""
+    """Trains `parts.model` in place: its trainable parameters are the fp32 masters of the parameter
+    server; frozen ones stay in their own dtype."""
 
     def __init__(self, parts: ModelParts, *, optimizer: OptimizerFactory, config: L2LConfig | None = None):
         self.config = config or L2LConfig()
@@ -119,7 +120,7 @@ class L2L:
             )
         self.parts, self.model = parts, parts.model
         self.model_dtype = _model_dtype(self.model)
-        _fp32_masters_(self.model, frozen=self.config.store != "disk")
+        _fp32_masters_(self.model, meta_ok=self.config.store == "disk")
         _buffers_to_(self.model, self.device)
         groups = _groups(parts)
         self._bindings = {
@@ -520,9 +521,8 @@ class L2L:
     def run_stem(self, weights, inputs: Any, *, fresh_buffers: bool = False) -> tuple[torch.Tensor, Any]:
         """The stem over one micro-batch's `inputs` with the resident group's `weights` (a sequence or an
         index -> tensor dict): the first hidden state and the context every block receives."""
-        return self._call(
-            self.parts.stem, self._bindings["stem"], weights, (inputs,), fresh_buffers=fresh_buffers
-        )
+        binding = self._bindings["stem"]
+        return self._call(self.parts.stem, binding, RESIDENT, weights, (inputs,), fresh_buffers=fresh_buffers)
 
     def run_block(
         self,
@@ -537,35 +537,41 @@ class L2L:
         """Block `i` over one micro-batch's `hidden` state with group `i + 1`'s `weights`."""
         block, binding = self.parts.blocks[i], self._block_bindings[i]
         return self._call(
-            block, binding, weights, (hidden, context), kwargs=kwargs, fresh_buffers=fresh_buffers
+            block, binding, i + 1, weights, (hidden, context), kwargs=kwargs, fresh_buffers=fresh_buffers
         )
 
     def run_head(self, weights, hidden: torch.Tensor, micro: MicroBatch) -> torch.Tensor:
         """The head's weighted loss of one micro-batch from the last `hidden` state (resident `weights`)."""
         args = (hidden, micro.targets, micro.weight)
-        return self._call(self.parts.head, self._bindings["head"], weights, args)
+        return self._call(self.parts.head, self._bindings["head"], RESIDENT, weights, args)
 
     def run_logits(self, weights, hidden: torch.Tensor) -> torch.Tensor:
         """The model's outputs (logits) from the last `hidden` state; the parts must define `logits`."""
         if self.parts.logits is None:
             raise L2LInputError("these model parts define no logits: read the hidden state instead")
-        return self._call(self.parts.logits, self._bindings["logits"], weights, (hidden,))
+        return self._call(self.parts.logits, self._bindings["logits"], RESIDENT, weights, (hidden,))
 
     def _call(
         self,
         module: nn.Module,
         binding: Binding,
+        g: int,
         weights,
         args: tuple,
         *,
         kwargs: dict[str, Any] | None = None,
         fresh_buffers: bool = False,
     ):
-        """`module(*args, **kwargs)` with its parameters bound to `weights` (a sequence or an index ->
-        tensor dict) through `functional_call`; when the masters are the device weights, they are the
-        module's own parameters already and only buffers are bound. A recomputation gets copies of the
-        buffers, so running statistics are updated once, in the forward."""
-        bound = {} if self.store.binds_masters else {name: weights[idx] for name, idx in binding}
+        """`module(*args, **kwargs)` with its parameters bound to group `g`'s `weights` (a sequence or an
+        index -> tensor dict) through `functional_call`; when the masters are the device weights, they are
+        the module's own parameters already and only the weights that are not (frozen low-precision ones
+        upcast for the compute) and buffers are bound. A recomputation gets copies of the buffers, so
+        running statistics are updated once, in the forward."""
+        if self.store.binds_masters:
+            params = self.store.groups[g].params
+            bound = {name: weights[idx] for name, idx in binding if weights[idx] is not params[idx]}
+        else:
+            bound = {name: weights[idx] for name, idx in binding}
         if fresh_buffers:
             bound.update({name: b.clone() for name, b in module.named_buffers()})
         if bound:
@@ -574,8 +580,9 @@ class L2L:
 
     # ---- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state dict (the fp32 masters); the original model loads it with strict=True. On the
-        disk tier it is read from disk into new tensors (O(model) memory)."""
+        """The model's state dict (trainable weights as their fp32 masters, frozen ones in their own dtype);
+        the original model loads it with strict=True. On the disk tier it is read from disk into new
+        tensors (O(model) memory)."""
         self.store.materialize()
         try:
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -701,17 +708,17 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return max(sizes, key=sizes.get) if sizes else torch.float32
 
 
-def _fp32_masters_(model: nn.Module, *, frozen: bool = True) -> None:
-    """Trainable parameters (and with `frozen` the others too) as fp32 masters on the CPU; without
-    `frozen` (the disk tier) frozen ones stay as they are, meta device included (ecru.l2l.disk)."""
+def _fp32_masters_(model: nn.Module, *, meta_ok: bool = False) -> None:
+    """Trainable parameters as fp32 masters on the CPU. Frozen ones stay in their own dtype (a bf16 base
+    stays bf16 on the host; the store upcasts a block's frozen weights while it computes where the compute
+    needs fp32), on the CPU or, with `meta_ok` (the disk tier), anywhere, meta device included
+    (read in place: ecru.l2l.disk)."""
     for name, p in model.named_parameters():
         if not p.is_floating_point():
             raise L2LInputError(f"parameter {name} is {p.dtype}; L2L trains floating-point parameters only")
-        if not (frozen or p.requires_grad):
-            continue
-        if p.dtype != torch.float32:  # the masters are fp32 whatever the compute precision
+        if p.requires_grad and p.dtype != torch.float32:  # the masters are fp32 whatever the compute dtype
             p.data = p.data.float()
-        if p.device.type != "cpu":
+        if p.device.type != "cpu" and (p.requires_grad or not meta_ok):
             raise L2LInputError(
                 f"parameter {name} is on {p.device}; give L2L the model on the CPU (it keeps "
                 "the masters in host memory and streams blocks to the device itself)"

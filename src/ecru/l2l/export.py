@@ -39,13 +39,14 @@ def save_pretrained(engine: L2L, path: str | os.PathLike, *, tokenizer, dtype: t
 
 
 def model_on(engine: L2L, device: torch.device, *, dtype: torch.dtype | None) -> nn.Module:
-    """Close `engine` and return its model with every parameter and buffer on `device` (in `dtype`)."""
+    """Close `engine` and return its model with every parameter and buffer on `device`, every parameter
+    in `dtype` (None: float32, as the trainable masters; frozen weights kept in another dtype upcast)."""
     engine.store.materialize()  # the disk tier: every block read back into its parameters
     engine.close()
     model = engine.model
     with torch.no_grad():
         for p in model.parameters():
-            p.data = p.data.to(device, dtype=dtype)
+            p.data = p.data.to(device, dtype=dtype or torch.float32)
         for module in model.modules():
             for name, buf in module._buffers.items():
                 if buf is not None:

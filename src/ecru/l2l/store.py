@@ -290,11 +290,14 @@ class ParameterStore:
     # ---- weights: host -> device -------------------------------------------------------------------
     def weights(self, g: int) -> list[torch.Tensor]:
         """Group `g`'s weights on the device in the compute dtype, usable on the current stream (the
-        masters themselves when `binds_masters`)."""
+        masters themselves when `binds_masters`, frozen low-precision ones as fp32 copies)."""
         group = self.groups[g]
         self.wait(g)
         if not self.cuda:
-            return list(group.params) if group.wire is None else group.views(group.wire)
+            if group.wire is not None:
+                return group.views(group.wire)
+            # the masters themselves; a frozen low-precision weight upcast while its block computes
+            return [p if p.requires_grad or p.dtype == torch.float32 else p.float() for p in group.params]
         slot = self._load(g)
         torch.cuda.current_stream(self.device).wait_event(slot.ready)
         return group.views(slot.flat)
