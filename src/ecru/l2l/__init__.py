@@ -12,6 +12,7 @@ from ecru.plugins import lazy_exports
 _EXPORTS = {
     "ecru.l2l.config": ("L2LConfig", "L2LInputError"),
     "ecru.l2l.engine": ("L2L",),
+    "ecru.l2l.plan": ("PlanConfig", "StepPlan", "step_plan"),
     "ecru.l2l.store": ("ParameterStore", "Store"),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)
