@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from ecru.cowclip import cowclip, id_counts, zeta_from_paper
+from ecru.cowclip import UniqueIds, cowclip, zeta_from_paper
 
 
 def reference(grad, weight, ids, *, r=1.0, zeta=1e-5, threshold="code"):
@@ -49,8 +49,8 @@ def test_single_hot_with_duplicates(threshold, r, zeta):
 def test_multi_hot_padded_counts_samples_not_occurrences():
     grad, weight = make()
     ids = torch.tensor([[1, 1, 2, -1], [2, 4, -1, -1], [1, 2, 4, 6], [-1, -1, -1, -1]])
-    uniq, cnt = id_counts(ids, 50)
-    assert dict(zip(uniq.tolist(), cnt.tolist(), strict=True)) == {1: 2, 2: 3, 4: 2, 6: 1}
+    unique = UniqueIds.of(ids)
+    assert dict(zip(unique.values.tolist(), unique.counts.tolist(), strict=True)) == {1: 2, 2: 3, 4: 2, 6: 1}
     for zeta in (1e-5, 0.2):
         out = cowclip(grad, weight, ids, zeta=zeta)
         torch.testing.assert_close(out, reference(grad, weight, ids, zeta=zeta), rtol=1e-12, atol=0)

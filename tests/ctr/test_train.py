@@ -192,3 +192,94 @@ def test_curve_points_and_stopping_at_a_target_auc():
     for bad in (dict(eval_every=-1), dict(target_auc=1.5)):
         with pytest.raises(EcruError):
             TrainConfig(**bad)
+
+
+def _multi_hot_data(n=1200):
+    """Two single-hot fields and a multi-hot one (4 columns, 30% padding, ids repeated inside a sample)."""
+    from ecru.ctr import CTRData
+
+    gen = torch.Generator().manual_seed(0)
+    single = torch.randint(0, 7, (n, 2), generator=gen)
+    seq = torch.randint(0, 12, (n, 4), generator=gen)
+    seq[torch.rand(n, 4, generator=gen) < 0.3] = -1
+    labels = (torch.rand(n, generator=gen) < 0.3).float()
+    return CTRData(
+        torch.randn(n, 3, generator=gen), torch.cat([single, seq], 1).int(), labels, (7, 9, 12), {}, 1, 4
+    )
+
+
+def _per_site_clip(table, ids, recipe, weight_decay: float, mode: str) -> torch.Tensor:
+    """CowClip's L2 and clip of one table as the step did them before the shared sort: a `torch.unique` of its
+    own ids, the sparse gradient merged by a `torch.unique` of its rows and an index_add_ (the same summation
+    order), sample counts by comparing every sample with every row, the pure `clip_scale`."""
+    from ecru.cowclip.clip import clip_scale
+
+    if mode == "full":
+        grad = table.grad.add_(table, alpha=weight_decay)
+        rows = torch.unique(ids[ids >= 0])
+        values = grad[rows]
+    else:
+        grad = table.grad
+        rows, inverse = torch.unique(grad._indices()[0], return_inverse=True)
+        summed = grad._values().new_zeros(rows.numel(), grad.shape[1]).index_add_(0, inverse, grad._values())
+        values = summed.add(table[rows], alpha=weight_decay)
+    if recipe.clip and table.shape[1] > 1:
+        counts = (ids[:, :, None] == rows).any(1).sum(0)  # samples containing each row
+        values = values * clip_scale(values, table[rows], counts, r=recipe.r, zeta=recipe.zeta)[0][:, None]
+    if mode == "full":
+        grad[rows] = values
+        return grad
+    return torch.sparse_coo_tensor(rows[None], values, grad.shape, is_coalesced=True, check_invariants=True)
+
+
+def _per_site_step(model, batch, opts, recipe, mode: str, loss_scale: float) -> None:
+    """The training step with every consumer sorting the batch's ids itself (the optimizer's catch-up from
+    the raw ids, `_per_site_clip`), against which the shared sort of `training._step` is checked."""
+    import torch.nn.functional as F
+
+    dense, cats, labels = batch
+    embed_opt, dense_opt, sched = opts
+    if mode == "sparse":
+        embed_opt.catch_up(model.tables.global_ids(cats))
+    loss = F.binary_cross_entropy_with_logits(model(dense, cats), labels)
+    embed_opt.zero_grad(set_to_none=True), dense_opt.zero_grad(set_to_none=True)
+    (loss * loss_scale).backward()
+    ids = model.tables.global_ids(cats)
+    with torch.no_grad():
+        for table in model.embedding_tables():
+            table.grad = _per_site_clip(table, ids, recipe, recipe.weight_decay * loss_scale, mode)
+    embed_opt.step(), dense_opt.step(), sched.step()
+
+
+@pytest.mark.parametrize("multi_hot", [False, True])
+@pytest.mark.parametrize("mode", ["full", "sparse"])
+def test_the_shared_sort_step_equals_the_per_site_step(mode, multi_hot):
+    """`training._step` sorts the batch's ids once (`UniqueIds`) for the catch-up, the coalesce and the counts;
+    after 8 steps every parameter and every optimizer state equals the per-site step's, bit for bit. A summed
+    loss and a small r make the clip fire on part of the rows, so the counts decide the result."""
+    from ecru.ctr.training import _step, make_model, make_optimizers, resolve_recipe
+
+    tr = _multi_hot_data() if multi_hot else data(1200)[0]
+    cfg = TrainConfig(batch_size=128, recipe="cowclip", mode=mode, embed_lr=1e-2, **SMALL)
+    recipe, loss_scale = dataclasses.replace(resolve_recipe(cfg), r=0.05), 128.0
+    batches = list(tr.batches(cfg.batch_size, seed=0, drop_last=True))[:8]
+    results = []
+    for shared in (True, False):
+        model = make_model(cfg, tr)
+        embed_opt, dense_opt, sched, clipper = make_optimizers(
+            model, recipe, mode=mode, steps_per_epoch=len(batches), loss_scale=loss_scale
+        )
+        for batch in batches:
+            if shared:
+                _step(model, model, batch, slice(None), (embed_opt, dense_opt, sched), clipper, loss_scale)
+            else:
+                _per_site_step(model, batch, (embed_opt, dense_opt, sched), recipe, mode, loss_scale)
+        if shared:
+            assert 0 < clipper.stats().clipped < clipper.stats().rows
+        states = [opt.state_dict()["state"] for opt in (embed_opt, dense_opt)]
+        results.append(
+            {**model.state_dict(), **{f"{i}.{k}": s for i, st in enumerate(states) for k, s in st.items()}}
+        )
+    assert results[0].keys() == results[1].keys()
+    for k, v in results[0].items():
+        torch.testing.assert_close(v, results[1][k], atol=0, rtol=0, msg=k)

@@ -18,6 +18,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ecru.cowclip.ids import UniqueIds
+
 Threshold = Literal["code"]
 """The one form of zeta (named at call sites, `threshold="code"`, so that the form is never implicit)."""
 
@@ -33,32 +35,6 @@ def check_threshold(threshold: str) -> None:
             f"threshold {threshold!r}: zeta is given in the reference code's form only (threshold='code'); "
             "convert a floor in the paper's form with zeta_from_paper(zeta, r=r, dim=d)"
         )
-
-
-def id_counts(ids: Tensor, num_rows: int) -> tuple[Tensor, Tensor]:
-    """Unique ids of a batch and, for each, the number of samples (rows of `ids`) containing it.
-
-    `ids` is `[B]` (one id per sample) or `[B, L]` (multi-hot, padded with -1). An id repeated inside
-    one sample counts once, since the count is of samples.
-    """
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
-    if ids.dim() not in (1, 2):
-        raise ValueError(f"ids must have shape [B] or [B, L], got {tuple(ids.shape)}")
-    rows = ids.reshape(ids.shape[0], -1).long()
-    if rows.numel() and (rows.max() >= num_rows or rows.min() < -1):
-        raise ValueError(
-            f"ids must lie in [0, {num_rows}) (or be -1 for padding); got {rows.min()}..{rows.max()}"
-        )
-    if rows.shape[1] > 1:
-        # sort inside each sample so duplicates are adjacent, then keep the first of each run
-        rows = rows.sort(dim=1).values
-        first = torch.ones_like(rows, dtype=torch.bool)
-        first[:, 1:] = rows[:, 1:] != rows[:, :-1]
-        flat = rows[first & (rows >= 0)]
-    else:
-        flat = rows[rows >= 0]
-    return torch.unique(flat, return_counts=True)
 
 
 def clip_scale(
@@ -94,7 +70,7 @@ def _row_counts(rows: Tensor, uniq: Tensor, counts: Tensor) -> Tensor:
 def cowclip(
     grad: Tensor,
     weight: Tensor,
-    ids: Tensor,
+    ids: Tensor | UniqueIds,
     *,
     r: float = 1.0,
     zeta: float = 1e-5,
@@ -106,7 +82,8 @@ def cowclip(
         grad: the batch-mean gradient, dense `[V, d]` or sparse COO `[V, d]` with one row per occurrence
             (as `nn.Embedding(sparse=True)` produces); a sparse input gives a coalesced sparse output.
         weight: the table `[V, d]`.
-        ids: the ids looked up in this batch for this table, `[B]` or `[B, L]` padded with -1.
+        ids: the ids looked up in this batch for this table, `[B]` or `[B, L]` padded with -1 (or their
+            `UniqueIds`).
         r: the ratio of the threshold to the row's weight norm.
         zeta: the per-coordinate floor: clip = cnt * r * max(||w||, r sqrt(d) zeta) (module docstring).
         threshold: the form of zeta; "code" is the only one (the paper's converts with `zeta_from_paper`).
@@ -116,7 +93,9 @@ def cowclip(
     check_threshold(threshold)
     if grad.shape != weight.shape or grad.dim() != 2:
         raise ValueError(f"grad {tuple(grad.shape)} and weight {tuple(weight.shape)} must both be [V, d]")
-    uniq, counts = id_counts(ids.to(weight.device), weight.shape[0])
+    unique = (ids if isinstance(ids, UniqueIds) else UniqueIds.of(ids)).to(weight.device)
+    unique.check(weight.shape[0])
+    uniq, counts = unique.values, unique.counts
     if grad.is_sparse:
         g = grad.coalesce()
         rows, values = g.indices()[0], g.values()

@@ -12,7 +12,8 @@ correction, Adam adds it after). Skipping changes the model: on the CTR benchmar
 
 `RowSparseAdam` applies Adam's formula to the rows present in the batch and, when a row comes back after k
 missed steps, applies those k steps in closed form first: call `catch_up(ids)` with the batch's ids before
-its forward pass (then the forward sees what dense Adam's would) and `flush()` before evaluating or saving. The k steps:
+its forward pass (then the forward sees what dense Adam's would; a `UniqueIds` shares the sort of the ids
+with CowClip) and `flush()` before evaluating or saving. The k steps:
 
     w -= lr * S(t0, k) * m0 / (sqrt(v0) + eps * sqrt(bc2(t0 + 1) / beta2)),   m0 *= beta1^k,   v0 *= beta2^k,
     S(t0, k) = sum_{j=1..k} rho^j b(t0 + j),   rho = beta1 / sqrt(beta2),   b(s) = sqrt(bc2(s)) / bc1(s),
@@ -31,6 +32,8 @@ from functools import lru_cache
 
 import torch
 from torch import Tensor
+
+from ecru.cowclip.ids import UniqueIds, per_table
 
 
 @lru_cache(maxsize=8)
@@ -132,8 +135,8 @@ class RowSparseAdam(torch.optim.Optimizer):
         state = self._state(p)
         t = state["step"]
         t0 = state["last"][rows]
-        stale = t0 < t
-        if not bool(stale.any()):
+        stale = (t0 < t).nonzero().squeeze(1)
+        if stale.numel() == 0:
             return
         rows, t0 = rows[stale], t0[stale]
         w, m, v = (x.index_select(0, rows) for x in (p, state["exp_avg"], state["exp_avg_sq"]))
@@ -145,23 +148,18 @@ class RowSparseAdam(torch.optim.Optimizer):
         state["last"][rows] = t
 
     @torch.no_grad()
-    def catch_up(self, ids: Tensor | Sequence[Tensor]) -> None:
+    def catch_up(self, ids: Tensor | UniqueIds | Sequence[Tensor | UniqueIds]) -> None:
         """Bring the rows of this batch up to date BEFORE its forward pass (dense Adam up to the eps term).
 
-        `ids`: the rows the batch looks up (any shape; negative = padding), one tensor for every table or
-        one per table in parameter order. Without this call `step()` catches the rows up itself, after a
-        forward pass that used their stale values.
+        `ids`: the rows the batch looks up (any shape; -1 = padding), or their `UniqueIds`, one for
+        every table or one per table in parameter order. Without this call `step()` catches the rows up
+        itself, after a forward pass that used their stale values.
         """
         params = [(p, g) for g in self.param_groups if g["catch_up"] for p in g["params"]]
-        per_param = [ids] * len(params) if isinstance(ids, Tensor) else list(ids)
-        if len(per_param) != len(params):
-            raise ValueError(f"got {len(per_param)} id tensors for {len(params)} tables")
-        uniques: dict[int, Tensor] = {}  # one sort for the tables that share the id tensor
-        for (p, group), p_ids in zip(params, per_param, strict=True):
-            if id(p_ids) not in uniques:
-                flat = p_ids.reshape(-1)
-                uniques[id(p_ids)] = torch.unique(flat[flat >= 0])
-            self._advance(p, group, uniques[id(p_ids)].to(p.device))
+        if isinstance(ids, Tensor) and ids.dim() > 2:  # any shape: UniqueIds takes [B] or [B, L]
+            ids = ids.reshape(-1)
+        for (p, group), unique in zip(params, per_table(ids, len(params)), strict=True):
+            self._advance(p, group, unique.values.to(p.device))
 
     @torch.no_grad()
     def flush(self) -> None:

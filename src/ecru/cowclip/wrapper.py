@@ -1,7 +1,7 @@
 """`CowClip`: applies L2 and the per-id clip to registered embedding tables between backward and step.
 
     loss.backward()
-    clipper.clip_(ids)      # ids looked up in this batch (global ids of the tables)
+    clipper.clip_(ids)      # ids looked up in this batch (global ids of the tables), or their UniqueIds
     optimizer.step()
 
 Two update modes:
@@ -25,7 +25,8 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from ecru.cowclip.clip import Threshold, _row_counts, check_threshold, clip_scale, id_counts
+from ecru.cowclip.clip import Threshold, check_threshold, clip_scale
+from ecru.cowclip.ids import UniqueIds, coalesce, per_table
 
 Mode = Literal["full", "sparse"]
 # log10(||g|| / threshold) histogram: the clip fires above 0
@@ -74,7 +75,6 @@ class CowClip:
             raise ValueError("weight_decay and zeta must be >= 0 and r > 0")
         self.weight_decay, self.r, self.zeta = weight_decay, r, zeta
         self.mode, self.clip = mode, clip
-        self._merged: tuple[Tensor, Tensor, Tensor] | None = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -82,62 +82,46 @@ class CowClip:
         self._hist = torch.zeros(len(_BINS) + 1, dtype=torch.long)
 
     @torch.no_grad()
-    def clip_(self, ids: Tensor | Sequence[Tensor]) -> None:
+    def clip_(self, ids: Tensor | UniqueIds | Sequence[Tensor | UniqueIds]) -> None:
         """Replace each table's `.grad` by its L2-augmented, clipped gradient (a dense `.grad` is changed in
         place: it is the backward's own buffer, and a full-table copy would cost more than the L2 add).
 
-        `ids`: one tensor `[B]` or `[B, L]` (padded with -1) shared by every table, or one per table.
+        `ids`: one tensor `[B]` or `[B, L]` (padded with -1) shared by every table, or one per table; or
+        their `UniqueIds` (the training step sorts the batch's ids once for the optimizer and the clip).
         """
-        per_table = [ids] * len(self.tables) if isinstance(ids, Tensor) else list(ids)
-        if len(per_table) != len(self.tables):
-            raise ValueError(f"got {len(per_table)} id tensors for {len(self.tables)} tables")
-        self._merged = None  # (indices, unique rows, inverse) of the last sparse gradient merged this call
-        for table, table_ids in zip(self.tables, per_table, strict=True):
+        for table, table_ids in zip(self.tables, per_table(ids, len(self.tables)), strict=True):
             if table.grad is not None:
+                table_ids = table_ids.to(table.device)
+                table_ids.check(table.shape[0])
                 table.grad = (
                     self._full(table, table_ids) if self.mode == "full" else self._sparse(table, table_ids)
                 )
 
-    def _full(self, table: nn.Parameter, ids: Tensor) -> Tensor:
+    def _full(self, table: nn.Parameter, ids: UniqueIds) -> Tensor:
         grad = table.grad.to_dense() if table.grad.is_sparse else table.grad
         if self.weight_decay:
             grad.add_(table, alpha=self.weight_decay)  # as torch.optim.Adam(weight_decay=...) does
         if not self.clip or table.shape[1] == 1:
             return grad
-        uniq, counts = id_counts(ids, table.shape[0])
-        scale = self._scale(grad[uniq], table[uniq], counts)
+        uniq = ids.values
+        scale = self._scale(grad[uniq], table[uniq], ids.counts)
         grad[uniq] = grad[uniq] * scale[:, None]
         return grad
 
-    def _sparse(self, table: nn.Parameter, ids: Tensor) -> Tensor:
+    def _sparse(self, table: nn.Parameter, ids: UniqueIds) -> Tensor:
         if not table.grad.is_sparse:
             raise ValueError(
                 "mode='sparse' needs sparse gradients: build the table with nn.Embedding(sparse=True)"
             )
-        grad = self._coalesce(table.grad)
-        rows, values = grad.indices()[0], grad.values()
-        if self.weight_decay:
-            values = values.add(table[rows], alpha=self.weight_decay)
-        if self.clip and table.shape[1] > 1:
-            uniq, counts = id_counts(ids, table.shape[0])
-            values = values * self._scale(values, table[rows], _row_counts(rows, uniq, counts))[:, None]
-        return torch.sparse_coo_tensor(
-            grad.indices(), values, grad.shape, is_coalesced=True, check_invariants=False
-        )
-
-    def _coalesce(self, grad: Tensor) -> Tensor:
-        """`grad.coalesce()` as a unique + index_add, sharing the unique of tables looked up with the same ids
-        (every CTR table here): about half the time of two coalesces on a CPU."""
-        if grad.is_coalesced():
-            return grad
-        idx = grad._indices()[0]
-        if self._merged is None or not torch.equal(self._merged[0], idx):
-            self._merged = (idx, *torch.unique(idx, return_inverse=True))
-        _, rows, inverse = self._merged
+        grad = coalesce(table.grad, ids)  # one row per id of the batch: ids.values, counted by ids.counts
         values = grad._values()
-        summed = values.new_zeros((rows.numel(), *values.shape[1:])).index_add_(0, inverse, values)
+        weight = table.index_select(0, ids.values)
+        if self.weight_decay:
+            values = values.add(weight, alpha=self.weight_decay)
+        if self.clip and table.shape[1] > 1:
+            values = values * self._scale(values, weight, ids.counts)[:, None]
         return torch.sparse_coo_tensor(
-            rows[None], summed, grad.shape, is_coalesced=True, check_invariants=False
+            grad._indices(), values, grad.shape, is_coalesced=True, check_invariants=False
         )
 
     def _scale(self, grad_rows: Tensor, weight_rows: Tensor, counts: Tensor) -> Tensor:

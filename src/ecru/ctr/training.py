@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from ecru.cowclip import ClipStats, CowClip, Recipe, scaled_recipe
+from ecru.cowclip import ClipStats, CowClip, Recipe, UniqueIds, scaled_recipe
 from ecru.cowclip.row_sparse_adam import RowSparseAdam
 from ecru.cowclip.wrapper import Mode
 from ecru.ctr.data import CTRData
@@ -239,12 +239,15 @@ def _step(
     differentiated); returns the shard's mean loss."""
     dense, cats, labels = batch
     embed_opt, dense_opt, sched = opts
+    ids = UniqueIds.of(
+        model.tables.global_ids(cats)
+    )  # one sort of the ids, shared by the catch-up and the clip
     if isinstance(embed_opt, RowSparseAdam):  # absent rows' missed Adam steps, before the forward reads them
-        embed_opt.catch_up(model.tables.global_ids(cats))
+        embed_opt.catch_up(ids)
     loss = F.binary_cross_entropy_with_logits(net(dense[mine], cats[mine]), labels[mine])
     embed_opt.zero_grad(set_to_none=True), dense_opt.zero_grad(set_to_none=True)
     (loss * loss_scale if loss_scale != 1.0 else loss).backward()  # DDP: the global batch's mean, x scale
-    clipper.clip_(model.tables.global_ids(cats))  # counts over the whole global batch, as one process would
+    clipper.clip_(ids)  # counts over the whole global batch, as one process would
     embed_opt.step(), dense_opt.step(), sched.step()
     return loss
 
