@@ -268,16 +268,23 @@ def test_completion_logprobs_and_n_choices(server, served):
     assert [c.message.content for c in again.choices] == texts  # and a seed repeats them
 
 
-def test_ctrl_c_drains_the_requests_in_flight_and_exits_130(chat_model_dir):
+@pytest.mark.parametrize("ignored", [False, True], ids=["terminal", "background-job"])
+def test_ctrl_c_drains_the_requests_in_flight_and_exits_130(chat_model_dir, ignored):
+    """Also when started with SIGINT ignored, as a shell starts a background job (`ecru serve api &`)."""
     import signal
     import subprocess
     import sys
 
     from ecru.serve.server import free_port
 
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     port = str(free_port())
     cmd = [sys.executable, "-m", "ecru.cli", "serve", "api", "--model", str(chat_model_dir), "--port", port]
-    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, text=True, preexec_fn=ignore_sigint if ignored else None
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url)

@@ -161,15 +161,15 @@ def test_fcfs_slack_needs_cb_sjf_and_answers_alike(chat_model_dir, tmp_path, cap
 
 
 def test_engine_config_takes_fcfs_slack_only_with_cb_sjf():
-    from ecru.serve.cli import _engine_config
+    from ecru.errors import EcruError
+    from ecru.serve.entrypoints import EngineSetup
     from ecru.serve.request_engine import EngineConfig
 
-    args = type("Args", (), {"policy": "cb-sjf", "max_batch_size": 4, "prefix_cache": 0, "fcfs_slack": 0.3,
-                             "remaining_probe": None, "length_predictor": None})  # fmt: skip
-    config = _engine_config(args, max_new_tokens=16)
-    assert (
-        config.deadline == 0.3 and config.aging_per_step == 0.0
-    )  # the deadline bounds the wait instead of aging
+    setup = EngineSetup(policy="cb-sjf", max_batch_size=4, max_new_tokens=16, prefix_cache=0, fcfs_slack=0.3)
+    config = setup.engine_config
+    assert config.deadline == 0.3 and config.aging_per_step == 0.0  # the deadline bounds the wait, not aging
+    with pytest.raises(EcruError, match="--fcfs-slack applies to --policy cb-sjf or cb-srpt only"):
+        EngineSetup(policy="cb", fcfs_slack=0.3)
     with pytest.raises(ValueError, match="fcfs_slack"):
         EngineConfig(policy="cb", fcfs_slack=0.3)
     with pytest.raises(ValueError, match="fcfs_slack"):

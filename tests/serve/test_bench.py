@@ -74,3 +74,58 @@ def test_every_predictor_the_cli_offers_is_one_the_benchmark_builds(monkeypatch)
     model, tok = load_model("tiny")
     built = bench.build_predictor(model, tok, BenchConfig(model="tiny", predictor="embed"), {})
     assert isinstance(built, EmbeddingPredictor) and len(built.predict(["a question"])) == 1
+
+
+def test_the_bench_runs_cb_srpt_as_it_ships(chat_model_dir, tmp_path, monkeypatch):
+    """Plain cb-srpt in `ecru serve bench` is the engine's shipped configuration: the FCFS deadline, kept KV,
+    the embedding predictor per request and re-predictions by the probe `ecru serve probe` fits, both fitted
+    on the train prompts' greedy answers; greedy answers as cb's."""
+    import json
+    import math
+
+    from ecru.serve.bench import BENCH_POLICIES, ShippedSRPT
+    from ecru.serve.models import ServedModel
+    from ecru.serve.names import FCFS_SLACK
+    from ecru.serve.predictors import EmbeddingPredictor
+    from ecru.serve.prompts import encode_chat
+    from ecru.serve.remaining import RemainingProbe
+    from ecru.serve.sampling import SamplingParams
+    from ecru.serve.scheduler import EngineConfig
+
+    assert "cb-srpt" in BENCH_POLICIES and "cb-srpt" in BenchConfig().policies
+    labels = tmp_path / "labels.jsonl"
+    train = [f"tell me about topic {i}" for i in range(12)]
+    labels.write_text(
+        "".join(json.dumps({"prompt": p, "lengths": [40], "max_new_tokens": 40}) + "\n" for p in train)
+    )
+    config = BenchConfig(model=str(chat_model_dir), prompts=str(labels), max_new_tokens=40, batch_size=2,
+                         labels=str(labels), train_n=12)  # fmt: skip
+    served = ServedModel.load(str(chat_model_dir), packed=False)
+    srpt = ShippedSRPT.fit(served, config, progress=False)
+    shipped = srpt._engine(config, "cb-srpt")
+    assert (shipped.fcfs_slack, shipped.aging, shipped.preempt_mode) == (FCFS_SLACK, 0.0, "keep")
+    assert srpt.held_out["remaining_probe"]["answers"] == 12 and srpt.length.key == srpt.probe.model
+
+    calls = {"predict": 0, "repredict": 0}
+    predict, repredict = EmbeddingPredictor.engine_predict, RemainingProbe.predict
+
+    def counted_predict(self, prompt, params=None):
+        calls["predict"] += 1
+        return predict(self, prompt, params)
+
+    def counted_repredict(self, states, t):
+        calls["repredict"] += len(t)
+        return repredict(self, states, t)
+
+    monkeypatch.setattr(EmbeddingPredictor, "engine_predict", counted_predict)
+    monkeypatch.setattr(RemainingProbe, "predict", counted_repredict)
+    ids = encode_chat(served.tokenizer, ["what is rain", "hi", "count to five", "name a fruit", "why"])
+    run = srpt.run(ids)
+    assert calls["predict"] == len(ids) and calls["repredict"] > 0
+    cb = served.engine(EngineConfig(max_batch_size=2, max_new_tokens=40, prefix_cache=0))
+    assert run.tokens == [r.output for r in cb.generate(ids, SamplingParams(max_tokens=40))]
+    assert run.wall_s >= max(run.finish_s) > 0 and math.isfinite(run.metrics()["mean_latency_s"])
+    report = srpt.report(ids, [float(len(t)) for t in run.tokens])
+    assert report["preemptions"] == srpt.preemptions and {"mae", "acc50"} <= set(
+        report["length_predictor_test"]
+    )

@@ -57,6 +57,7 @@ def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
         "cb",
         "cb-sjf",
         "cb-kv",
+        "cb-srpt",
     }
     keys = {
         "samples_per_s",

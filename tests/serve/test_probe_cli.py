@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ecru.cli import main
+from ecru.errors import EcruError
 from ecru.serve.predictors import LENGTH_FILE, EmbeddingPredictor
 from ecru.serve.remaining import PROBE_FILE, RemainingProbe, model_key
 
@@ -225,11 +226,15 @@ def test_probe_refuses_too_few_prompts(chat_model_dir, tmp_path, capsys):
     assert not out.exists()  # refused before the folder is made
 
 
-def test_the_cli_knows_every_engine_policy():
-    from ecru.serve import cli, scheduler
+def test_the_cli_offers_every_engine_policy():
+    from ecru import cli
+    from ecru.serve import scheduler
 
-    assert cli.ENGINE_POLICIES == scheduler.ENGINE_POLICIES
-    assert cli.SJF_POLICIES == scheduler.SJF_POLICIES
+    serve = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
+    commands = serve._subparsers._group_actions[0].choices
+    for name in ("api", "run"):
+        policy = next(a for a in commands[name]._actions if a.dest == "policy")
+        assert tuple(policy.choices) == scheduler.ENGINE_POLICIES
 
 
 def test_the_server_serves_cb_srpt_with_a_probe(probe_dir, chat_model_dir, monkeypatch):
@@ -275,14 +280,18 @@ def test_a_probe_folder_with_a_damaged_file_is_refused(model, tmp_path):
 
 
 def test_plain_cb_srpt_reads_the_probe_folders_length_predictor(tmp_path):
-    import argparse
+    from dataclasses import replace
 
-    from ecru.serve.cli import _length_folder
-    from ecru.serve.predictors import LENGTH_FILE
+    from ecru.serve.entrypoints import EngineSetup
 
-    args = argparse.Namespace(policy="cb-srpt", remaining_probe=str(tmp_path), length_predictor=None)
-    assert _length_folder(args) is None  # a folder with the probe only: max_tokens orders the queue
+    probe_only = EngineSetup(policy="cb-srpt", remaining_probe=str(tmp_path))
+    assert probe_only.length_predictor is None  # a folder with the probe only: max_tokens orders the queue
     (tmp_path / LENGTH_FILE).write_bytes(b"")
-    assert _length_folder(args) == str(tmp_path)  # as `ecru serve probe` leaves it: the shipped predictor
-    assert _length_folder(argparse.Namespace(**{**vars(args), "length_predictor": "other"})) == "other"
-    assert _length_folder(argparse.Namespace(**{**vars(args), "policy": "cb-sjf"})) is None
+    with pytest.raises(
+        EcruError, match=f"--length-predictor {tmp_path}"
+    ):  # read: as `ecru serve probe` leaves it
+        EngineSetup(policy="cb-srpt", remaining_probe=str(tmp_path))
+    with pytest.raises(EcruError, match="--length-predictor other"):
+        replace(probe_only, length_predictor="other")
+    with pytest.raises(EcruError, match="--policy cb-srpt needs --remaining-probe"):
+        replace(probe_only, policy="cb-sjf")  # cb-sjf takes no probe, and reads no length predictor from it

@@ -21,10 +21,20 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ecru.errors import EcruError
+from ecru.serve.names import ENGINE_POLICIES, POLICIES
 from ecru.serve.queues import DEFAULT_AGING
-from ecru.serve.runner import POLICIES
+
+if TYPE_CHECKING:
+    from ecru.serve.models import ServedModel
+    from ecru.serve.predictors import EmbeddingPredictor
+    from ecru.serve.remaining import RemainingProbe
+
+BENCH_POLICIES = (*POLICIES, *(p for p in ENGINE_POLICIES if p not in POLICIES))
+"""What `ecru serve bench` runs: every policy of the runner, and the engine's own cb-srpt as it ships
+(`shipped_srpt`)."""
 
 PREDICTORS = ("self-lora", "probe", "embed", "minilm", "oracle", "constant")
 # SmolLM2's labels committed with the repository (rebuilt by `ecru serve label`, see bench/results/)
@@ -49,10 +59,10 @@ class BenchConfig:
     """Global cap on generated tokens."""
     batch_size: int = 16
     """Static batch size (and continuous batching's row limit)."""
-    policies: tuple[str, ...] = tuple(p for p in POLICIES if p != "cb-ljf")
+    policies: tuple[str, ...] = tuple(p for p in BENCH_POLICIES if p != "cb-ljf")
     """Policies to run (fcfs always runs first: it records the true lengths)."""
     predictor: str = "self-lora"
-    """Length predictor for the predicted policies."""
+    """Length predictor for the predicted policies (plain cb-srpt serves with its shipped predictors)."""
     labels: str | None = None
     """Labels JSONL for training the predictor (default: the cache, built on first use)."""
     train_n: int = 192
@@ -71,9 +81,9 @@ class BenchConfig:
     """With `resume_failures`: a failed row's KV is kept for its rerun, no prefill (`PlanConfig.keep_kv`)."""
 
     def __post_init__(self):
-        bad = [p for p in self.policies if p not in POLICIES]
+        bad = [p for p in self.policies if p not in BENCH_POLICIES]
         if bad:
-            raise EcruError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+            raise EcruError(f"unknown policies {bad}; choose from {', '.join(BENCH_POLICIES)}")
         if self.predictor not in PREDICTORS:
             raise EcruError(f"unknown predictor {self.predictor!r}; choose from {', '.join(PREDICTORS)}")
         if self.lora_readout not in ("greedy", "expected"):
@@ -83,12 +93,23 @@ class BenchConfig:
         from ecru.serve.prompts import check_source
 
         check_source(self.prompts)  # before any model loads
+        from ecru.serve.entrypoints import check_keep_kv
+
         check_keep_kv(keep_kv=self.keep_kv, resume_failures=self.resume_failures)
+        if self.labels:
+            from ecru.serve.labels import read_labels
 
+            read_labels(self.labels)  # malformed: one line now, not a traceback after the run
 
-def check_keep_kv(*, keep_kv: bool, resume_failures: bool) -> None:
-    if keep_kv and not resume_failures:
-        raise EcruError("--keep-kv keeps the KV of the rows --resume-failures resumes: add --resume-failures")
+    def long_run(self) -> str | None:
+        """What a run this long costs, said before it starts (None for a short one)."""
+        if self.model != "smollm2" or self.n * self.max_new_tokens * self.repeats < 8192:
+            return None
+        # ~14 ms per row-token at batch 16 on one CPU thread (docs/serve.md), every row to the cap at worst
+        hours = self.n * self.max_new_tokens * 0.014 * len(self.policies) * self.repeats / 3600
+        return (f"{len(self.policies)} policies x {self.repeats} repeat(s) x {self.n} prompts x cap {self.max_new_tokens} "
+                f"on SmolLM2: up to ~{hours:.1f} h on a CPU, plus the predictor's training (less with --n, "
+                "--max-new-tokens or --policies)")  # fmt: skip
 
 
 def labels_path(config: BenchConfig) -> Path:
@@ -192,42 +213,36 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     import torch
 
     from ecru.serve.engine import GenerationConfig
-    from ecru.serve.models import load_model
+    from ecru.serve.models import ServedModel, load_model
     from ecru.serve.policies import PlanConfig
     from ecru.serve.predictors import length_metrics, timed_predict
     from ecru.serve.prompts import encode_chat, load_prompts
     from ecru.serve.runner import run_policy
 
-    model, tokenizer = load_model(config.model)
+    served = ServedModel(config.model, *load_model(config.model))
     texts = load_prompts(config.prompts, n=config.n, split="test")
-    ids = encode_chat(tokenizer, texts)
-    gen = GenerationConfig.for_tokenizer(tokenizer)
+    ids = encode_chat(served.tokenizer, texts)
+    gen = GenerationConfig.for_tokenizer(served.tokenizer)
     plan = PlanConfig(
         batch_size=config.batch_size,
         max_new_tokens=config.max_new_tokens,
         resume=config.resume_failures,
         keep_kv=config.keep_kv,
     )
+    srpt = None
 
     def run(policy, predicted, predict_s):
-        return run_policy(
-            model,
-            ids,
-            policy=policy,
-            predicted=predicted,
-            gen=gen,
-            plan=plan,
-            aging=config.aging,
-            predict_s=predict_s,
-            progress=progress,
-        )
+        if policy == "cb-srpt":
+            return srpt.run(ids)
+        return run_policy(served.model, ids, policy=policy, predicted=predicted, gen=gen, plan=plan,
+                          aging=config.aging, predict_s=predict_s, progress=progress)  # fmt: skip
 
     with torch.no_grad():
         reference = run("fcfs", None, 0.0)
     true = [float(len(t)) for t in reference.tokens]
-    predictor = build_predictor(model, tokenizer, config, dict(zip(texts, true, strict=True)))
+    predictor = build_predictor(served.model, served.tokenizer, config, dict(zip(texts, true, strict=True)))
     predicted, predict_s = timed_predict(predictor, texts)
-    # (predictions, seconds charged) per policy; fcfs and cb use neither
+    # (predictions, seconds charged) per policy; fcfs and cb use neither, cb-srpt predicts as it serves
     inputs = {p: (predicted, predict_s) for p in NEEDS_PREDICTION} | {"oracle": (true, 0.0)}
     names = ("fcfs", *(p for p in config.policies if p != "fcfs"))
     orders = rotated_orders(names, config.repeats)
@@ -235,6 +250,8 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     same = dict.fromkeys(names, True)
     quiet = getattr(predictor, "adapter_disabled", contextlib.nullcontext)
     with quiet(), torch.no_grad():
+        if "cb-srpt" in names:
+            srpt = ShippedSRPT.fit(served, config, progress=progress)
         for k, order in enumerate(orders):
             for policy in order:
                 r = reference if (k, policy) == (0, "fcfs") else run(policy, *inputs.get(policy, (None, 0.0)))
@@ -250,6 +267,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     return {
         "policies": policies,
         "predictor": {"name": predictor.name, **length_metrics(predicted, true), "predict_s": predict_s},
+        **({"cb_srpt": srpt.report(ids, true)} if srpt is not None else {}),
         "setup": {
             "model": config.model,
             "prompts": config.prompts,
@@ -268,6 +286,70 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
             "prompt_lens": [len(i) for i in ids],
         },
     }
+
+
+@dataclass
+class ShippedSRPT:
+    """Plain cb-srpt as `ecru serve api/run` serve it after `ecru serve probe`: the engine's policy with its
+    shipped settings (FCFS deadline, kept KV), the probe folder's remaining-length probe and prompt-length
+    `EmbeddingPredictor`, fitted (`entrypoints.fit_predictors`) on the train prompts' greedy answers. Its
+    predictions run inside the engine, so their time is in its wall time."""
+
+    served: ServedModel
+    config: BenchConfig
+    probe: RemainingProbe
+    length: EmbeddingPredictor
+    held_out: dict
+    """The probe's and the predictor's held-out reports (`fit_probe`, `fit_length_predictor`)."""
+    preemptions: list[int] = dataclasses.field(default_factory=list)
+    """Rows swapped out in each run (their KV kept)."""
+
+    @classmethod
+    def fit(cls, served, config: BenchConfig, *, progress: bool) -> ShippedSRPT:
+        from ecru.serve.entrypoints import fit_predictors
+        from ecru.serve.prompts import encode_chat
+        from ecru.serve.remaining import greedy_answers
+
+        prompts, _ = train_labels(served.model, served.tokenizer, config)
+        ids, cap = encode_chat(served.tokenizer, prompts), config.max_new_tokens
+        answers = greedy_answers(served, ids, cap=cap, config=cls._engine(config, "cb"), progress=progress)
+        probe, report, length, length_report = fit_predictors(served, ids, answers, cap=cap)
+        held_out = {"remaining_probe": report, "length_predictor": length_report}
+        return cls(served, config, probe, length, held_out)
+
+    @staticmethod
+    def _engine(config: BenchConfig, policy: str):
+        from ecru.serve.scheduler import EngineConfig
+
+        # no prefix caching: the other policies run without one
+        return EngineConfig(policy=policy, max_batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
+                            prefix_cache=0)  # fmt: skip
+
+    def run(self, ids):
+        """Every prompt arriving at once, served to completion (`runner.PolicyRun`; kept-KV preemptions
+        recompute nothing, so no failures)."""
+        import time
+
+        from ecru.serve.runner import PolicyRun
+        from ecru.serve.sampling import SamplingParams
+
+        engine = self.served.engine(self._engine(self.config, "cb-srpt"), remaining=self.probe,
+                                    predict=self.length.engine_predict)  # fmt: skip
+        params, start = SamplingParams(max_tokens=self.config.max_new_tokens), time.perf_counter()
+        reqs = [engine.add_request(p, params) for p in ids]
+        while engine.has_unfinished():
+            engine.step()
+        finish, s = [r.finish_s - start for r in reqs], engine.stats
+        self.preemptions.append(s.preemptions)
+        return PolicyRun("cb-srpt", [r.output for r in reqs], finish, time.perf_counter() - start, s.tokens, 0,
+                         s.peak_kv_tokens)  # fmt: skip
+
+    def report(self, ids, true: list[float]) -> dict:
+        """The predictors' held-out reports on the train prompts, and the length predictor on the test ones."""
+        from ecru.serve.predictors import length_metrics
+
+        test = length_metrics(self.length.predict_ids(ids), true)
+        return {**self.held_out, "length_predictor_test": test, "preemptions": self.preemptions}
 
 
 def format_bench(result: dict) -> str:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
+from ecru.io import decode_line
 from ecru.serve.engine import GenerationConfig
 
 TEMPERATURES = (0.0, 0.3, 0.5, 0.7)
@@ -46,15 +47,15 @@ def read_labels(path: str | Path) -> list[LengthLabel]:
     if not path.is_file():
         return []
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            out.append(_parse_label(line, f"{path}:{n}"))
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if raw.strip():
+            out.append(_parse_label(raw, f"{path}:{n}"))
     return out
 
 
-def _parse_label(line: str, where: str) -> LengthLabel:
+def _parse_label(line: bytes, where: str) -> LengthLabel:
     try:
-        row = json.loads(line)
+        row = json.loads(decode_line(line))
         label = LengthLabel(str(row["prompt"]), [int(x) for x in row["lengths"]], int(row["max_new_tokens"]))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise EcruError(

@@ -47,7 +47,8 @@ def _load_folder(name: str):
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as exc:
-        raise EcruError(f"cannot load the model folder {path}: {exc}") from None
+        reason = " ".join(str(exc).split())  # one line: transformers' messages span several
+        raise EcruError(f"cannot load the model folder {path}: {reason}") from None
     return model.eval(), tokenizer
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ecru.errors import EcruError
+from ecru.io import decode_line
 
 SOURCES = ("clinc", "banking", "mixed", "instructions")
 """Bundled prompts: CLINC150 or Banking77 queries, both interleaved ("mixed"), or "instructions": the
@@ -44,17 +45,24 @@ def read_jsonl_prompts(path: str | Path) -> list[str]:
     check_source(path)
     path = Path(path)
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if not raw.strip():
             continue
         try:
-            prompt = json.loads(line)["prompt"]
+            prompt = json.loads(_decoded(raw, f"{path}:{n}"))["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise EcruError(f'{path}:{n}: expected a JSON object with a "prompt" field ({exc})') from None
         if not isinstance(prompt, str) or not prompt.strip():
             raise EcruError(f'{path}:{n}: "prompt" must be a non-empty string, got {json.dumps(prompt)[:80]}')
         out.append(prompt)
     return out
+
+
+def _decoded(raw: bytes, where: str) -> str:
+    try:
+        return decode_line(raw)
+    except ValueError as exc:
+        raise EcruError(f"{where}: {exc}") from None
 
 
 def load_prompts(source: str, *, n: int | None = None, split: str = "test", seed: int = 0) -> list[str]:

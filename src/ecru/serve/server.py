@@ -3,51 +3,62 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
 
+import uvicorn
+
+from ecru.errors import EcruError
 from ecru.serve.api_guard import APIConfig
 from ecru.serve.background import EngineThread
 from ecru.serve.models import ServedModel
 from ecru.serve.openai_api import create_app
-from ecru.serve.request_engine import EngineConfig, PredictLength, RemainingPredictor
+from ecru.serve.request_engine import EngineConfig, PredictLength, RemainingPredictor, RequestEngine
 
 
-def build(
-    served: ServedModel,
-    config: EngineConfig,
-    *,
-    remaining: RemainingPredictor | None = None,
-    predict: PredictLength | None = None,
-    api: APIConfig | None = None,
-):
-    """The engine thread and the ASGI app on it (`remaining`: cb-srpt's fitted `RemainingProbe`;
-    `predict`: each request's predicted length, e.g. a fitted `EmbeddingPredictor`'s `engine_predict`;
-    `api`: the API key and body limit)."""
-    threads = EngineThread(served.engine(config, remaining=remaining, predict=predict))
-    return threads, create_app(served, threads, default_max_tokens=config.max_new_tokens, api=api)
+def build(served: ServedModel, engine: RequestEngine, *, api: APIConfig | None = None):
+    """The engine thread running `engine` and the ASGI app on it (`api`: the API key and body limit)."""
+    threads = EngineThread(engine)
+    return threads, create_app(served, threads, default_max_tokens=engine.config.max_new_tokens, api=api)
 
 
 def serve_forever(
-    served: ServedModel,
-    config: EngineConfig,
-    *,
-    host: str,
-    port: int,
-    remaining: RemainingPredictor | None = None,
-    predict: PredictLength | None = None,
-    api: APIConfig | None = None,
+    served: ServedModel, engine: RequestEngine, *, host: str, port: int, api: APIConfig | None = None
 ) -> None:
     """Run until Ctrl-C: uvicorn stops accepting, drains the requests in flight, then re-raises the
     signal (KeyboardInterrupt: the CLI exits 130)."""
-    import uvicorn
-
-    threads, app = build(served, config, remaining=remaining, predict=predict, api=api)
+    threads, app = build(served, engine, api=api)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     try:  # not uvicorn.run, which swallows the KeyboardInterrupt its server re-raises after draining
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
+        server.run()
     finally:
         threads.close()
+    if server.interrupted:  # SIGINT ignored when started (a background job): uvicorn's re-raise did nothing
+        raise KeyboardInterrupt
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, remembering a Ctrl-C (SIGINT) it drained for."""
+
+    interrupted = False
+
+    def handle_exit(self, sig, frame) -> None:
+        self.interrupted |= sig == signal.SIGINT
+        super().handle_exit(sig, frame)
+
+
+def check_bindable(host: str, port: int) -> None:
+    """A busy port or a foreign address, refused in one line (before a front end loads its model)."""
+    try:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        raise EcruError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port or --host"
+        ) from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,9 +80,8 @@ class BackgroundServer:
         predict: PredictLength | None = None,
         api: APIConfig | None = None,
     ):
-        import uvicorn
-
-        self.threads, app = build(served, config, remaining=remaining, predict=predict, api=api)
+        engine = served.engine(config, remaining=remaining, predict=predict)
+        self.threads, app = build(served, engine, api=api)
         self.host, self.port = host, free_port(host)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self.server.run, name="ecru-uvicorn", daemon=True)

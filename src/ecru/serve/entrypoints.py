@@ -1,0 +1,366 @@
+"""What `ecru serve api`, `run` and `probe` build: a model, its request engine and cb-sjf's and cb-srpt's
+predictors, every setting checked before the model loads (`EngineSetup`); `simulate`'s trace replay
+(`ReplaySetup`). `serve/cli.py` only maps its arguments onto these."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ecru.errors import EcruError
+from ecru.serve.names import SJF_POLICIES
+from ecru.serve.queues import DEFAULT_AGING
+
+if TYPE_CHECKING:
+    from ecru.serve.api_guard import APIConfig
+    from ecru.serve.models import ServedModel
+    from ecru.serve.remaining import RemainingProbe
+    from ecru.serve.request_engine import EngineConfig, PredictLength, RequestEngine
+    from ecru.serve.sampling import SamplingParams
+
+MIN_PROBE_PROMPTS = 10
+"""`ecru serve probe` fits on at least this many prompts (hundreds are better)."""
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """A model to load and its engine's settings (`ecru serve api/run/probe`); checked on construction, before
+    any model loads: a wrong combination or predictor folder is one `EcruError` naming the flag to change."""
+
+    model: str = "smollm2"
+    """smollm2 (bundled), tiny (random, for tests) or the path of a local Hugging Face model folder."""
+    policy: str = "cb"
+    """The engine's admission policy (`EngineConfig.policy`)."""
+    max_batch_size: int = 16
+    """Rows decoded together at most."""
+    max_new_tokens: int = 256
+    """The largest max_tokens a request may ask for."""
+    prefix_cache: int = 16
+    """Recent prompts whose KV is kept for prompts that start alike (0: off)."""
+    fcfs_slack: float | None = None
+    """cb-sjf, cb-srpt: the FCFS deadline (`EngineConfig.fcfs_slack`; None: the policy's shipped default)."""
+    length_predictor: str | None = None
+    """cb-sjf, cb-srpt: folder of the length predictor `ecru serve probe` fitted; cb-srpt's default: the
+    `remaining_probe` folder's, when it holds one (the shipped configuration)."""
+    remaining_probe: str | None = None
+    """cb-srpt (required there, only there): folder of its remaining-length probe (`ecru serve probe`)."""
+    packed_weights: bool = True
+    """Multiply by pre-packed copies of the linear layers' weights (`ecru.serve.packed`)."""
+
+    def __post_init__(self):
+        if self.fcfs_slack is not None and self.policy not in SJF_POLICIES:
+            raise EcruError(
+                "--fcfs-slack applies to --policy cb-sjf or cb-srpt only: drop it or add --policy cb-sjf"
+            )
+        object.__setattr__(self, "length_predictor", self._length_folder())
+        if self.length_predictor is not None:
+            self._check_length_file()
+        if (self.policy == "cb-srpt") != (self.remaining_probe is not None):
+            raise EcruError("--policy cb-srpt needs --remaining-probe DIR (fit one with `ecru serve probe`), and only "
+                            "it takes one")  # fmt: skip
+        self.engine_config  # noqa: B018 - EngineConfig's own checks, now
+
+    def _length_folder(self) -> str | None:
+        if self.length_predictor is not None or self.policy != "cb-srpt" or self.remaining_probe is None:
+            return self.length_predictor
+        from ecru.serve.predictors import LENGTH_FILE
+
+        return self.remaining_probe if (Path(self.remaining_probe) / LENGTH_FILE).is_file() else None
+
+    def _check_length_file(self) -> None:
+        """A policy that uses the predictor, and a folder holding one for this model with a cap at least
+        `max_new_tokens`."""
+        from ecru.serve.predictors import model_key, read_length_file
+
+        if self.policy not in SJF_POLICIES:
+            raise EcruError(
+                "--length-predictor orders cb-sjf's and cb-srpt's queue: drop it or add --policy cb-sjf"
+            )
+        where = f"--length-predictor {self.length_predictor}"
+        try:
+            meta, _, _ = read_length_file(self.length_predictor)
+        except ValueError as exc:
+            raise EcruError(f"--length-predictor {exc}") from None
+        _check_fit(where, meta["model"], model_key(self.model), self.model)
+        _check_cap(where, "answers", meta["cap"], self.max_new_tokens)
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        from ecru.serve.scheduler import EngineConfig
+
+        try:
+            return EngineConfig(policy=self.policy, max_batch_size=self.max_batch_size, prefix_cache=self.prefix_cache,
+                                max_new_tokens=self.max_new_tokens, fcfs_slack=self.fcfs_slack)  # fmt: skip
+        except ValueError as exc:
+            raise EcruError(str(exc)) from None
+
+    def load_remaining(self) -> RemainingProbe | None:
+        """The `remaining_probe` folder's probe, read before the model loads (None without one)."""
+        from ecru.serve.remaining import RemainingProbe
+
+        if self.remaining_probe is None:
+            return None
+        try:
+            return RemainingProbe.load(self.remaining_probe)
+        except ValueError as exc:
+            raise EcruError(f"--remaining-probe {exc}") from None
+
+    def load_model(self) -> ServedModel:
+        from ecru.serve.models import ServedModel
+
+        return ServedModel.load(self.model, packed=self.packed_weights)
+
+    def attach(self, served: ServedModel, remaining: RemainingProbe | None) -> Serving:
+        """The loaded model with its predictors, each checked against it, and the engine they make."""
+        if remaining is not None:
+            _check_probe(f"--remaining-probe {self.remaining_probe}", remaining, served, self.max_new_tokens)
+        predict = self._load_length(served)
+        try:
+            engine = served.engine(self.engine_config, remaining=remaining, predict=predict)
+        except ValueError as exc:  # the engine's own checks (e.g. kept KV on a sliding-window model)
+            raise EcruError(f"--remaining-probe {self.remaining_probe}: {exc}") from None
+        return Serving(served, self.engine_config, engine, remaining, predict)
+
+    def _load_length(self, served: ServedModel) -> PredictLength | None:
+        from ecru.serve.predictors import EmbeddingPredictor
+
+        if self.length_predictor is None:
+            return None
+        try:
+            return EmbeddingPredictor.load(
+                self.length_predictor, served.model, served.tokenizer
+            ).engine_predict
+        except ValueError as exc:
+            raise EcruError(f"--length-predictor {exc}") from None
+
+
+@dataclass
+class Serving:
+    """A loaded model, its engine's settings, the engine, and the predictors it was built with."""
+
+    served: ServedModel
+    config: EngineConfig
+    engine: RequestEngine
+    remaining: RemainingProbe | None = None
+    predict: PredictLength | None = None
+
+
+def _check_fit(where: str, fitted: str, key: str, model: str) -> None:
+    if fitted != key:
+        raise EcruError(f"{where}: fitted for model {fitted!r}, not {key!r}; fit one for it with `ecru serve probe "
+                        f"--model {model}`")  # fmt: skip
+
+
+def _check_cap(where: str, what: str, cap: int, max_new_tokens: int) -> None:
+    if max_new_tokens > cap:
+        raise EcruError(f"{where}: it predicts {what} up to {cap} tokens, below --max-new-tokens {max_new_tokens}; "
+                        f"lower it or fit with `ecru serve probe --max-new-tokens {max_new_tokens}`")  # fmt: skip
+
+
+def _check_probe(where: str, probe: RemainingProbe, served: ServedModel, max_new_tokens: int) -> None:
+    from ecru.serve.predictors import model_key
+
+    _check_fit(where, probe.model, model_key(served.name), served.name)
+    width = served.model.config.get_text_config().hidden_size
+    if probe.hidden_size != width:
+        raise EcruError(f"{where}: it reads hidden states of width {probe.hidden_size}, the model's are {width}; fit "
+                        f"one for this model with `ecru serve probe --model {served.name}`")  # fmt: skip
+    _check_cap(where, "remainders of answers", probe.cap, max_new_tokens)
+
+
+# ---- the front ends ------------------------------------------------------------------------------------
+def serve_api(setup: EngineSetup, api: APIConfig, *, host: str, port: int) -> None:
+    """`ecru serve api`: serve until Ctrl-C (KeyboardInterrupt after the requests in flight drained)."""
+    from ecru.serve.server import check_bindable, serve_forever
+
+    remaining = setup.load_remaining()
+    check_bindable(host, port)  # a busy port is refused before the model loads
+    serving = setup.attach(setup.load_model(), remaining)
+    where = f"http://{host}:{port}/v1 (policy {serving.config.policy})"
+    print(f"serving {serving.served.describe()} on {where}", file=sys.stderr)
+    serve_forever(serving.served, serving.engine, host=host, port=port, api=api)
+
+
+def run_file(setup: EngineSetup, base: SamplingParams, *, src: Path, out: Path, skip_invalid: bool) -> str:
+    """`ecru serve run`: answer the lines of `src` not yet in `out` (appended as they finish, then put in input
+    order); the summary line. `setup.max_new_tokens` is raised to the largest line's max_tokens."""
+    from ecru.serve import batch_run
+
+    lines, skipped = batch_run.read_batch(src, skip_invalid=skip_invalid)
+    done = {r["id"] for r in batch_run.read_answers(out)} & {line.id for line in lines}
+    todo = [line for line in lines if line.id not in done]
+    remaining, tokens = setup.load_remaining(), 0
+    if todo:
+        served = setup.load_model()
+        print(f"loaded {served.describe()}", file=sys.stderr)
+        todo = batch_run.encode_lines(
+            served, todo, base, path=src, skip_invalid=skip_invalid, skipped=skipped
+        )
+    if todo:
+        cap = max(setup.max_new_tokens, *(e.params.max_tokens for e in todo))
+        serving = dataclasses.replace(setup, max_new_tokens=cap).attach(served, remaining)
+    for message in skipped:
+        print(f"skipped {message}", file=sys.stderr)
+    if todo:
+        tokens = batch_run.run_batch(served, todo, out=out, config=serving.config, remaining=remaining,
+                                     predict=serving.predict)  # fmt: skip
+    batch_run.reorder(out, lines)
+    return (f"{len(todo)} answered ({tokens} tokens), {len(done)} already in {out}, {len(skipped)} invalid "
+            "line(s) skipped")  # fmt: skip
+
+
+def probe_prompts(src: Path) -> list:
+    """`ecru serve probe`'s input lines (as `serve run` reads them), at least `MIN_PROBE_PROMPTS`."""
+    from ecru.serve import batch_run
+
+    lines, _ = batch_run.read_batch(src, skip_invalid=False, hint="")
+    if len(lines) < MIN_PROBE_PROMPTS:
+        raise EcruError(f"{src}: {len(lines)} prompt(s); a probe needs at least {MIN_PROBE_PROMPTS} (hundreds are "
+                        "better)")  # fmt: skip
+    return lines
+
+
+def fit_probe_folder(setup: EngineSetup, lines: list, *, src: Path, out: Path) -> str:
+    """`ecru serve probe`: answer `lines` greedily (capped at `setup.max_new_tokens`, each line's own
+    max_tokens ignored), fit cb-srpt's remaining-length probe and the prompt-length predictor on them and
+    write both to `out` with their held-out reports (probe.json) and a manifest; the summary line."""
+    from ecru.serve import batch_run
+    from ecru.serve.remaining import greedy_answers
+    from ecru.serve.sampling import SamplingParams
+
+    served, cap = setup.load_model(), setup.max_new_tokens
+    print(f"loaded {served.describe()}; answering {len(lines)} prompts greedily", file=sys.stderr)
+    lines = [dataclasses.replace(x, max_tokens=None) for x in lines]
+    todo = batch_run.encode_lines(served, lines, SamplingParams(max_tokens=cap), path=src, skip_invalid=False,
+                                  skipped=[], hint="")  # fmt: skip
+    prompts = [e.prompt_ids for e in todo]
+    answers = greedy_answers(served, prompts, cap=cap, config=setup.engine_config, progress=True)
+    try:
+        report, length_report = save_predictors(served, prompts, answers, cap=cap, out=out)
+    except ValueError as exc:
+        raise EcruError(f"{src}: {exc}") from None
+    return (f"fitted on {report['answers']} greedy answers ({report['answer_tokens']} tokens); held out "
+            f"{report['held_out_answers']}: remaining-length Spearman {_rho(report)} over "
+            f"{report['held_out_points']} re-predictions, prompt-length Spearman {_rho(length_report)}; wrote "
+            f"{out}")  # fmt: skip
+
+
+def fit_predictors(served: ServedModel, prompts, answers, *, cap: int):
+    """What plain cb-srpt serves with, fitted on `prompts` (token ids) and their greedy `answers`: the
+    remaining-length probe and the prompt-length `EmbeddingPredictor`, with their held-out reports."""
+    from ecru.serve.predictors import fit_length_predictor
+    from ecru.serve.remaining import fit_probe
+
+    probe, report = fit_probe(served, prompts, answers, cap=cap)
+    length, length_report = fit_length_predictor(served, prompts, [len(a) for a in answers], cap=cap)
+    return probe, report, length, length_report
+
+
+def save_predictors(served: ServedModel, prompts, answers, *, cap: int, out: Path) -> tuple[dict, dict]:
+    """`fit_predictors`, written to `out` (the report first: the weight files are what serving reads; the
+    manifest last, checked when either is loaded)."""
+    from ecru.io import atomic_write_json, write_manifest
+    from ecru.serve.predictors import model_key
+
+    probe, report, length, length_report = fit_predictors(served, prompts, answers, cap=cap)
+    meta = {"model": model_key(served.name), "cap": cap, "held_out": report,
+            "length_predictor_held_out": length_report}  # fmt: skip
+    atomic_write_json(out / "probe.json", meta)
+    write_manifest(out, [probe.save(out).name, length.save(out).name, "probe.json"])
+    return report, length_report
+
+
+def _rho(report: dict) -> str:
+    return "n/a" if report["spearman"] is None else f"{report['spearman']:.2f}"
+
+
+def check_keep_kv(*, keep_kv: bool, resume_failures: bool) -> None:
+    """`--keep-kv` only with `--resume-failures` (`PlanConfig`'s rule, said in the flags' words)."""
+    if keep_kv and not resume_failures:
+        raise EcruError("--keep-kv keeps the KV of the rows --resume-failures resumes: add --resume-failures")
+
+
+# ---- simulate ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReplaySetup:
+    """`ecru serve simulate`: a length trace replayed through one policy on a cost model."""
+
+    trace: Path
+    """JSONL lines {"prompt_len", "output_len", "predicted_len"}."""
+    policy: str = "fcfs"
+    """A static or continuous policy (`names.POLICIES`)."""
+    batch_size: int = 16
+    """Rows per batch."""
+    max_new_tokens: int = 512
+    """Global cap on answer tokens."""
+    token_budget: int | None = None
+    """fcr+vbs: rows x (prompt + cap) per batch."""
+    max_batch_size: int | None = None
+    """fcr+vbs: hard row limit per batch."""
+    resume_failures: bool = False
+    """fcr*: a row cut at its predicted cap is resumed, not recomputed."""
+    keep_kv: bool = False
+    """With `resume_failures`: a cut row keeps its KV for its rerun."""
+    cost_model: Path | None = None
+    """Cost model JSON (`ecru serve cost`); None: SmolLM2 on one CPU thread."""
+    refill_min: int = 4
+    """Continuous policies: admit when this many rows are free."""
+    aging: float = DEFAULT_AGING
+    """cb-sjf, cb-ljf: priority tokens per step waited."""
+    predict_s: float = 0.0
+    """Seconds of length prediction added."""
+
+    def __post_init__(self):
+        check_keep_kv(keep_kv=self.keep_kv, resume_failures=self.resume_failures)
+        self.plan  # noqa: B018 - PlanConfig's own checks, now
+
+    @property
+    def plan(self):
+        from ecru.serve.policies import PlanConfig
+
+        try:
+            return PlanConfig(batch_size=self.batch_size, max_new_tokens=self.max_new_tokens,
+                              token_budget=self.token_budget, max_batch_size=self.max_batch_size,
+                              resume=self.resume_failures, keep_kv=self.keep_kv)  # fmt: skip
+        except ValueError as exc:
+            raise EcruError(str(exc)) from None
+
+    def run(self) -> dict:
+        """The replay's result JSON, with the settings it ran under."""
+        from ecru.serve.cost import SMOLLM2_CPU, CostModel
+        from ecru.serve.simulator import read_trace, simulate
+
+        cost = CostModel.load(self.cost_model) if self.cost_model else SMOLLM2_CPU
+        trace = read_trace(self.trace)
+        if self.policy.startswith("cb"):
+            result = self._continuous(trace, cost)
+        else:
+            result = simulate(
+                trace, policy=self.policy, config=self.plan, cost=cost, predict_s=self.predict_s
+            )
+        return {**result.to_json(), "batch_size": self.batch_size, "max_new_tokens": self.max_new_tokens,
+                "resume_failures": self.resume_failures, "keep_kv": self.keep_kv, "cost_model": cost.source}  # fmt: skip
+
+    def _continuous(self, trace, cost):
+        from ecru.serve.policies import PlanConfig
+        from ecru.serve.queues import make_queue
+        from ecru.serve.runner import continuous_config, reservations
+        from ecru.serve.simulator import simulate_continuous
+
+        predicted = [r.predicted_len for r in trace]
+        if self.policy != "cb" and any(p is None for p in predicted):
+            raise EcruError(f"policy {self.policy!r} needs predicted_len on every trace line")
+        try:
+            plan = PlanConfig(batch_size=self.batch_size, max_new_tokens=self.max_new_tokens)
+            config = continuous_config(
+                self.policy, plan, [r.prompt_len for r in trace], refill_min=self.refill_min
+            )
+            queue = make_queue(self.policy, predicted, aging=self.aging)
+        except ValueError as exc:
+            raise EcruError(str(exc)) from None
+        result, _ = simulate_continuous(trace, queue=queue, config=config, cost=cost, predict_s=self.predict_s,
+                                        policy=self.policy, reserve=reservations(self.policy, predicted))  # fmt: skip
+        return result
