@@ -33,6 +33,7 @@ _EXPORTS = {
         "left_pad",
         "resume_static",
     ),
+    "ecru.serve.entrypoints": ("EngineSetup", "ReplaySetup"),
     "ecru.serve.labels": (
         "LengthLabel",
         "label_prompts",

@@ -110,19 +110,11 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _label(args: argparse.Namespace) -> int:
-    from ecru.serve.labels import label_prompts, read_labels
-    from ecru.serve.models import load_model
-    from ecru.serve.prompts import load_prompts
+    from ecru.serve.entrypoints import label_file
 
     _out_file(args.out, "--out")
-    read_labels(args.out)  # a malformed cache stops here, before any work
-    prompts = load_prompts(args.prompts, n=args.n, split=args.split)
-    model, tokenizer = load_model(args.model)
-    labels = label_prompts(model, tokenizer, prompts, out=args.out, samples=args.samples,
-                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)  # fmt: skip
-    lengths = sorted(r.label for r in labels)
-    at_cap = sum(x >= args.max_new_tokens for x in lengths)
-    print(f"{len(labels)} labels in {args.out}; median {lengths[len(lengths) // 2]}, at cap {at_cap}")
+    print(label_file(args.model, args.prompts, out=args.out, n=args.n, split=args.split, samples=args.samples,
+                     max_new_tokens=args.max_new_tokens, batch_size=args.batch_size))  # fmt: skip
     return 0
 
 
@@ -141,17 +133,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _cost(args: argparse.Namespace) -> int:
-    import torch
-
-    from ecru.serve.cost import measure_cost_model
-    from ecru.serve.models import load_model
+    from ecru.serve.entrypoints import measure_cost
 
     _out_file(args.out, "--out")
-    model, _ = load_model(args.model)
-    source = f"{args.model}, {torch.get_num_threads()} thread(s), measured"
-    cost = measure_cost_model(model, reps=args.reps, source=source)
-    cost.save(args.out)
-    print(f"wrote {args.out}: {cost}")
+    print(measure_cost(args.model, reps=args.reps, out=args.out))
     return 0
 
 

@@ -92,8 +92,13 @@ class EngineSetup:
         from ecru.serve.scheduler import EngineConfig
 
         try:
-            return EngineConfig(policy=self.policy, max_batch_size=self.max_batch_size, prefix_cache=self.prefix_cache,
-                                max_new_tokens=self.max_new_tokens, fcfs_slack=self.fcfs_slack)  # fmt: skip
+            return EngineConfig(
+                policy=self.policy,
+                max_batch_size=self.max_batch_size,
+                max_new_tokens=self.max_new_tokens,
+                prefix_cache=self.prefix_cache,
+                fcfs_slack=self.fcfs_slack,
+            )
         except ValueError as exc:
             raise EcruError(str(exc)) from None
 
@@ -281,6 +286,38 @@ def check_keep_kv(*, keep_kv: bool, resume_failures: bool) -> None:
     """`--keep-kv` only with `--resume-failures` (`PlanConfig`'s rule, said in the flags' words)."""
     if keep_kv and not resume_failures:
         raise EcruError("--keep-kv keeps the KV of the rows --resume-failures resumes: add --resume-failures")
+
+
+# ---- label and cost: what the simulators and the benchmark read ---------------------------------------
+def label_file(model: str, prompts: str, *, out: str, n: int, split: str, samples: int, max_new_tokens: int,
+               batch_size: int) -> str:  # fmt: skip
+    """`ecru serve label`: the model's own answer lengths for `n` prompts of a source, cached in `out`
+    (appended to); the summary line."""
+    from ecru.serve.labels import label_prompts, read_labels
+    from ecru.serve.models import load_model
+    from ecru.serve.prompts import load_prompts
+
+    read_labels(out)  # a malformed cache stops here, before any work
+    texts = load_prompts(prompts, n=n, split=split)
+    lm, tokenizer = load_model(model)
+    labels = label_prompts(lm, tokenizer, texts, out=out, samples=samples, max_new_tokens=max_new_tokens,
+                           batch_size=batch_size)  # fmt: skip
+    lengths = sorted(r.label for r in labels)
+    at_cap = sum(x >= max_new_tokens for x in lengths)
+    return f"{len(labels)} labels in {out}; median {lengths[len(lengths) // 2]}, at cap {at_cap}"
+
+
+def measure_cost(model: str, *, reps: int, out: str) -> str:
+    """`ecru serve cost`: the model's step times on this machine, written to `out`; the summary line."""
+    import torch
+
+    from ecru.serve.cost import measure_cost_model
+    from ecru.serve.models import load_model
+
+    lm, _ = load_model(model)
+    cost = measure_cost_model(lm, reps=reps, source=f"{model}, {torch.get_num_threads()} thread(s), measured")
+    cost.save(out)
+    return f"wrote {out}: {cost}"
 
 
 # ---- simulate ------------------------------------------------------------------------------------------
