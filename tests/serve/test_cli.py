@@ -203,3 +203,38 @@ def test_a_misspelt_prompt_source_is_refused_before_any_model_loads(capsys, monk
     assert main(["serve", "bench", "--model", "tiny", "--prompts", "instrutions", "--n", "2"]) == 2
     err = capsys.readouterr().err
     assert "instrutions not found" in err and "instructions" in err and len(err.strip().splitlines()) == 1
+
+
+def test_undecodable_prompt_and_label_files_are_one_line_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "hi"}\n{"prompt": "ab\xff"}\n')
+    labels = tmp_path / "labels.jsonl"
+    labels.write_bytes(b'{"prompt": "x\xfe", "lengths": [3], "max_new_tokens": 8}\n')
+    runs = [
+        [
+            "serve",
+            "label",
+            "--model",
+            "tiny",
+            "--prompts",
+            str(bad),
+            "--n",
+            "2",
+            "--out",
+            str(tmp_path / "l.jsonl"),
+        ],
+        ["serve", "bench", "--model", "tiny", "--n", "2", "--labels", str(labels), "--predictor", "constant"],
+    ]
+    for args, where in zip(runs, (f"{bad}:2: not valid UTF-8 (byte 0xff", f"{labels}:1: "), strict=True):
+        assert main(args) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ecru")]
+        assert len(err) == 1 and err[0].startswith(f"ecru: error: {where}"), err
+
+
+def test_a_broken_model_folder_is_one_line(tmp_path, capsys):
+    from ecru.serve.server import free_port
+
+    (tmp_path / "config.json").write_text("{}")  # no weights, no tokenizer
+    assert main(["serve", "api", "--model", str(tmp_path), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"ecru: error: cannot load the model folder {tmp_path}: ") and "\n" not in err
