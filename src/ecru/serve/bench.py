@@ -3,8 +3,9 @@
 Order of work: FCFS runs first and records the true (greedy, capped) lengths and the reference outputs;
 the predictor (trained on train-split labels, cached) then predicts the held-out prompts, timed once;
 each other policy runs with those predictions, its wall time including the prediction time (oracle and
-cb need none). Every run's outputs are compared with that first FCFS run's, which equal unscheduled
-greedy generation.
+cb need none). Plain cb-srpt is the engine's as it ships (`ShippedSRPT`): `ecru serve probe`'s two predictors,
+fitted on the train prompts' greedy answers, predict inside the engine, on its clock. Every run's outputs are
+compared with that first FCFS run's, which equal unscheduled greedy generation.
 
 Repetitions (`repeats` R): the machine's load drifts between runs, so one run per policy in a fixed
 order turns drift into policy differences. Repetition k runs the policies rotated to start at policy k
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 BENCH_POLICIES = (*POLICIES, *(p for p in ENGINE_POLICIES if p not in POLICIES))
 """What `ecru serve bench` runs: every policy of the runner, and the engine's own cb-srpt as it ships
-(`shipped_srpt`)."""
+(`ShippedSRPT`)."""
 
 PREDICTORS = ("self-lora", "probe", "embed", "minilm", "oracle", "constant")
 # SmolLM2's labels committed with the repository (rebuilt by `ecru serve label`, see bench/results/)
