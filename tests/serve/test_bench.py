@@ -103,7 +103,7 @@ def test_the_bench_runs_cb_srpt_as_it_ships(chat_model_dir, tmp_path, monkeypatc
     served = ServedModel.load(str(chat_model_dir), packed=False)
     srpt = ShippedSRPT.fit(served, config, progress=False)
     shipped = srpt._engine(config, "cb-srpt")
-    assert (shipped.fcfs_slack, shipped.aging, shipped.preempt_mode) == (FCFS_SLACK, 0.0, "keep")
+    assert (shipped.deadline, shipped.aging_per_step, shipped.preempt_mode) == (FCFS_SLACK, 0.0, "keep")
     assert srpt.held_out["remaining_probe"]["answers"] == 12 and srpt.length.key == srpt.probe.model
 
     calls = {"predict": 0, "repredict": 0}
