@@ -50,10 +50,23 @@ def test_learned_texts_answered_and_untaught_domains_abstained(store):
         assert {p.reason for p in other if p.label is None} == {UNCLAIMED}
 
 
-def test_each_task_stores_its_fitted_scale(store):
+def test_each_task_stores_the_map_scale_of_its_held_out_texts(store):
+    from ecru.lifelong.calibration import SCALE_RANGE, fit_scale, holdout_split
+    from ecru.lifelong.userdata import label_name
+
     method = store.method()
-    assert len(method.scales) == 2 and all(s is not None and s > 0 for s in method.scales)
-    assert store.manifest["config"]["calibration"] > 0
+    assert len(method.scales) == 2 and store.manifest["config"]["calibration"] > 0
+    assert method.cfg.scale_prior > 0 and method.cfg.score_scale is not None
+    for i, domain in enumerate(TAUGHT):
+        rows = _rows(domain, "train", TRAIN)
+        labels = [label_name(label) for _, label in rows]
+        _, held = holdout_split(labels, method.cfg.calibration, seed=0)  # the store's seed 0, task index 0
+        cosines = method.encoder().for_task(i).scores([rows[k][0] for k in held], method.names[i])
+        gold = torch.tensor([method.names[i].index(labels[k]) for k in held])
+        want = fit_scale(cosines, gold, prior=method.cfg.score_scale, strength=method.cfg.scale_prior)
+        # one step of fit_scale's grid: the stored adapter's float32 scores may tip a near tie
+        assert method.scales[i] == pytest.approx(want, rel=(SCALE_RANGE[1] / SCALE_RANGE[0]) ** (1 / 399) - 1)
+        assert method.scales[i] < SCALE_RANGE[1]
 
 
 def test_abstain_keeps_unlearned_candidates_zero_shot_and_min_score(store):

@@ -1,5 +1,7 @@
 """Temperature scaling, expected calibration error and the held-out split, against hand-computed values."""
 
+import math
+
 import pytest
 import torch
 
@@ -33,6 +35,60 @@ def test_fit_scale_goes_up_the_range_when_every_answer_is_right():
     # the smallest scale whose loss is 0 in float64: every right answer at probability 1
     assert 40 < scale <= SCALE_RANGE[1]
     assert torch.softmax(scale * cosines, -1).diagonal().min().item() == pytest.approx(1.0, abs=1e-12)
+
+
+def _map_objective(
+    cosines: list[list[float]], labels: list[int], s: float, prior: float, strength: float
+) -> float:
+    """Plain-Python reference: summed NLL of softmax(s x cosines) plus strength x (ln s - ln prior)^2."""
+    nll = 0.0
+    for row, y in zip(cosines, labels, strict=True):
+        top = max(s * c for c in row)
+        nll += top + math.log(sum(math.exp(s * c - top) for c in row)) - s * row[y]
+    return nll + strength * (math.log(s) - math.log(prior)) ** 2
+
+
+def _golden_min(f, lo: float, hi: float) -> float:
+    """The minimiser of a unimodal f on [lo, hi] in log space, by golden-section search to 1e-9."""
+    a, b, r = math.log(lo), math.log(hi), (math.sqrt(5) - 1) / 2
+    while b - a > 1e-9:
+        c, d = b - r * (b - a), a + r * (b - a)
+        a, b = (a, d) if f(math.exp(c)) < f(math.exp(d)) else (c, b)
+    return math.exp((a + b) / 2)
+
+
+GRID_STEP = (SCALE_RANGE[1] / SCALE_RANGE[0]) ** (1 / 399)  # fit_scale's log-spaced grid of 400 scales
+
+
+@pytest.mark.parametrize("strength", [0.5, 3.0, 10.0])
+def test_fit_scale_with_a_prior_is_the_map_scale_of_a_plain_reference(strength):
+    g = torch.Generator().manual_seed(1)
+    cosines = torch.rand(30, 4, generator=g, dtype=torch.float64) * 2 - 1
+    labels = torch.multinomial(torch.softmax(5.0 * cosines, -1), 1, generator=g)[:, 0]
+    rows, ys = cosines.tolist(), labels.tolist()
+    want = _golden_min(lambda s: _map_objective(rows, ys, s, 12.0, strength), *SCALE_RANGE)
+    got = fit_scale(cosines, labels, prior=12.0, strength=strength)
+    assert want / GRID_STEP <= got <= want * GRID_STEP  # within one step of the grid
+    assert abs(math.log(got / 12.0)) < abs(math.log(fit_scale(cosines, labels) / 12.0))  # pulled to the prior
+
+
+def test_fit_scale_prior_keeps_an_all_right_held_out_set_finite_and_washes_out_with_data():
+    cosines = torch.tensor([[0.9, 0.1], [0.2, 0.8]], dtype=torch.float64)
+    labels = torch.tensor([0, 1])
+    want = _golden_min(lambda s: _map_objective(cosines.tolist(), [0, 1], s, 12.0, 10.0), *SCALE_RANGE)
+    got = fit_scale(cosines, labels, prior=12.0, strength=10.0)
+    assert 12.0 < got < 40 and want / GRID_STEP <= got <= want * GRID_STEP  # not the range's end (no prior)
+    g = torch.Generator().manual_seed(0)
+    many = torch.rand(4000, 5, generator=g) * 2 - 1
+    drawn = torch.multinomial(torch.softmax(7.0 * many, -1), 1, generator=g)[:, 0]
+    assert fit_scale(many, drawn, prior=20.0, strength=10.0) == pytest.approx(7.0, rel=0.08)
+
+
+def test_fit_scale_refuses_a_strength_without_a_prior():
+    cosines, labels = torch.zeros(2, 2), torch.tensor([0, 1])
+    for kw in ({"strength": 1.0}, {"strength": 1.0, "prior": 0.0}, {"strength": -1.0, "prior": 12.0}):
+        with pytest.raises(ValueError, match="strength"):
+            fit_scale(cosines, labels, **kw)
 
 
 def test_holdout_split_is_per_label_deterministic_and_keeps_two_of_each():

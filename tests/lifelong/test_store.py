@@ -285,7 +285,7 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
     manifest["config"] = {
         k: v
         for k, v in manifest["config"].items()
-        if k not in ("lda_weight", "label_smoothing", "rmd_percentile", "few_margin")
+        if k not in ("lda_weight", "label_smoothing", "rmd_percentile", "few_margin", "scale_prior")
     }
     manifest["config"].update(router="prototypes", prototype_weight=0.5)
     (old / "store.json").write_text(json.dumps(manifest))
@@ -301,6 +301,8 @@ def test_a_store_keeps_its_router_and_one_made_with_prototypes_only_still_predic
     got = old_store.predict(texts)
     assert type(old_store.method().router) is PrototypeRouter
     assert old_store.method().scales == [None, None]  # no fitted scale stored: scores at the trained scale
+    # a task it learns next is calibrated by plain temperature scaling, as before
+    assert old_store.method().cfg.scale_prior == 0.0
     assert (
         len(got) == len(texts)
         and sum(p.label == w for p, w in zip(got, want, strict=True)) >= len(texts) // 2

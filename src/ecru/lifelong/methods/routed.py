@@ -142,6 +142,10 @@ class RoutedConfig:
     score_scale: float | None = None
     """The scale of a task's probabilities (softmax(scale x scores)) when no scale was fitted for it
     (`calibration` 0); None: `TrainConfig.scale`, the training scale."""
+    scale_prior: float = 0.0
+    """With `calibration`: weight of the log-normal prior, centred on the unfitted scale (`score_scale`), on
+    each task's fitted scale (`fit_scale`'s `strength`: MAP temperature scaling); 0: the held-out texts' maximum
+    likelihood alone, which a held-out set answered all right sends to the top of `SCALE_RANGE`."""
 
     def __post_init__(self) -> None:
         if self.r < 1 or self.alpha <= 0 or self.lr <= 0 or self.knn < 1:
@@ -192,6 +196,8 @@ class RoutedConfig:
             raise EcruError(f"router must be 'prototypes', 'knn' or 'lda'; got {self.router!r}")
         if self.score_scale is not None and not self.score_scale > 0:
             raise EcruError(f"score_scale must be > 0 or None; got {self.score_scale}")
+        if not self.scale_prior >= 0:
+            raise EcruError(f"scale_prior must be >= 0; got {self.scale_prior}")
         if not 0 <= self.admit <= 1:
             raise EcruError(f"admit must be a quantile in [0, 1]; got {self.admit}")
         if not 0 <= self.calibration < 1:
@@ -525,7 +531,8 @@ class RoutedAdapters:
             return None
         self.router.admit(index, self.encoder().frozen([e.text for e in held]), quantile=self.cfg.admit)
         cosines = self.encoder().for_task(index).scores([e.text for e in held], self.names[index])
-        return fit_scale(cosines, torch.tensor([intents.index(e.label) for e in held], dtype=torch.long))
+        labels = torch.tensor([intents.index(e.label) for e in held], dtype=torch.long)
+        return fit_scale(cosines, labels, prior=self.scale(FROZEN), strength=self.cfg.scale_prior)
 
     def margin(self, task: int) -> float | None:
         """Task `task`'s margin: `RoutedConfig.few_margin` if it was learned from fewer than `few_texts` texts per
@@ -537,8 +544,8 @@ class RoutedAdapters:
         return self.cfg.margin
 
     def scale(self, task: int) -> float:
-        """The logit scale of texts routed to `task` (`FROZEN`: the frozen model): fitted, else the config's
-        `score_scale`, else as trained."""
+        """The logit scale of texts routed to `task` (`FROZEN`: the frozen model, and the prior of a fitted
+        scale): fitted, else the config's `score_scale`, else as trained."""
         fitted = self.scales[task] if task != FROZEN else None
         unfitted = self.train.scale if self.cfg.score_scale is None else self.cfg.score_scale
         return unfitted if fitted is None else fitted
