@@ -21,7 +21,7 @@ from ecru.io import atomic_write_text, decode_line
 from ecru.serve.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from ecru.serve.request_engine import PredictLength
+    from ecru.serve.request_engine import RequestEngine
 
 
 @dataclass(frozen=True)
@@ -153,21 +153,10 @@ def encode_lines(served, lines: Sequence[BatchLine], base: SamplingParams, *, pa
     return out
 
 
-def run_batch(
-    served,
-    todo: Sequence[Encoded],
-    *,
-    out: Path,
-    config,
-    progress: bool = True,
-    remaining=None,
-    predict: PredictLength | None = None,
-) -> int:
-    """Serve `todo` on one engine, appending each answer to `out` as it finishes; returns tokens generated.
-    `remaining`: cb-srpt's fitted `RemainingProbe`; `predict`: each request's predicted length."""
+def run_batch(engine: RequestEngine, todo: Sequence[Encoded], *, out: Path, progress: bool = True) -> int:
+    """Serve `todo` on `engine`, appending each answer to `out` as it finishes; returns tokens generated."""
     from tqdm.auto import tqdm
 
-    engine = served.engine(config, remaining=remaining, predict=predict)
     lines = {str(i): e.line for i, e in enumerate(todo)}
     for i, e in enumerate(todo):
         engine.add_request(e.prompt_ids, e.params, request_id=str(i))

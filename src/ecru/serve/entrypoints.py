@@ -127,7 +127,7 @@ class EngineSetup:
             engine = served.engine(self.engine_config, remaining=remaining, predict=predict)
         except ValueError as exc:  # the engine's own checks (e.g. kept KV on a sliding-window model)
             raise EcruError(f"--remaining-probe {self.remaining_probe}: {exc}") from None
-        return Serving(served, self.engine_config, engine, remaining, predict)
+        return Serving(served, self.engine_config, engine)
 
     def _load_length(self, served: ServedModel) -> PredictLength | None:
         from ecru.serve.predictors import EmbeddingPredictor
@@ -144,13 +144,11 @@ class EngineSetup:
 
 @dataclass
 class Serving:
-    """A loaded model, its engine's settings, the engine, and the predictors it was built with."""
+    """A loaded model, its engine's settings and the engine."""
 
     served: ServedModel
     config: EngineConfig
     engine: RequestEngine
-    remaining: RemainingProbe | None = None
-    predict: PredictLength | None = None
 
 
 def _check_fit(where: str, fitted: str, key: str, model: str) -> None:
@@ -210,8 +208,7 @@ def run_file(setup: EngineSetup, base: SamplingParams, *, src: Path, out: Path, 
     for message in skipped:
         print(f"skipped {message}", file=sys.stderr)
     if todo:
-        tokens = batch_run.run_batch(served, todo, out=out, config=serving.config, remaining=remaining,
-                                     predict=serving.predict)  # fmt: skip
+        tokens = batch_run.run_batch(serving.engine, todo, out=out)
     batch_run.reorder(out, lines)
     return (f"{len(todo)} answered ({tokens} tokens), {len(done)} already in {out}, {len(skipped)} invalid "
             "line(s) skipped")  # fmt: skip
