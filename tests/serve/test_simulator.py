@@ -161,6 +161,13 @@ def test_cli_simulate_bad_trace_is_one_line_error(tmp_path, capsys):
     assert "output_len" in capsys.readouterr().err
     write_trace(tmp_path / "u.jsonl", [(3, None)])
     assert main(["serve", "simulate", "--trace", str(tmp_path / "u.jsonl"), "--policy", "sorted"]) == 2
+    assert "predicted_len" in capsys.readouterr().err
+    for name, data in (("bytes", b'{"prompt_len": 3, "output_len": 2}\n\xff\xfe\n'), ("list", b"[1, 2]\n")):
+        (tmp_path / name).write_bytes(data)
+        assert main(["serve", "simulate", "--trace", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert f"{name}:2: not valid UTF-8" in err if name == "bytes" else f"{name}:1: expected" in err
 
 
 def test_measure_cost_model_on_tiny_model(model):

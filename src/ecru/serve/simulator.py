@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
+from ecru.io import decode_line
 from ecru.serve.continuous import ContinuousConfig
 from ecru.serve.cost import SMOLLM2_CPU, CostModel
 from ecru.serve.policies import Batch, PlanConfig, plan_batches, run_plan
@@ -65,32 +66,36 @@ class SimResult:
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
+    """A JSONL trace of prompt_len, output_len and an optional predicted_len; a bad line is one `EcruError`."""
     path = Path(path)
     if not path.is_file():
         raise EcruError(f"trace {path} not found (JSONL lines of prompt_len, output_len, predicted_len)")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
         try:
-            row = json.loads(line)
-            predicted = row.get("predicted_len")
-            predicted = None if predicted is None else float(predicted)
-            req = TraceRequest(int(row["prompt_len"]), int(row["output_len"]), predicted)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise EcruError(
-                f"{path}:{n}: expected {{'prompt_len', 'output_len', 'predicted_len'}} ({exc})"
-            ) from exc
-        if req.prompt_len < 0 or req.output_len < 0:
-            raise EcruError(f"{path}:{n}: lengths must be >= 0")
-        if req.predicted_len is not None and not 0 <= req.predicted_len < float("inf"):
-            raise EcruError(
-                f"{path}:{n}: predicted_len must be a finite number >= 0, got {req.predicted_len}"
-            )
-        out.append(req)
+            if raw.strip():
+                out.append(_trace_line(decode_line(raw)))
+        except ValueError as exc:  # a malformed row, or bytes that are not UTF-8
+            raise EcruError(f"{path}:{n}: {exc}") from None
     if not out:
         raise EcruError(f"trace {path} is empty")
     return out
+
+
+def _trace_line(line: str) -> TraceRequest:
+    try:
+        row = json.loads(line)
+        predicted = row.get("predicted_len")
+        req = TraceRequest(
+            int(row["prompt_len"]), int(row["output_len"]), None if predicted is None else float(predicted)
+        )
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"expected {{'prompt_len', 'output_len', 'predicted_len'}} ({exc})") from None
+    if req.prompt_len < 0 or req.output_len < 0:
+        raise ValueError("lengths must be >= 0")
+    if req.predicted_len is not None and not 0 <= req.predicted_len < float("inf"):
+        raise ValueError(f"predicted_len must be a finite number >= 0, got {req.predicted_len}")
+    return req
 
 
 class TraceBatches:
