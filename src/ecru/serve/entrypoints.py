@@ -118,16 +118,15 @@ class EngineSetup:
 
         return ServedModel.load(self.model, packed=self.packed_weights)
 
-    def attach(self, served: ServedModel, remaining: RemainingProbe | None) -> Serving:
-        """The loaded model with its predictors, each checked against it, and the engine they make."""
+    def attach(self, served: ServedModel, remaining: RemainingProbe | None) -> RequestEngine:
+        """The engine of the loaded model with its predictors, each checked against it."""
         if remaining is not None:
             _check_probe(f"--remaining-probe {self.remaining_probe}", remaining, served, self.max_new_tokens)
         predict = self._load_length(served)
         try:
-            engine = served.engine(self.engine_config, remaining=remaining, predict=predict)
+            return served.engine(self.engine_config, remaining=remaining, predict=predict)
         except ValueError as exc:  # the engine's own checks (e.g. kept KV on a sliding-window model)
             raise EcruError(f"--remaining-probe {self.remaining_probe}: {exc}") from None
-        return Serving(served, self.engine_config, engine)
 
     def _load_length(self, served: ServedModel) -> PredictLength | None:
         from ecru.serve.predictors import EmbeddingPredictor
@@ -140,15 +139,6 @@ class EngineSetup:
             ).engine_predict
         except ValueError as exc:
             raise EcruError(f"--length-predictor {exc}") from None
-
-
-@dataclass
-class Serving:
-    """A loaded model, its engine's settings and the engine."""
-
-    served: ServedModel
-    config: EngineConfig
-    engine: RequestEngine
 
 
 def _check_fit(where: str, fitted: str, key: str, model: str) -> None:
@@ -181,10 +171,10 @@ def serve_api(setup: EngineSetup, api: APIConfig, *, host: str, port: int) -> No
 
     remaining = setup.load_remaining()
     check_bindable(host, port)  # a busy port is refused before the model loads
-    serving = setup.attach(setup.load_model(), remaining)
-    where = f"http://{host}:{port}/v1 (policy {serving.config.policy})"
-    print(f"serving {serving.served.describe()} on {where}", file=sys.stderr)
-    serve_forever(serving.served, serving.engine, host=host, port=port, api=api)
+    served = setup.load_model()
+    engine = setup.attach(served, remaining)
+    print(f"serving {served.describe()} on http://{host}:{port}/v1 (policy {setup.policy})", file=sys.stderr)
+    serve_forever(served, engine, host=host, port=port, api=api)
 
 
 def run_file(setup: EngineSetup, base: SamplingParams, *, src: Path, out: Path, skip_invalid: bool) -> str:
@@ -204,11 +194,11 @@ def run_file(setup: EngineSetup, base: SamplingParams, *, src: Path, out: Path, 
         )
     if todo:
         cap = max(setup.max_new_tokens, *(e.params.max_tokens for e in todo))
-        serving = dataclasses.replace(setup, max_new_tokens=cap).attach(served, remaining)
+        engine = dataclasses.replace(setup, max_new_tokens=cap).attach(served, remaining)
     for message in skipped:
         print(f"skipped {message}", file=sys.stderr)
     if todo:
-        tokens = batch_run.run_batch(serving.engine, todo, out=out)
+        tokens = batch_run.run_batch(engine, todo, out=out)
     batch_run.reorder(out, lines)
     return (f"{len(todo)} answered ({tokens} tokens), {len(done)} already in {out}, {len(skipped)} invalid "
             "line(s) skipped")  # fmt: skip
