@@ -1,6 +1,6 @@
 import pytest
 
-from ecru.serve import GenerationConfig, generate_static, left_pad
+from ecru.serve import GenerationConfig, SamplingParams, generate_static, left_pad
 from ecru.serve.engine import resume_static
 
 
@@ -74,8 +74,11 @@ def test_bad_inputs_raise():
 
 
 def test_sampling_is_seeded(model, prompts):
-    cfg = GenerationConfig(eos_token_ids=(2,), pad_token_id=0, temperature=0.7, seed=3)
-    a = generate_static(model, prompts[:4], max_new_tokens=8, config=cfg).tokens
-    b = generate_static(model, prompts[:4], max_new_tokens=8, config=cfg).tokens
-    greedy = generate_static(model, prompts[:4], max_new_tokens=8, config=GenerationConfig((2,), 0)).tokens
+    cfg, sampled = (
+        GenerationConfig(eos_token_ids=(2,), pad_token_id=0),
+        SamplingParams(temperature=0.7, seed=3),
+    )
+    a = generate_static(model, prompts[:4], max_new_tokens=8, config=cfg, params=sampled).tokens
+    b = generate_static(model, prompts[:4], max_new_tokens=8, config=cfg, params=sampled).tokens
+    greedy = generate_static(model, prompts[:4], max_new_tokens=8, config=cfg).tokens
     assert a == b and a != greedy

@@ -14,34 +14,30 @@ import torch
 
 from ecru.serve.sampling import SamplingParams, next_token_ids
 
+GREEDY = SamplingParams()
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """How to decode: greedy unless `temperature` > 0."""
+    """The model's special token ids; how to sample is a `SamplingParams` (greedy by default)."""
 
     eos_token_ids: tuple[int, ...]
     """Tokens that end a response (the EOS is kept in the output and counted as a useful token)."""
     pad_token_id: int
     """Token fed to padded prompt positions and to rows that have finished."""
-    temperature: float = 0.0
-    """0 for greedy decoding; > 0 samples from softmax(logits / temperature) (`sampling.next_token_ids`)."""
-    seed: int = 0
-    """Seed of the sampling generator (unused when greedy)."""
 
     def __post_init__(self):
         if not self.eos_token_ids:
             raise ValueError(
                 "eos_token_ids is empty: give the tokenizer's EOS id(s), e.g. (tok.eos_token_id,)"
             )
-        if not 0 <= self.temperature <= 2:
-            raise ValueError(f"temperature must be in [0, 2] (0 = greedy), got {self.temperature}")
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, *, temperature: float = 0.0, seed: int = 0) -> GenerationConfig:
+    def for_tokenizer(cls, tokenizer) -> GenerationConfig:
         """EOS and padding ids from a Hugging Face tokenizer."""
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        return cls(eos_token_ids=(int(eos),), pad_token_id=int(pad), temperature=temperature, seed=seed)
+        return cls(eos_token_ids=(int(eos),), pad_token_id=int(pad))
 
 
 @dataclass
@@ -141,18 +137,21 @@ def generate_static(
     *,
     max_new_tokens: int,
     config: GenerationConfig,
+    params: SamplingParams = GREEDY,
     budgets: Sequence[int] | None = None,
     keep_cut: bool = False,
 ) -> BatchResult:
     """Generate for one static batch until every row has an EOS or its budget of tokens: `budgets` per row
-    (each within 1..max_new_tokens), or `max_new_tokens` for every row. `keep_cut`: copy out the KV of the
-    rows cut at the last step (`BatchResult.kept`), for `resume_static`."""
+    (each within 1..max_new_tokens), or `max_new_tokens` for every row, sampled as `params` says (temperature,
+    top-k, top-p, seed). `keep_cut`: copy out the KV of the rows cut at the last step, for `resume_static`."""
     budgets = _budgets(budgets, len(prompts), max_new_tokens)
     device = next(model.parameters()).device
     ids, mask = (t.to(device) for t in left_pad(prompts, config.pad_token_id))
     cache = new_cache(model)
     logits = forward(model, ids, mask, cache)
-    return _decode(model, logits, mask, cache, budgets, max_new_tokens, config, int(ids.numel()), keep_cut)
+    return _decode(
+        model, logits, mask, cache, budgets, max_new_tokens, config, params, int(ids.numel()), keep_cut
+    )
 
 
 @torch.no_grad()
@@ -163,6 +162,7 @@ def resume_static(
     *,
     max_new_tokens: int,
     config: GenerationConfig,
+    params: SamplingParams = GREEDY,
     budgets: Sequence[int] | None = None,
 ) -> BatchResult:
     """`generate_static` for rows cut earlier whose KV was kept (`BatchResult.kept`): each row's cache and its
@@ -177,7 +177,7 @@ def resume_static(
     mask, cache = stack_rows(model.config, kept)
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1).to(device)
     logits = forward(model, torch.tensor(list(pending), device=device)[:, None], mask, cache)
-    return _decode(model, logits, mask, cache, budgets, max_new_tokens, config, 0, False)
+    return _decode(model, logits, mask, cache, budgets, max_new_tokens, config, params, 0, False)
 
 
 def _budgets(budgets: Sequence[int] | None, rows: int, max_new_tokens: int) -> list[int]:
@@ -190,14 +190,15 @@ def _budgets(budgets: Sequence[int] | None, rows: int, max_new_tokens: int) -> l
 
 
 def _decode(
-    model, logits, mask, cache, budgets, max_new_tokens, config, prompt_slots, keep_cut
+    model, logits, mask, cache, budgets, max_new_tokens, config, params, prompt_slots, keep_cut
 ) -> BatchResult:
     """The decode loop of a static batch from its first logits; every row stops at an EOS or its budget."""
     device = logits.device
     eos = torch.tensor(config.eos_token_ids, device=device)
-    gen = torch.Generator(device=device).manual_seed(config.seed) if config.temperature > 0 else None
+    seeded = params.seed is not None and not params.greedy
+    gen = torch.Generator(device=device).manual_seed(params.seed) if seeded else None
     rows = len(budgets)
-    params, no_output = [SamplingParams(temperature=config.temperature)] * rows, [()] * rows
+    params, no_output = [params] * rows, [()] * rows
     done = torch.zeros(len(budgets), dtype=torch.bool, device=device)
     ended, limit = done.clone(), torch.tensor(budgets, device=device)
     columns = []

@@ -282,8 +282,6 @@ def generate_continuous(
     """Serve every prompt on the request engine; request i joins `queue` at decode step `arrivals[i]` (all
     at 0 by default). With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the
     cap; see `Admitter`); a preempted request restarts from its prompt, as the simulator models it."""
-    if gen.temperature != 0:
-        raise ValueError("continuous batching here is greedy only (temperature=0)")
     if reserve is not None and len(reserve) != len(prompts):
         raise ValueError(f"reserve has {len(reserve)} entries for {len(prompts)} prompts")
     # no prefix caching: the static baselines and the simulator this front end is compared with have none
