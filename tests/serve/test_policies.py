@@ -247,3 +247,14 @@ def test_bins_merge_a_small_leftover_into_the_next_bin():
     merged = [b for b in plan if 16 in b.rows]
     assert merged[0].cap == 100  # the leftover row runs with the next bin, at its cap
     assert sum(len(b.rows) for b in plan) == 25
+
+
+def test_offline_limits_are_the_engines_own():
+    from ecru.serve import ContinuousConfig
+
+    lens = [3, 11, 7]
+    assert continuous_config("cb-sjf", PLAN, lens, refill_min=2) == ContinuousConfig(
+        PLAN.batch_size, PLAN.max_new_tokens, 2
+    )
+    want = kv_budget_config(PLAN.batch_size, PLAN.max_new_tokens, lens, accounting="padded")
+    assert continuous_config("cb-kv", PLAN, lens) == want  # the budget at the longest prompt, 4x the rows

@@ -6,12 +6,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ecru.serve.continuous import ContinuousConfig, kv_budget_config
+from ecru.serve.continuous import ContinuousConfig
 from ecru.serve.engine import GenerationConfig, generate_static, resume_static
 from ecru.serve.names import CONTINUOUS_POLICIES, POLICIES
 from ecru.serve.policies import PlanConfig, plan_batches, run_plan
 from ecru.serve.queues import DEFAULT_AGING, make_queue
 from ecru.serve.request_engine import generate_continuous
+from ecru.serve.scheduler import EngineConfig
 
 
 @dataclass
@@ -146,16 +147,11 @@ def reservations(policy: str, predicted: Sequence[float] | None) -> Sequence[flo
 def continuous_config(
     policy: str, plan: PlanConfig, prompt_lens: Sequence[int], *, refill_min: int = 4
 ) -> ContinuousConfig:
-    """Rows of `plan.batch_size` for cb, cb-sjf and cb-ljf; for cb-kv the KV memory those rows hold
-    reserving the cap, shared by as many rows as their predicted reservations allow, counted on the cache
-    really held (padding included)."""
-    if policy == "cb-kv":
-        return kv_budget_config(
-            plan.batch_size, plan.max_new_tokens, prompt_lens, refill_min=refill_min, accounting="padded"
-        )
-    return ContinuousConfig(
-        max_batch_size=plan.batch_size, max_new_tokens=plan.max_new_tokens, refill_min=refill_min
-    )
+    """`EngineConfig.continuous` of an offline run: rows of `plan.batch_size` (cb, cb-sjf, cb-ljf); for cb-kv
+    the KV memory those rows hold reserving the cap at the longest prompt, counted on the cache really held."""
+    engine = "cb-kv" if policy == "cb-kv" else "cb"
+    return EngineConfig(engine, plan.batch_size, plan.max_new_tokens, refill_min,
+                        kv_prompt_tokens=max([1, *prompt_lens])).continuous()  # fmt: skip
 
 
 def run_policy(
