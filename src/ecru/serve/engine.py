@@ -107,16 +107,6 @@ def forward_states(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> tuple
     return logits, seen[0]
 
 
-def forward_pooled(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefill (`ids` [B, T] fills the whole `mask`) returning `forward`'s last logits [B, V] and, from
-    the same forward, the last hidden state (after the final norm) mean-pooled over `mask`: [B, H], the
-    features of `predictors.ProbePredictor`."""
-    from ecru.models.minilm import mean_pool
-
-    logits, states = forward_states(model, ids, mask, cache)
-    return logits, mean_pool(states, mask)
-
-
 def _run(model, ids: torch.Tensor, mask: torch.Tensor, cache):
     pos = positions(mask)[:, -ids.shape[1] :]
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,

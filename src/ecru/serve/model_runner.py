@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ecru.models.minilm import mean_pool
 from ecru.serve.continuous import PREFILL_OVERHEAD_TOKENS, prefill_groups
-from ecru.serve.engine import forward, forward_pooled, forward_states, left_pad, new_cache
+from ecru.serve.engine import forward, forward_states, left_pad, new_cache
 from ecru.serve.kv_cache import HeadroomLayer, KeptKV, RunningBatch, row_kv
 from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix
 from ecru.serve.request import EngineStats, RemainingPredictor, Request, RequestStatus
@@ -72,7 +73,8 @@ class ModelRunner:
             rows = [self.requests[k] for k in group]
             ids, mask = left_pad([r.prompt for r in rows], self.pad)
             cache = new_cache(self.model)
-            logits, pooled = forward_pooled(self.model, ids, mask, cache)
+            logits, states = forward_states(self.model, ids, mask, cache)
+            pooled = mean_pool(states, mask)  # `ProbePredictor`'s features
             self.stats.arrival_prefill_forwards += 1
             self.stats.observe_kv(self.run.mask.numel() + self.kept.tokens + mask.numel())
             predicted |= dict(zip(group, self.state_predictor.predict_states(pooled), strict=True))
