@@ -158,3 +158,29 @@ def test_no_unsafe_load_or_second_atomic_writer_in_src():
             assert "weights_only=True" in call, f"{path}: {call}"
         if path.name != "io.py":
             assert not renames.search(text), f"{path}: writes files into place itself; use ecru.io"
+
+
+def test_read_jsonl_parses_objects_and_names_the_bad_line(tmp_path):
+    from ecru.io import BadLine, read_jsonl
+
+    def parse(row: dict) -> int:
+        if row["n"] < 0:
+            raise BadLine("n must be >= 0: fix it")
+        return int(row["n"])
+
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'{"n": 1}\n\n  \n{"n": 2}\n')
+    assert read_jsonl(path, parse, expected='{"n": int}') == [1, 2]  # blank lines skipped
+    cases = {
+        b"\xff\xfe": "f.jsonl:2: not valid UTF-8 (byte 0xff at column 1); save the file as UTF-8",
+        b"[1, 2]": 'f.jsonl:2: expected {"n": int} (a JSON list, not an object)',
+        b"{oops": 'f.jsonl:2: expected {"n": int} (Expecting property name',
+        b'{"m": 1}': "f.jsonl:2: expected {\"n\": int} ('n')",
+        b'{"n": "x"}': 'f.jsonl:2: expected {"n": int} (',
+        b'{"n": -1}': "f.jsonl:2: n must be >= 0: fix it",
+    }
+    for line, message in cases.items():
+        path.write_bytes(b'{"n": 1}\n' + line + b"\n")
+        with pytest.raises(EcruError) as info:
+            read_jsonl(path, parse, expected='{"n": int}')
+        assert str(info.value).startswith(str(tmp_path / message)) and "\n" not in str(info.value)

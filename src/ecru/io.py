@@ -26,9 +26,9 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ecru.errors import EcruError
 
@@ -147,6 +147,37 @@ def decode_line(raw: bytes) -> str:
         raise ValueError(
             f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); save the file as UTF-8"
         ) from None
+
+
+class BadLine(ValueError):
+    """A line of a user's file that is wrong as it stands; the message says what and how to fix it."""
+
+
+T = TypeVar("T")
+
+
+def read_jsonl(path: str | os.PathLike, parse: Callable[[dict], T], *, expected: str) -> list[T]:
+    """`parse` of each non-blank line of a user's JSONL file. A line that is not UTF-8, not a JSON object or
+    refused by `parse` is one `EcruError` naming file:line: a `BadLine` with its message, any other error
+    (a missing key, a wrong type) saying `expected`."""
+    out = []
+    for n, raw in enumerate(Path(path).read_bytes().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            text = decode_line(raw)
+        except ValueError as exc:
+            raise EcruError(f"{path}:{n}: {exc}") from None
+        try:
+            row = json.loads(text)
+            if not isinstance(row, dict):
+                raise TypeError(f"a JSON {type(row).__name__}, not an object")
+            out.append(parse(row))
+        except BadLine as exc:
+            raise EcruError(f"{path}:{n}: {exc}") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EcruError(f"{path}:{n}: expected {expected} ({exc})") from None
+    return out
 
 
 def inside(folder: str | os.PathLike, name: str) -> Path:

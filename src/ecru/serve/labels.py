@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
-from ecru.io import decode_line
+from ecru.io import BadLine, read_jsonl
 from ecru.serve.engine import GenerationConfig
 
 TEMPERATURES = (0.0, 0.3, 0.5, 0.7)
@@ -46,24 +46,16 @@ def read_labels(path: str | Path) -> list[LengthLabel]:
     path = Path(path)
     if not path.is_file():
         return []
-    out = []
-    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
-        if raw.strip():
-            out.append(_parse_label(raw, f"{path}:{n}"))
-    return out
+    expected = (
+        '{"prompt": str, "lengths": [int, ...], "max_new_tokens": int} as written by `ecru serve label`'
+    )
+    return read_jsonl(path, _parse_label, expected=expected)
 
 
-def _parse_label(line: bytes, where: str) -> LengthLabel:
-    try:
-        row = json.loads(decode_line(line))
-        label = LengthLabel(str(row["prompt"]), [int(x) for x in row["lengths"]], int(row["max_new_tokens"]))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise EcruError(
-            f'{where}: expected {{"prompt": str, "lengths": [int, ...], "max_new_tokens": int}} '
-            f"as written by `ecru serve label` ({type(exc).__name__}: {exc})"
-        ) from None
+def _parse_label(row: dict) -> LengthLabel:
+    label = LengthLabel(str(row["prompt"]), [int(x) for x in row["lengths"]], int(row["max_new_tokens"]))
     if not label.lengths:
-        raise EcruError(f"{where}: lengths is empty; relabel with `ecru serve label`")
+        raise BadLine("lengths is empty; relabel with `ecru serve label`")
     return label
 
 

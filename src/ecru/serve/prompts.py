@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ecru.errors import EcruError
-from ecru.io import decode_line
+from ecru.io import BadLine, read_jsonl
 
 SOURCES = ("clinc", "banking", "mixed", "instructions")
 """Bundled prompts: CLINC150 or Banking77 queries, both interleaved ("mixed"), or "instructions": the
@@ -43,26 +43,14 @@ def check_source(source: str | Path) -> None:
 def read_jsonl_prompts(path: str | Path) -> list[str]:
     """`{"prompt": "..."}` per line."""
     check_source(path)
-    path = Path(path)
-    out = []
-    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            prompt = json.loads(_decoded(raw, f"{path}:{n}"))["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise EcruError(f'{path}:{n}: expected a JSON object with a "prompt" field ({exc})') from None
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise EcruError(f'{path}:{n}: "prompt" must be a non-empty string, got {json.dumps(prompt)[:80]}')
-        out.append(prompt)
-    return out
+    return read_jsonl(path, _prompt, expected='a JSON object with a "prompt" field')
 
 
-def _decoded(raw: bytes, where: str) -> str:
-    try:
-        return decode_line(raw)
-    except ValueError as exc:
-        raise EcruError(f"{where}: {exc}") from None
+def _prompt(row: dict) -> str:
+    prompt = row["prompt"]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise BadLine(f'"prompt" must be a non-empty string, got {json.dumps(prompt)[:80]}')
+    return prompt
 
 
 def load_prompts(source: str, *, n: int | None = None, split: str = "test", seed: int = 0) -> list[str]:

@@ -13,33 +13,20 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from ecru.errors import EcruError
+from ecru.io import read_jsonl
 from ecru.serve.engine import GenerationConfig, generate_static
 
 
 def read_responses(path: str | Path, *, max_new_tokens: int) -> dict[str, list[int]]:
     """prompt -> greedy answer tokens (EOS included when produced) generated under `max_new_tokens`."""
-    path = Path(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         return {}
-    out = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            prompt, tokens, cap = (
-                str(row["prompt"]),
-                [int(t) for t in row["tokens"]],
-                int(row["max_new_tokens"]),
-            )
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            raise EcruError(
-                f"{path}:{n}: expected {{'prompt', 'tokens', 'max_new_tokens'}} ({exc})"
-            ) from None
-        if cap == max_new_tokens:
-            out[prompt] = tokens
-    return out
+    rows = read_jsonl(path, _response, expected="{'prompt', 'tokens', 'max_new_tokens'}")
+    return {prompt: tokens for prompt, tokens, cap in rows if cap == max_new_tokens}
+
+
+def _response(row: dict) -> tuple[str, list[int], int]:
+    return str(row["prompt"]), [int(t) for t in row["tokens"]], int(row["max_new_tokens"])
 
 
 def generate_responses(

@@ -14,13 +14,12 @@ engine's by construction.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ecru.errors import EcruError
-from ecru.io import decode_line
+from ecru.io import BadLine, read_jsonl
 from ecru.serve.continuous import ContinuousConfig
 from ecru.serve.cost import SMOLLM2_CPU, CostModel
 from ecru.serve.policies import Batch, PlanConfig, plan_batches, run_plan
@@ -70,31 +69,21 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     path = Path(path)
     if not path.is_file():
         raise EcruError(f"trace {path} not found (JSONL lines of prompt_len, output_len, predicted_len)")
-    out = []
-    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
-        try:
-            if raw.strip():
-                out.append(_trace_line(decode_line(raw)))
-        except ValueError as exc:  # a malformed row, or bytes that are not UTF-8
-            raise EcruError(f"{path}:{n}: {exc}") from None
+    out = read_jsonl(path, _trace_request, expected="{'prompt_len', 'output_len', 'predicted_len'}")
     if not out:
         raise EcruError(f"trace {path} is empty")
     return out
 
 
-def _trace_line(line: str) -> TraceRequest:
-    try:
-        row = json.loads(line)
-        predicted = row.get("predicted_len")
-        req = TraceRequest(
-            int(row["prompt_len"]), int(row["output_len"]), None if predicted is None else float(predicted)
-        )
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"expected {{'prompt_len', 'output_len', 'predicted_len'}} ({exc})") from None
+def _trace_request(row: dict) -> TraceRequest:
+    predicted = row.get("predicted_len")
+    req = TraceRequest(
+        int(row["prompt_len"]), int(row["output_len"]), None if predicted is None else float(predicted)
+    )
     if req.prompt_len < 0 or req.output_len < 0:
-        raise ValueError("lengths must be >= 0")
+        raise BadLine("lengths must be >= 0")
     if req.predicted_len is not None and not 0 <= req.predicted_len < float("inf"):
-        raise ValueError(f"predicted_len must be a finite number >= 0, got {req.predicted_len}")
+        raise BadLine(f"predicted_len must be a finite number >= 0, got {req.predicted_len}")
     return req
 
 
