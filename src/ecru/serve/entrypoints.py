@@ -369,7 +369,6 @@ class ReplaySetup:
                 "resume_failures": self.resume_failures, "keep_kv": self.keep_kv, "cost_model": cost.source}  # fmt: skip
 
     def _continuous(self, trace, cost):
-        from ecru.serve.policies import PlanConfig
         from ecru.serve.queues import make_queue
         from ecru.serve.runner import continuous_config, reservations
         from ecru.serve.simulator import simulate_continuous
@@ -377,10 +376,9 @@ class ReplaySetup:
         predicted = [r.predicted_len for r in trace]
         if self.policy != "cb" and any(p is None for p in predicted):
             raise EcruError(f"policy {self.policy!r} needs predicted_len on every trace line")
-        try:
-            plan = PlanConfig(batch_size=self.batch_size, max_new_tokens=self.max_new_tokens)
+        try:  # the limits read only the plan's batch size and cap
             config = continuous_config(
-                self.policy, plan, [r.prompt_len for r in trace], refill_min=self.refill_min
+                self.policy, self.plan, [r.prompt_len for r in trace], refill_min=self.refill_min
             )
             queue = make_queue(self.policy, predicted, aging=self.aging)
         except ValueError as exc:
