@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -88,7 +89,9 @@ def test_lr_scheduler_resumes_with_the_disk_store(tmp_path):
         engine.step(lm_batch(seed=s))
     engine.close()
     resumed = L2L.from_hf(tiny_llama(num_layers=2), optimizer=SGD, config=config)
-    resumed.lr_scheduler(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup))
+    with warnings.catch_warnings():  # the fast-forward is silent: no "scheduler before optimizer" warning
+        warnings.filterwarnings("error", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        resumed.lr_scheduler(lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup))
     assert [g.optimizer.param_groups[0]["lr"] for g in resumed.store.groups] == pytest.approx(
         [0.5 * 3 / 4] * 3
     )

@@ -35,6 +35,7 @@ scale, and the engine stays usable. After training: `forward` (evaluation stream
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -644,9 +645,11 @@ class L2L:
         training step. Set it after a resume too: it is fast-forwarded to the engine's step count."""
         self.store.synchronize()
         self._schedulers = [factory(g.optimizer) for g in self.store.groups if g.optimizer is not None]
-        for _ in range(self.steps):
-            for s in self._schedulers:
-                s.step()
+        with warnings.catch_warnings():  # fast-forwarding a resumed run steps no optimizer, by design
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            for _ in range(self.steps):
+                for s in self._schedulers:
+                    s.step()
 
     def close(self) -> None:
         """Finish pending updates, stop the optimizer thread and release the store_dir lock."""
