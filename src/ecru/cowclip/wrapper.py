@@ -77,6 +77,11 @@ class CowClip:
         self.mode, self.clip = mode, clip
         self.reset_stats()
 
+    @property
+    def needs_ids(self) -> bool:
+        """Whether `clip_` reads the batch's ids (the sparse mode's merge, the clip's counts)."""
+        return self.mode == "sparse" or self.clip
+
     def reset_stats(self) -> None:
         self._rows, self._clipped, self._max = 0, 0, 0.0
         self._hist = torch.zeros(len(_BINS) + 1, dtype=torch.long)
@@ -89,6 +94,11 @@ class CowClip:
         `ids`: one tensor `[B]` or `[B, L]` (padded with -1) shared by every table, or one per table; or
         their `UniqueIds` (the training step sorts the batch's ids once for the optimizer and the clip).
         """
+        if not self.needs_ids:  # the faithful L2 alone reads no ids: nothing to sort
+            for table in self.tables:
+                if table.grad is not None:
+                    table.grad = self._full(table, None)
+            return
         for table, table_ids in zip(self.tables, per_table(ids, len(self.tables)), strict=True):
             if table.grad is not None:
                 table_ids = table_ids.to(table.device)
@@ -97,7 +107,7 @@ class CowClip:
                     self._full(table, table_ids) if self.mode == "full" else self._sparse(table, table_ids)
                 )
 
-    def _full(self, table: nn.Parameter, ids: UniqueIds) -> Tensor:
+    def _full(self, table: nn.Parameter, ids: UniqueIds | None) -> Tensor:
         grad = table.grad.to_dense() if table.grad.is_sparse else table.grad
         if self.weight_decay:
             grad.add_(table, alpha=self.weight_decay)  # as torch.optim.Adam(weight_decay=...) does

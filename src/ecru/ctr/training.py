@@ -239,9 +239,9 @@ def _step(
     differentiated); returns the shard's mean loss."""
     dense, cats, labels = batch
     embed_opt, dense_opt, sched = opts
-    ids = UniqueIds.of(
-        model.tables.global_ids(cats)
-    )  # one sort of the ids, shared by the catch-up and the clip
+    ids = model.tables.global_ids(cats)
+    if isinstance(embed_opt, RowSparseAdam) or clipper.needs_ids:
+        ids = UniqueIds.of(ids)  # one sort of the ids, shared by the catch-up and the clip
     if isinstance(embed_opt, RowSparseAdam):  # absent rows' missed Adam steps, before the forward reads them
         embed_opt.catch_up(ids)
     loss = F.binary_cross_entropy_with_logits(net(dense[mine], cats[mine]), labels[mine])
