@@ -5,10 +5,10 @@ forward per arrival group and per decode step (no admission or prediction forwar
 import pytest
 import torch
 
-from ecru.serve.continuous import arrival_groups
 from ecru.serve.predictors import ProbePredictor
 from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
+from ecru.serve.scheduler import arrival_groups
 
 GREEDY = SamplingParams(max_tokens=24)  # conftest's MAX_NEW
 
@@ -90,11 +90,11 @@ def test_cb_with_prefill_on_arrival_admits_first_come_first_served(model, prompt
     chosen = sorted((p for p, ref in zip(prompts, reference, strict=True) if len(ref) > 1), key=len)[::-1][:5]
     assert len({len(p) for p in chosen}) > 1
     engine = make_engine(model, gen, probe, policy="cb", max_batch_size=1, refill_min=1)
-    engine.admission_log = []
+    engine.scheduler.admission_log = []
     for p in chosen:
         engine.add_request(p, GREEDY)
     run_to_end(engine)
-    assert engine.admission_log == list(range(len(chosen)))
+    assert engine.scheduler.admission_log == list(range(len(chosen)))
 
 
 def test_arrival_groups_split_by_length_then_by_rows():
@@ -116,10 +116,10 @@ def test_arrivals_wait_for_refill_min_under_a_backlog_and_go_at_once_when_the_ba
     engine.add_request(long[2], GREEDY)
     engine.add_request(long[3], GREEDY)
     engine.step()  # the batch is full and 2 < refill_min arrived: they wait unprefilled
-    assert engine.stats.arrival_prefill_forwards == 2 and len(engine.admitter) == 0
+    assert engine.stats.arrival_prefill_forwards == 2 and len(engine.scheduler.admitter) == 0
     engine.add_request(long[4], GREEDY)
     engine.step()  # refill_min arrived: prefilled, at most max_batch_size (2) per forward
-    assert engine.stats.arrival_prefill_forwards == 4 and len(engine.admitter) == 3
+    assert engine.stats.arrival_prefill_forwards == 4 and len(engine.scheduler.admitter) == 3
 
 
 def test_the_state_predictor_gets_the_probe_features_of_the_prompts(chat_model_dir):
@@ -160,27 +160,27 @@ def test_the_state_predictor_gets_the_probe_features_of_the_prompts(chat_model_d
 
 def test_cb_sjf_admits_in_predicted_order(model, prompts, gen, probe, forwards):
     engine = make_engine(model, gen, probe, policy="cb-sjf", max_batch_size=2, refill_min=1)
-    engine.admission_log = []
+    engine.scheduler.admission_log = []
     reqs = [engine.add_request(p, GREEDY, key=i) for i, p in enumerate(prompts)]
     run_to_end(engine)
     queued = [i for i, r in enumerate(reqs) if len(r.output) > 1]  # the others ended at their first token
     predicted = [reqs[i].predicted for i in queued]
     assert len(set(predicted)) == len(queued) > 20  # no ties: the order is the predictions'
-    assert engine.admission_log == sorted(queued, key=lambda i: reqs[i].predicted)
+    assert engine.scheduler.admission_log == sorted(queued, key=lambda i: reqs[i].predicted)
 
 
 def test_the_bound_drops_the_longest_predicted_kv_and_those_requests_still_match(
     model, prompts, reference, gen, probe, forwards
 ):
     engine = make_engine(model, gen, probe, policy="cb-sjf", max_batch_size=2, arrival_kv_requests=20)
-    engine.admission_log = []
+    engine.scheduler.admission_log = []
     reqs = [engine.add_request(p, GREEDY, key=i) for i, p in enumerate(prompts)]
     engine.step()
     queued = [i for i, r in enumerate(reqs) if not (r.finished and len(r.output) == 1)]
     by_length = sorted(queued, key=lambda i: reqs[i].predicted)
-    assert engine.admission_log == by_length[:2]
-    assert sorted(engine.kept.rows) == sorted(by_length[2:20])  # the predicted longest lost their KV
-    assert engine.kept.tokens == sum(len(prompts[i]) for i in by_length[2:20])
+    assert engine.scheduler.admission_log == by_length[:2]
+    assert sorted(engine.runner.kept.rows) == sorted(by_length[2:20])  # the predicted longest lost their KV
+    assert engine.runner.kept.tokens == sum(len(prompts[i]) for i in by_length[2:20])
     run_to_end(engine)
     assert [r.output for r in reqs] == reference
     s = engine.stats
@@ -193,10 +193,10 @@ def test_aborting_a_prefilled_waiting_request_frees_its_kv(model, prompts, refer
     first, waiting, other = (engine.add_request(p, GREEDY) for p in prompts[:3])
     engine.step()
     assert waiting.output == reference[1][:1] and waiting.first_token_s is not None  # first token at arrival
-    assert waiting.status.value == "waiting" and waiting.seq in engine.kept
-    held = engine.kept.tokens
-    assert engine.abort(waiting.request_id) and waiting.seq not in engine.kept
-    assert engine.kept.tokens == held - len(prompts[1]) and waiting.finish_reason == "abort"
+    assert waiting.status.value == "waiting" and waiting.seq in engine.runner.kept
+    held = engine.runner.kept.tokens
+    assert engine.abort(waiting.request_id) and waiting.seq not in engine.runner.kept
+    assert engine.runner.kept.tokens == held - len(prompts[1]) and waiting.finish_reason == "abort"
     late = engine.add_request(prompts[3], GREEDY)
     assert engine.abort(late.request_id)  # arrived, never prefilled
     run_to_end(engine)
@@ -208,11 +208,13 @@ def test_aborting_a_prefilled_waiting_request_frees_its_kv(model, prompts, refer
 
 def test_a_request_ending_at_its_first_token_is_never_queued(model, prompts, reference, gen, probe, forwards):
     engine = make_engine(model, gen, probe)
-    engine.admission_log = []
+    engine.scheduler.admission_log = []
     one = engine.add_request(prompts[0], SamplingParams(max_tokens=1))
     finished = engine.step()
     assert finished == [one] and one.output == reference[0][:1] and one.finish_reason == "length"
-    assert engine.admission_log == [] and not engine.has_unfinished() and len(engine.kept) == 0
+    assert (
+        engine.scheduler.admission_log == [] and not engine.has_unfinished() and len(engine.runner.kept) == 0
+    )
     assert len(forwards) == 1 and engine.stats.decode_steps == 0
 
 
@@ -257,10 +259,14 @@ def test_a_stop_string_in_the_first_token_ends_the_request_at_arrival(chat_model
     probe = ProbePredictor(served.model, served.tokenizer, cap=8)
     probe.w, probe.b = torch.zeros(served.model.config.hidden_size), torch.tensor(4.0)
     engine = served.engine(EngineConfig(max_new_tokens=8), state_predictor=probe)
-    engine.admission_log = []
+    engine.scheduler.admission_log = []
     req = engine.add_request(ids, SamplingParams(max_tokens=8, stop=(stop,)))
     assert engine.step() == [req] and req.finish_reason == "stop" and req.output == first.output
-    assert engine.admission_log == [] and engine.stats.decode_steps == 0 and len(engine.kept) == 0
+    assert (
+        engine.scheduler.admission_log == []
+        and engine.stats.decode_steps == 0
+        and len(engine.runner.kept) == 0
+    )
 
 
 def test_refused_for_a_sliding_window_model(gen, probe):

@@ -173,7 +173,7 @@ def test_arrival_forwards_hold_at_most_max_batch_size_prompts():
 
 
 def test_arrival_forwards_are_the_engines_groups_each_with_its_own_first_tokens():
-    from ecru.serve.continuous import arrival_groups
+    from ecru.serve.scheduler import arrival_groups
 
     per_token = CostModel(1.0, 0.0, 0.0, 0.0, 1.0, source="1 s per prompt position")
     trace = [OnlineRequest(0.0, n, 1, predicted=1) for n in (4, 100, 4)]  # answers end at the first token

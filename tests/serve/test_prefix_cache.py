@@ -87,14 +87,16 @@ def test_prompts_sharing_a_start_reuse_it_with_generates_tokens(model, gen, shar
     assert [r.output for r in reqs] == reference
     # the first prompts admitted together compute their shared start once; later ones find it stored
     assert engine.stats.prefix_hit_tokens >= 16 * len(prompts)
-    assert 0 < engine.stats.prefix_store_tokens == engine.prefixes.tokens <= 16 * max(map(len, prompts))
+    assert (
+        0 < engine.stats.prefix_store_tokens == engine.runner.prefixes.tokens <= 16 * max(map(len, prompts))
+    )
 
 
 def test_prefix_cache_off_computes_every_prompt_token(model, gen, shared):
     prompts, reference = shared
     engine = engine_for(model, gen, prefix_cache=0)
     assert [r.output for r in engine.generate(prompts, GREEDY)] == reference
-    assert engine.stats.prefix_hit_tokens == 0 and engine.prefixes is None
+    assert engine.stats.prefix_hit_tokens == 0 and engine.runner.prefixes is None
 
 
 def test_requests_arriving_one_by_one_reuse_the_prefix(model, gen, shared):
@@ -119,7 +121,7 @@ def test_prefill_logits_with_a_cached_prefix_match_a_full_prefill(model, gen, sh
     ids, mask = left_pad(rows, gen.pad_token_id)
     full = forward(model, ids, mask, new_cache(model))
     engine.generate([prompts[0]], GREEDY)  # stores prompts[0]'s KV
-    hits = [engine.prefixes.lookup(r) for r in rows]
+    hits = [engine.runner.prefixes.lookup(r) for r in rows]
     assert all(h.length == 20 for h in hits)
     ids, mask, cache = engine.runner._prefill_inputs(rows, hits)
     assert ids.shape[1] < 20  # only the tails are computed
@@ -146,9 +148,9 @@ def test_prefix_caching_survives_preemption_with_generates_tokens(model, gen, sh
 
 
 def test_offline_measurement_loop_runs_without_prefix_caching(model, gen, shared, monkeypatch):
-    from ecru.serve.continuous import ContinuousConfig
     from ecru.serve.queues import FCFSQueue
-    from ecru.serve.request_engine import generate_continuous
+    from ecru.serve.runner import generate_continuous
+    from ecru.serve.scheduler import ContinuousConfig
 
     # the static baselines and the simulator it is compared with have no prefix caching
     monkeypatch.setattr(PrefixStore, "lookup", lambda *args: pytest.fail("the prefix cache was used"))

@@ -90,7 +90,7 @@ def test_listener_streams_and_cancel_frees_the_row(model, prompts, gen):
     assert engine.abort(long.request_id) and long.finish_reason == "abort" and seen[-1].finished
     engine.step()  # the cancelled row left: the waiting request took it
     assert engine.num_running + len([r for r in (other, waiting) if r.finished]) == 2
-    assert long.seq not in engine.run.ids and waiting.status.value != "waiting"
+    assert long.seq not in engine.runner.run.ids and waiting.status.value != "waiting"
     while engine.has_unfinished():
         engine.step()
     assert not engine.abort(long.request_id)
@@ -162,7 +162,7 @@ def test_penalties_match_openai_formula():
 
 
 def test_prefill_groups_split_only_when_padding_costs_more_than_a_forward():
-    from ecru.serve.continuous import prefill_groups
+    from ecru.serve.scheduler import prefill_groups
 
     assert prefill_groups([5, 7, 6]) == [[0, 2, 1]]  # 3 x 7 positions: one forward
     # 3 x 3 + 32 (+ 70 + 32 for the long one) = 143 < 4 x 70 + 32 = 312
@@ -185,7 +185,7 @@ def test_short_and_long_prompts_admitted_together_prefill_apart_with_the_same_to
 
 
 def test_padded_peak_hand_computed():
-    from ecru.serve.continuous import padded_peak
+    from ecru.serve.scheduler import padded_peak
 
     # rows holding 10 and 4 positions, running 2 and 5 more steps: step 2 holds 2 x 12, step 5 1 x 9
     assert padded_peak([10, 4], [2, 5]) == 24
@@ -202,7 +202,7 @@ def test_cb_kv_measured_kv_peak_never_exceeds_its_budget(model, prompts, referen
         engine.predict = lambda prompt, params: reserve
     reqs = engine.generate(prompts, GREEDY)
     assert [r.output for r in reqs] == reference
-    budget = engine.admitter.config.kv_budget
+    budget = engine.scheduler.admitter.config.kv_budget
     assert budget == 112 and 0 < engine.stats.peak_kv_tokens <= budget
     if reserve == 1.0:
         assert engine.stats.preemptions > 0
@@ -246,7 +246,7 @@ def _long_among_shorts(model, prompts, gen, **kw) -> list[int]:
     engine = make_engine(model, gen, policy="cb-sjf", max_batch_size=1, refill_min=1, aging=0.0, **kw)
     long_prompt = prompts[1]
     engine.predict = lambda prompt, params: 24.0 if prompt == long_prompt else 1.0
-    engine.admission_log = []
+    engine.scheduler.admission_log = []
     engine.add_request(prompts[0], GREEDY)
     engine.step()
     engine.add_request(long_prompt, GREEDY)
@@ -256,7 +256,7 @@ def _long_among_shorts(model, prompts, gen, **kw) -> list[int]:
         engine.step()
     while engine.has_unfinished():
         engine.step()
-    return engine.admission_log
+    return engine.scheduler.admission_log
 
 
 def test_fcfs_slack_admits_a_long_request_before_later_short_ones(model, prompts, gen):

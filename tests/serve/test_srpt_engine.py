@@ -27,7 +27,7 @@ def test_greedy_equals_hf_generate_through_preemptions(model, prompts, reference
     reqs = engine.generate(prompts, GREEDY)
     assert [r.output for r in reqs] == reference
     assert engine.stats.preemptions >= 5
-    assert not engine.kept.rows and not engine.requests  # nothing left behind
+    assert not engine.runner.kept.rows and not engine.requests  # nothing left behind
 
 
 def spy_on(runner, name: str, check, *, before: bool = False) -> None:
@@ -61,7 +61,7 @@ def test_kept_kv_rejoins_without_a_forward_recompute_prefills_again(model, promp
         assert keep_kv == (mode == "keep") and not discard
         for seq in keys if keep_kv else ():
             req = engine.requests[seq]
-            kept.append(engine.kept.rows[seq].length == len(req.prompt) + len(req.output) - 1)
+            kept.append(engine.runner.kept.rows[seq].length == len(req.prompt) + len(req.output) - 1)
 
     spy_on(engine.runner, "preempt", kept_exactly)
     assert [r.output for r in engine.generate(prompts, GREEDY)] == reference
@@ -79,8 +79,8 @@ def test_a_preempted_request_can_be_cancelled_while_it_waits(model, prompts, ref
     while not engine.stats.preemptions:
         engine.step()
     victim = next(r for r in reqs if r.status.value == "waiting" and r.output)
-    assert victim.seq in engine.kept and engine.abort(victim.request_id)
-    assert victim.seq not in engine.kept and victim.finish_reason == "abort"
+    assert victim.seq in engine.runner.kept and engine.abort(victim.request_id)
+    assert victim.seq not in engine.runner.kept and victim.finish_reason == "abort"
     while engine.has_unfinished():
         engine.step()
     assert all(r.output == ref for r, ref in zip(reqs, reference, strict=True) if r is not victim)
@@ -90,7 +90,7 @@ def test_a_preempted_row_whose_kv_is_dropped_by_the_bound_is_prefilled_with_its_
                                                                                           gen):  # fmt: skip
     engine = srpt_engine(model, gen, RunsLong(), arrival_kv_requests=1)
     assert [r.output for r in engine.generate(prompts, GREEDY)] == reference
-    assert engine.stats.preemptions > 1 and not engine.kept.rows
+    assert engine.stats.preemptions > 1 and not engine.runner.kept.rows
 
 
 def test_repredicts_from_the_rows_own_state_every_k_tokens(model, prompts, reference, gen):
@@ -116,7 +116,7 @@ def test_repredicts_from_the_rows_own_state_every_k_tokens(model, prompts, refer
 
 def test_a_request_admitted_past_its_deadline_is_never_preempted(model, prompts, gen):
     engine = srpt_engine(model, gen, RunsLong(), aging=0.0, fcfs_slack=0.0)
-    queue, preempted, overdue = engine.admitter.queue, [], set()
+    queue, preempted, overdue = engine.scheduler.admitter.queue, [], set()
 
     def spy(keys, *, keep_kv, discard):
         assert not set(keys) & queue.past_deadline

@@ -13,11 +13,6 @@ from ecru.plugins import lazy_exports
 _EXPORTS = {
     "ecru.serve.api_guard": ("APIConfig",),
     "ecru.serve.background": ("EngineThread",),
-    "ecru.serve.continuous": (
-        "ContinuousConfig",
-        "ContinuousResult",
-        "kv_budget_config",
-    ),
     "ecru.serve.cost": (
         "CostModel",
         "SMOLLM2_CPU",
@@ -86,17 +81,20 @@ _EXPORTS = {
     "ecru.serve.request_engine": (
         "Request",
         "RequestEngine",
-        "generate_continuous",
     ),
     "ecru.serve.runner": (
+        "ContinuousResult",
         "POLICIES",
         "PolicyRun",
+        "generate_continuous",
         "run_policy",
     ),
     "ecru.serve.sampling": ("SamplingParams",),
     "ecru.serve.scheduler": (
+        "ContinuousConfig",
         "EngineConfig",
         "Scheduler",
+        "kv_budget_config",
     ),
     "ecru.serve.self_predict": (
         "PiAPredictor",

@@ -8,7 +8,7 @@ admitted by step a + p / aging at the latest, however many short requests keep a
 (`cb-sjf`, for mean latency). The same queue on negated predictions admits the longest predicted first
 (`cb-ljf`, for throughput): with every request waiting, starting the long ones first leaves no long
 answer running alone at the end while the batch drains (longest-processing-time-first list scheduling). `cb-kv` admits in FCFS order but reserves KV memory by
-predicted length instead of the cap (`continuous.Admitter`), so more rows fit the same memory.
+predicted length instead of the cap (`scheduler.Admitter`), so more rows fit the same memory.
 """
 
 from __future__ import annotations

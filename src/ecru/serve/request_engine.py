@@ -23,15 +23,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ecru.serve.continuous import ContinuousConfig, ContinuousResult
 from ecru.serve.detok import Decoder, TextStream
-from ecru.serve.engine import GenerationConfig
-from ecru.serve.kv_cache import KeptKV, RunningBatch
 from ecru.serve.model_runner import ModelRunner
 from ecru.serve.queues import RequestQueue
 from ecru.serve.request import EngineStats, Listener, RemainingPredictor, Request, RequestStatus
 from ecru.serve.sampling import SamplingParams
-from ecru.serve.scheduler import EngineConfig, Scheduler, run_in_steps
+from ecru.serve.scheduler import ContinuousConfig, EngineConfig, Scheduler
 
 if TYPE_CHECKING:
     from ecru.serve.predictors import StatePredictor
@@ -44,7 +41,6 @@ __all__ = [
     "Request",
     "RequestEngine",
     "RequestStatus",
-    "generate_continuous",
 ]
 
 PredictLength = Callable[[Sequence[int], SamplingParams], float]
@@ -109,28 +105,8 @@ class RequestEngine:
                              "kept KV would be cut to a sliding window): use preempt_mode recompute")  # fmt: skip
 
     @property
-    def model(self):
-        return self.runner.model
-
-    @property
     def stats(self) -> EngineStats:
         return self.runner.stats
-
-    @property
-    def run(self) -> RunningBatch:
-        return self.runner.run
-
-    @property
-    def kept(self) -> KeptKV:
-        return self.runner.kept
-
-    @property
-    def prefixes(self):
-        return self.runner.prefixes
-
-    @property
-    def context_len(self) -> int:
-        return self.runner.context_len
 
     # ---- front-end API -------------------------------------------------------------------------------
     def add_request(
@@ -177,10 +153,10 @@ class RequestEngine:
             raise ValueError(
                 f"max_tokens {params.max_tokens} is above this server's cap of {limits.max_new_tokens}"
             )
-        if len(prompt) + params.max_tokens > self.context_len:
+        if len(prompt) + params.max_tokens > self.runner.context_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.context_len} tokens; shorten the prompt or lower max_tokens"
+                f"context of {self.runner.context_len} tokens; shorten the prompt or lower max_tokens"
             )
         if limits.kv_budget is not None and limits.kv_accounting == "padded":
             if len(prompt) + params.max_tokens > limits.kv_budget:
@@ -209,29 +185,16 @@ class RequestEngine:
         return bool(self.requests)
 
     @property
-    def admitter(self):
-        return self.scheduler.admitter
-
-    @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
     @property
     def num_running(self) -> int:
-        return len(self.run.ids)
+        return len(self.runner.run.ids)
 
     @property
     def max_rows(self) -> int:
         return self.scheduler.max_rows
-
-    @property
-    def admission_log(self) -> list[int] | None:
-        """When a list, the keys of admitted requests are appended in admission order."""
-        return self.scheduler.admission_log
-
-    @admission_log.setter
-    def admission_log(self, log: list[int] | None) -> None:
-        self.scheduler.admission_log = log
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]):
         """Serve `prompts` to completion (offline use); the finished requests in input order."""
@@ -267,38 +230,3 @@ class RequestEngine:
             self._finish(req, reason)
         self.runner.reset()
         return failed
-
-
-def generate_continuous(
-    model,
-    prompts: Sequence[Sequence[int]],
-    *,
-    queue: RequestQueue,
-    gen: GenerationConfig,
-    config: ContinuousConfig,
-    arrivals: Sequence[int] | None = None,
-    reserve: Sequence[float] | None = None,
-) -> ContinuousResult:
-    """Serve every prompt on the request engine; request i joins `queue` at decode step `arrivals[i]` (all
-    at 0 by default). With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the
-    cap; see `Admitter`); a preempted request restarts from its prompt, as the simulator models it."""
-    if reserve is not None and len(reserve) != len(prompts):
-        raise ValueError(f"reserve has {len(reserve)} entries for {len(prompts)} prompts")
-    # no prefix caching: the static baselines and the simulator this front end is compared with have none
-    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
-                           config=EngineConfig(prefix_cache=0), context_len=10**9, queue=queue, limits=config,
-                           discard_preempted=True)  # fmt: skip
-    engine.admission_log = []
-    params, requests = SamplingParams(max_tokens=config.max_new_tokens), {}
-
-    def add(i: int) -> None:
-        requests[i] = engine.add_request(
-            prompts[i], params, key=i, reserve=None if reserve is None else reserve[i]
-        )
-
-    start = time.perf_counter()
-    run_in_steps(engine.scheduler, [0] * len(prompts) if arrivals is None else arrivals, add, engine.step)
-    reqs = [requests[i] for i in range(len(prompts))]
-    s = engine.stats
-    return ContinuousResult([r.output for r in reqs], [r.finish_s - start for r in reqs], engine.scheduler.steps,
-                            s.tokens, s.prefills, engine.admission_log, s.preemptions, s.peak_kv_tokens)  # fmt: skip

@@ -1,18 +1,21 @@
-"""Run a scheduling policy for real on a model: wall time, latencies, token slots, outputs in input order."""
+"""Run a scheduling policy for real on a model: wall time, latencies, token slots, outputs in input order.
+
+Static policies run their plan on `ModelBatches` (`policies.run_plan`); continuous ones serve the group on the
+request engine (`generate_continuous`), as the simulator replays them (`simulator.simulate_continuous`)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ecru.serve.continuous import ContinuousConfig
 from ecru.serve.engine import GenerationConfig, generate_static, resume_static
 from ecru.serve.names import CONTINUOUS_POLICIES, POLICIES
 from ecru.serve.policies import PlanConfig, plan_batches, run_plan
-from ecru.serve.queues import DEFAULT_AGING, make_queue
-from ecru.serve.request_engine import generate_continuous
-from ecru.serve.scheduler import EngineConfig
+from ecru.serve.queues import DEFAULT_AGING, RequestQueue, make_queue
+from ecru.serve.request_engine import RequestEngine
+from ecru.serve.sampling import SamplingParams
+from ecru.serve.scheduler import ContinuousConfig, EngineConfig, run_in_steps
 
 
 @dataclass
@@ -132,6 +135,60 @@ class ModelBatches:
         return result.slots, [
             (h + t, e, k) for h, t, e, k in zip(had, result.tokens, result.ended, kept, strict=True)
         ]
+
+
+@dataclass
+class ContinuousResult:
+    """Outputs in request order, with slot accounting and per-request completion times."""
+
+    tokens: list[list[int]]
+    finish_s: list[float]
+    """Seconds from the start of the run to each request's last token."""
+    decode_steps: int
+    slots: int
+    """Token slots computed: one per row per decode step, plus the prefill's first token per request."""
+    prefills: int
+    admitted_order: list[int] = field(default_factory=list)
+    """Requests in the order they were admitted (a preempted one appears again when readmitted)."""
+    preemptions: int = 0
+    peak_kv_tokens: int = 0
+    """Most KV-cache positions held at once, padding included (`EngineStats.peak_kv_tokens`)."""
+
+
+def generate_continuous(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    queue: RequestQueue,
+    gen: GenerationConfig,
+    config: ContinuousConfig,
+    arrivals: Sequence[int] | None = None,
+    reserve: Sequence[float] | None = None,
+) -> ContinuousResult:
+    """Serve every prompt on the request engine; request i joins `queue` at decode step `arrivals[i]` (all
+    at 0 by default). With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the
+    cap; see `Admitter`); a preempted request restarts from its prompt, as the simulator models it."""
+    if reserve is not None and len(reserve) != len(prompts):
+        raise ValueError(f"reserve has {len(reserve)} entries for {len(prompts)} prompts")
+    # no prefix caching: the static baselines and the simulator this front end is compared with have none
+    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
+                           config=EngineConfig(prefix_cache=0), context_len=10**9, queue=queue, limits=config,
+                           discard_preempted=True)  # fmt: skip
+    sched = engine.scheduler
+    sched.admission_log = []
+    params, requests = SamplingParams(max_tokens=config.max_new_tokens), {}
+
+    def add(i: int) -> None:
+        requests[i] = engine.add_request(
+            prompts[i], params, key=i, reserve=None if reserve is None else reserve[i]
+        )
+
+    start = time.perf_counter()
+    run_in_steps(sched, [0] * len(prompts) if arrivals is None else arrivals, add, engine.step)
+    reqs = [requests[i] for i in range(len(prompts))]
+    s = engine.stats
+    return ContinuousResult([r.output for r in reqs], [r.finish_s - start for r in reqs], sched.steps, s.tokens,
+                            s.prefills, sched.admission_log, s.preemptions, s.peak_kv_tokens)  # fmt: skip
 
 
 def reservations(policy: str, predicted: Sequence[float] | None) -> Sequence[float] | None:

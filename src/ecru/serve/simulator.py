@@ -20,11 +20,10 @@ from pathlib import Path
 
 from ecru.errors import EcruError
 from ecru.io import BadLine, read_jsonl
-from ecru.serve.continuous import ContinuousConfig
 from ecru.serve.cost import SMOLLM2_CPU, CostModel
 from ecru.serve.policies import Batch, PlanConfig, plan_batches, run_plan
 from ecru.serve.queues import RequestQueue
-from ecru.serve.scheduler import EngineConfig, Scheduler, run_in_steps
+from ecru.serve.scheduler import ContinuousConfig, EngineConfig, Scheduler, run_in_steps
 from ecru.serve.sim_runner import SimulatedRunner
 
 
