@@ -1,6 +1,6 @@
 """Online serving with length perception: Poisson arrivals, continuous batching, re-prediction while generating.
 
-Replayed through the simulator (`ecru.serve.online`) with lengths and predictions measured here: the true
+Replayed through the simulator (`ecru.serve.simulator`) with lengths and predictions measured here: the true
 lengths are SmolLM2-135M-Instruct's greedy answers on the mixed workload's unseen test prompts (committed
 labels, cap 256); the per-step cost model is measured on this machine in this run; every predictor is
 fitted on train prompts only and its measured prediction time is charged on the serving clock.
@@ -49,13 +49,13 @@ from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file
 from ecru.io import atomic_write_json
 from ecru.serve import EmbeddingPredictor, MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
-from ecru.serve.online import OnlineRequest, poisson_arrivals, simulate_online, simulate_policy
 from ecru.serve.predictors import ConstantPredictor, ProbePredictor, ridge_fit, spearman, timed_predict
 from ecru.serve.prompts import encode_chat
 from ecru.serve.remaining import RemainingProbe, answer_states
 from ecru.serve.responses import generate_responses
 from ecru.serve.scheduler import EngineConfig
 from ecru.serve.self_predict import PiAPredictor
+from ecru.serve.simulator import OnlineRequest, poisson_arrivals, simulate_online, simulate_policy
 
 RESULTS = Path(__file__).parent / "results"
 NOTE = "replayed through simulator with measured lengths/predictions"

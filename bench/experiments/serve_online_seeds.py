@@ -26,8 +26,8 @@ from ecru.cliargs import ArgumentParser, existing_file, non_negative_float, posi
 from ecru.io import atomic_write_json
 from ecru.serve.cost import CostModel
 from ecru.serve.names import PREEMPT_MODES
-from ecru.serve.online import poisson_arrivals, simulate_online, simulate_policy
 from ecru.serve.scheduler import EngineConfig
+from ecru.serve.simulator import poisson_arrivals, simulate_online, simulate_policy
 
 BENCH = Path(__file__).resolve().parents[1]  # bench/: the product benchmark this study builds on
 if str(BENCH) not in sys.path:

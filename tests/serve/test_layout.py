@@ -1,5 +1,5 @@
 """The serving package's layout: no import circle among its modules (imports inside functions included, those
-only type checkers see left out), and the scheduler stays model-free."""
+only type checkers see left out), and the scheduler and the simulators stay model-free."""
 
 import ast
 import subprocess
@@ -72,7 +72,7 @@ def test_no_import_circle_in_the_serving_package():
     assert cycle(edges) is None, " -> ".join(cycle(edges))
 
 
-def test_the_scheduler_and_the_simulated_runner_are_torch_free():
-    code = "import sys, ecru.serve.scheduler, ecru.serve.sim_runner; print('torch' in sys.modules)"
+def test_the_scheduler_and_the_simulators_are_torch_free():
+    code = "import sys, ecru.serve.scheduler, ecru.serve.simulator; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -6,8 +6,8 @@ import math
 import pytest
 
 from ecru.serve.cost import CostModel
-from ecru.serve.online import OnlineRequest, simulate_online, simulate_policy
 from ecru.serve.scheduler import EngineConfig
+from ecru.serve.simulator import OnlineRequest, simulate_online, simulate_policy
 
 UNIT = CostModel(1.0, 0.0, 0.0, 0.0, 0.0, source="1 s per decode step, free prefill")
 
@@ -16,7 +16,7 @@ BASE = EngineConfig(max_batch_size=1, max_new_tokens=100, refill_min=1)
 
 
 def config(**kw) -> dict:
-    """Overrides of BASE (`EngineConfig` fields and `online.SIM_KNOBS`)."""
+    """Overrides of BASE (`EngineConfig` fields and `simulator.SIM_KNOBS`)."""
     return kw
 
 

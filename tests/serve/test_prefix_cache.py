@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from ecru.serve.kv_cache import PrefixHit, PrefixStore, common_prefix
 from ecru.serve.names import ENGINE_POLICIES
-from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix
 from ecru.serve.request_engine import EngineConfig, RequestEngine
 from ecru.serve.sampling import SamplingParams
 

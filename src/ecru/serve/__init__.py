@@ -36,12 +36,6 @@ _EXPORTS = {
     ),
     "ecru.serve.model_runner": ("ModelRunner",),
     "ecru.serve.models": ("ServedModel",),
-    "ecru.serve.online": (
-        "ONLINE_POLICIES",
-        "OnlineRequest",
-        "simulate_online",
-        "simulate_policy",
-    ),
     "ecru.serve.openai_api": ("create_app",),
     "ecru.serve.packed": (
         "PackedLinear",
@@ -101,13 +95,17 @@ _EXPORTS = {
         "SelfLoRAConfig",
         "SelfLoRAPredictor",
     ),
-    "ecru.serve.sim_runner": ("SimulatedRunner",),
     "ecru.serve.simulator": (
+        "ONLINE_POLICIES",
+        "OnlineRequest",
         "SimResult",
+        "SimulatedRunner",
         "TraceRequest",
         "read_trace",
         "simulate",
         "simulate_continuous",
+        "simulate_online",
+        "simulate_policy",
     ),
 }
 __getattr__, __dir__, __all__ = lazy_exports(__name__, _EXPORTS)

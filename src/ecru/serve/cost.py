@@ -20,11 +20,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ecru.errors import EcruError
+
+if TYPE_CHECKING:  # torch only where a model is timed: the simulators import this module torch-free
+    import torch
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,6 @@ def record_forwards(model: torch.nn.Module) -> Iterator[list[StepWork]]:
         handle.remove()
 
 
-@torch.no_grad()
 def measure_cost_model(
     model,
     *,
@@ -185,28 +187,31 @@ def measure_cost_model(
     source: str = "",
 ) -> CostModel:
     """Fit the model by least squares on median timings of real forwards of `model` (random tokens)."""
+    import torch
+
     from ecru.serve.engine import forward, new_cache
 
-    vocab = model.config.vocab_size
-    work, seconds = [], []
-    for b in batches:
-        for ctx in contexts:
-            cache = new_cache(model)
-            mask = torch.ones(b, ctx, dtype=torch.long)
-            forward(model, torch.randint(vocab, (b, ctx)), mask, cache)
-            mask1 = torch.ones(b, ctx + 1, dtype=torch.long)
-            tok = torch.randint(vocab, (b, 1))
+    with torch.no_grad():
+        vocab = model.config.vocab_size
+        work, seconds = [], []
+        for b in batches:
+            for ctx in contexts:
+                cache = new_cache(model)
+                mask = torch.ones(b, ctx, dtype=torch.long)
+                forward(model, torch.randint(vocab, (b, ctx)), mask, cache)
+                mask1 = torch.ones(b, ctx + 1, dtype=torch.long)
+                tok = torch.randint(vocab, (b, 1))
 
-            def step(cache=cache, tok=tok, mask1=mask1, ctx=ctx):
-                forward(model, tok, mask1, cache)
-                cache.crop(-1)  # drop the step just cached: every repetition runs at context ctx
+                def step(cache=cache, tok=tok, mask1=mask1, ctx=ctx):
+                    forward(model, tok, mask1, cache)
+                    cache.crop(-1)  # drop the step just cached: every repetition runs at context ctx
 
-            seconds.append(_time(step, reps))
-            work.append(StepWork.of_forward(b, 1, ctx + 1))
-        for p in prompt_lens:
-            ids, mask = torch.randint(vocab, (b, p)), torch.ones(b, p, dtype=torch.long)
-            seconds.append(
-                _time(lambda ids=ids, mask=mask: forward(model, ids, mask, new_cache(model)), reps)
-            )
-            work.append(StepWork.of_forward(b, p, p))
+                seconds.append(_time(step, reps))
+                work.append(StepWork.of_forward(b, 1, ctx + 1))
+            for p in prompt_lens:
+                ids, mask = torch.randint(vocab, (b, p)), torch.ones(b, p, dtype=torch.long)
+                seconds.append(
+                    _time(lambda ids=ids, mask=mask: forward(model, ids, mask, new_cache(model)), reps)
+                )
+                work.append(StepWork.of_forward(b, p, p))
     return fit_cost_model(work, seconds, source=source or f"measured, {torch.get_num_threads()} thread(s)")

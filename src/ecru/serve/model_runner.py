@@ -17,8 +17,15 @@ import torch
 
 from ecru.models.minilm import mean_pool
 from ecru.serve.engine import forward, forward_states, left_pad, new_cache
-from ecru.serve.kv_cache import HeadroomLayer, KeptKV, RunningBatch, row_kv
-from ecru.serve.prefix_cache import PrefixHit, PrefixStore, common_prefix
+from ecru.serve.kv_cache import (
+    HeadroomLayer,
+    KeptKV,
+    PrefixHit,
+    PrefixStore,
+    RunningBatch,
+    common_prefix,
+    row_kv,
+)
 from ecru.serve.request import EngineStats, RemainingPredictor, Request, RequestStatus
 from ecru.serve.sampling import next_token_ids, token_logprobs
 from ecru.serve.scheduler import PREFILL_OVERHEAD_TOKENS, Outcome, prefill_groups

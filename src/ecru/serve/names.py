@@ -15,6 +15,11 @@ SJF_POLICIES = ("cb-sjf", "cb-srpt")
 """The engine's policies that queue requests by a predicted length."""
 ONLINE_POLICIES = ("fcfs", "cb", "cb-sjf", "cb-srpt", "oracle-srpt")
 """The online (Poisson arrivals) simulator's."""
+ENGINE_POLICY = {"fcfs": "cb", "cb": "cb", "cb-sjf": "cb-sjf", "cb-ljf": "cb", "cb-kv": "cb-kv",
+                 "cb-srpt": "cb-srpt", "oracle-srpt": "cb-srpt"}  # fmt: skip
+"""The engine policy (`EngineConfig.policy`) whose limits and knobs each continuous or online policy runs
+under: online `fcfs` takes cb's batch size and cap, `cb-ljf` cb's limits with its own queue, `oracle-srpt`
+is cb-srpt on the true lengths."""
 PREEMPT_MODES = ("keep", "recompute")
 """What happens to a preempted request's KV: kept, or dropped and recomputed."""
 FCFS_SLACK = 0.15
@@ -25,6 +30,7 @@ length predictor `ecru serve probe` fits and kept KV, it is the configuration th
 __all__ = [
     "CONTINUOUS_POLICIES",
     "ENGINE_POLICIES",
+    "ENGINE_POLICY",
     "FCFS_SLACK",
     "ONLINE_POLICIES",
     "POLICIES",

@@ -3,7 +3,7 @@
 One engine, several front ends (`ecru serve run`, `ecru serve api`, the benchmarks). Each `step` is nano-vllm's
 `LLMEngine.step`: the model-free `scheduler.Scheduler` plans (prefill on arrival, admission, one decode step,
 preemption; the policies are described there) and `model_runner.ModelRunner` runs each plan on the model;
-the simulators drive the same scheduler with `sim_runner.SimulatedRunner`. `RequestEngine` is the front end:
+the simulators drive the same scheduler with `simulator.SimulatedRunner`. `RequestEngine` is the front end:
 requests (sampling, caps, stop strings, streams, cancellation) and their predicted lengths, by default each
 request's own `max_tokens` (`predict`). cb-kv's budget is enforced on the cache the runner really holds
 (`EngineStats.peak_kv_tokens` never exceeds it; `ContinuousConfig.kv_accounting="padded"`).

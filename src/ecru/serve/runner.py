@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ecru.serve.engine import GenerationConfig, generate_static, resume_static
-from ecru.serve.names import CONTINUOUS_POLICIES, POLICIES
+from ecru.serve.names import CONTINUOUS_POLICIES, ENGINE_POLICY, POLICIES
 from ecru.serve.policies import PlanConfig, plan_batches, run_plan
 from ecru.serve.queues import DEFAULT_AGING, RequestQueue, make_queue
 from ecru.serve.request_engine import RequestEngine
@@ -206,8 +206,7 @@ def continuous_config(
 ) -> ContinuousConfig:
     """`EngineConfig.continuous` of an offline run: rows of `plan.batch_size` (cb, cb-sjf, cb-ljf); for cb-kv
     the KV memory those rows hold reserving the cap at the longest prompt, counted on the cache really held."""
-    engine = "cb-kv" if policy == "cb-kv" else "cb"
-    return EngineConfig(engine, plan.batch_size, plan.max_new_tokens, refill_min,
+    return EngineConfig(ENGINE_POLICY[policy], plan.batch_size, plan.max_new_tokens, refill_min,
                         kv_prompt_tokens=max([1, *prompt_lens])).continuous()  # fmt: skip
 
 

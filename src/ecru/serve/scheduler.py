@@ -1,7 +1,7 @@
 """The engine core's scheduler: who waits, who runs, who is preempted, whose KV is kept. Model-free, torch-free.
 
 One scheduler drives the real engine (`request_engine.RequestEngine`, run by `model_runner.ModelRunner`) and
-every continuous-batching simulator (`sim_runner.SimulatedRunner`: a trace's lengths on a cost-model
+every continuous-batching simulator (`simulator.SimulatedRunner`: a trace's lengths on a cost-model
 clock), so the engine and the simulators decide alike by construction. `Scheduler.step(runner)` is
 nano-vllm's `LLMEngine.step` / vLLM v1's EngineCore step, in three phases, each planned here and executed
 by the runner:
@@ -276,8 +276,8 @@ class EngineConfig:
     kv_row_factor: int = 4
     """cb-kv: rows allowed, as a multiple of max_batch_size, when reservations are small."""
     prefix_cache: int = 16
-    """Recently prefilled sequences whose KV is kept for prompts that start alike (`prefix_cache`
-    module); 0 turns prefix caching off. The model runner's; the scheduler ignores it."""
+    """Recently prefilled sequences whose KV is kept for prompts that start alike (`kv_cache.PrefixStore`);
+    0 turns prefix caching off. The model runner's; the scheduler ignores it."""
     arrival_kv_requests: int = 256
     """Waiting requests whose KV is kept at most, prefilled on arrival or preempted by cb-srpt (beyond, the
     longest-predicted one's is dropped and it is prefilled again, prompt and tokens, at admission)."""
@@ -365,7 +365,7 @@ class Outcome:
 
 class Runner(Protocol):
     """Executes the scheduler's plans: on the model (`model_runner.ModelRunner`) or on a cost-model clock
-    (`sim_runner.SimulatedRunner`). Rows are request keys; the runner's batch holds the running rows in the
+    (`simulator.SimulatedRunner`). Rows are request keys; the runner's batch holds the running rows in the
     order the scheduler's `running` lists them."""
 
     def prefill_arrivals(self, groups: list[list[int]]) -> Outcome:
