@@ -34,7 +34,6 @@ _EXPORTS = {
         "label_prompts",
         "read_labels",
     ),
-    "ecru.serve.model_runner": ("ModelRunner",),
     "ecru.serve.models": ("ServedModel",),
     "ecru.serve.openai_api": ("create_app",),
     "ecru.serve.packed": (
@@ -73,6 +72,7 @@ _EXPORTS = {
     ),
     "ecru.serve.remaining": ("RemainingProbe",),
     "ecru.serve.request_engine": (
+        "ModelRunner",
         "Request",
         "RequestEngine",
     ),

@@ -1,6 +1,6 @@
 """The engine core's scheduler: who waits, who runs, who is preempted, whose KV is kept. Model-free, torch-free.
 
-One scheduler drives the real engine (`request_engine.RequestEngine`, run by `model_runner.ModelRunner`) and
+One scheduler drives the real engine (`request_engine.RequestEngine`, run by its `ModelRunner`) and
 every continuous-batching simulator (`simulator.SimulatedRunner`: a trace's lengths on a cost-model
 clock), so the engine and the simulators decide alike by construction. `Scheduler.step(runner)` is
 nano-vllm's `LLMEngine.step` / vLLM v1's EngineCore step, in three phases, each planned here and executed
@@ -364,7 +364,7 @@ class Outcome:
 
 
 class Runner(Protocol):
-    """Executes the scheduler's plans: on the model (`model_runner.ModelRunner`) or on a cost-model clock
+    """Executes the scheduler's plans: on the model (`request_engine.ModelRunner`) or on a cost-model clock
     (`simulator.SimulatedRunner`). Rows are request keys; the runner's batch holds the running rows in the
     order the scheduler's `running` lists them."""
 
