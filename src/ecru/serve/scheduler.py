@@ -106,8 +106,7 @@ class Admitter:
 
     Waiting requests come from `queue` (its policy decides the order), except requests taken out of it
     and not admitted, or preempted: they wait in `held` and go first. A request is admitted with
-    `reserve[i]` answer tokens reserved (a predicted length, clipped to 1..max_new_tokens; the cap when no
-    prediction is given) if its prompt plus that reservation fits what the running requests leave of
+    `Seq.reserve` answer tokens reserved (its predicted length, clipped to 1..its cap) if its prompt plus that reservation fits what the running requests leave of
     `kv_budget`; the first row of an empty batch always runs. When a running request has generated as many
     tokens as it reserved, its reservation grows to the cap; if the reservations then overflow the
     budget, the newest requests are preempted (their tokens discarded, recomputed from scratch when
@@ -123,34 +122,23 @@ class Admitter:
 
     With `kv_accounting="padded"` the budget is checked on the cache this engine really holds
     (`padded_peak`: rows x widest row over the reservations' whole future, and the prefill's new cache
-    next to the running one); the caller tells how many answer tokens each request has (`generated`: a
-    preempted request may keep its tokens and be prefilled with them). The simulator sets `generated`
-    too, so it decides alike.
+    next to the running one), with the answer tokens each request holds (`Seq.generated`: a preempted
+    request may keep its tokens and be prefilled with them).
     """
 
-    def __init__(self, queue: RequestQueue, config: ContinuousConfig, *, generated: Callable[[int], int]):
-        self.queue, self.held, self.config = queue, deque(), config
-        self.prompt_lens: dict[int, int] = {}
-        self.initial: dict[int, int] = {}
-        self.caps: dict[int, int] = {}
+    def __init__(self, queue: RequestQueue, config: ContinuousConfig, seqs: Mapping[int, Seq]):
+        self.queue, self.held, self.config, self.seqs = queue, deque(), config, seqs
         self.reserved: dict[int, int] = {}
-        self.generated = generated
-        """Answer tokens request i holds so far (padded accounting): the scheduler's count."""
+        """Answer tokens each running request reserves now."""
 
-    def add(self, i: int, prompt_len: int, reserve: float | None = None, *, cap: int | None = None) -> None:
-        """Register request `i` (before it is pushed to the queue): its prompt length, the answer tokens
-        it reserves (None: the cap) and its own cap (None: `config.max_new_tokens`). Requests may be added
-        while others run (a server's arrivals)."""
-        cap = self.config.max_new_tokens if cap is None else min(cap, self.config.max_new_tokens)
-        self.prompt_lens[i], self.caps[i] = prompt_len, cap
-        self.initial[i] = cap if reserve is None else min(cap, max(1, int(reserve)))
+    def cap(self, i: int) -> int:
+        """Request `i`'s cap: its own max_tokens, at most `config.max_new_tokens`."""
+        return min(self.seqs[i].cap, self.config.max_new_tokens)
 
     def forget(self, i: int) -> None:
         """Request `i` is done for good (finished or cancelled): drop what is kept about it."""
         self.reserved.pop(i, None)
         self.queue.discard(i)
-        for table in (self.prompt_lens, self.initial, self.caps):
-            table.pop(i, None)
 
     def __len__(self) -> int:
         return len(self.queue) + len(self.held)
@@ -158,7 +146,7 @@ class Admitter:
     def _left(self) -> float:
         if self.config.kv_budget is None:
             return float("inf")
-        return self.config.kv_budget - sum(self.prompt_lens[i] + r for i, r in self.reserved.items())
+        return self.config.kv_budget - sum(self.seqs[i].prompt_len + r for i, r in self.reserved.items())
 
     def admit(self, n: int, *, now: int) -> list[int]:
         """Up to `n` requests that fit the budget, in order (reserved as they are returned); `now`: the
@@ -167,32 +155,33 @@ class Admitter:
         running = list(self.reserved)
         while len(picked) < n and len(self):
             i = self.held.popleft() if self.held else self.queue.pop(now=now)
-            if i not in self.prompt_lens:
+            if i not in self.seqs:
                 continue  # forgotten while it waited (a cancelled request)
-            need = self.prompt_lens[i] + self.initial[i]
+            need = self.seqs[i].prompt_len + self.seqs[i].reserve
             fits = self._fits_padded(running, [*picked, i]) if self._padded else need <= left
             if not fits and (picked or self.reserved):
                 self.held.appendleft(i)
                 break
             picked.append(i)
             left -= need
-            self.reserved[i] = self.initial[i]
+            self.reserved[i] = self.seqs[i].reserve
         return picked
 
     @property
     def _padded(self) -> bool:
         return self.config.kv_budget is not None and self.config.kv_accounting == "padded"
 
-    def _fits_padded(self, running: Sequence[int], new: Sequence[int] = (), gen: dict | None = None) -> bool:
-        """Whether `running` rows and `new` ones prefilled now stay within the budget, as really held
-        (`gen`: answer tokens per request; default `generated`)."""
-        gen = gen if gen is not None else {i: self.generated(i) for i in [*running, *new]}
-        cached = [self.prompt_lens[i] + gen[i] - 1 for i in running]  # the newest token is not cached yet
-        prefilled = [self.prompt_lens[i] + gen[i] for i in new]  # prompt (and kept tokens), then one token
+    def _fits_padded(self, running: Sequence[int], new: Sequence[int] = ()) -> bool:
+        """Whether `running` rows and `new` ones prefilled now stay within the budget, as really held."""
+        seqs = self.seqs
+        # a running row's newest token is not cached yet; a new row is prefilled (prompt and kept tokens), then
+        # samples one token
+        cached = [seqs[i].prompt_len + seqs[i].generated - 1 for i in running]
+        prefilled = [seqs[i].prompt_len + seqs[i].generated for i in new]
         # every row runs the next decode step, even one already at its reservation: reservations grow
         # (and rows may be preempted) only after a decode step
-        steps = [max(1, self.reserved[i] - gen[i]) for i in running]
-        steps += [max(1, self.initial[i] - gen[i] - 1) for i in new]
+        steps = [max(1, self.reserved[i] - seqs[i].generated) for i in running]
+        steps += [max(1, seqs[i].reserve - seqs[i].generated - 1) for i in new]
         held_at_prefill = len(running) * max(cached, default=0) + len(new) * max(prefilled, default=0)
         peak = max(held_at_prefill, padded_peak(cached + prefilled, steps))
         return peak <= self.config.kv_budget
@@ -201,21 +190,21 @@ class Admitter:
         """Request `i` finished: its reservation is freed."""
         del self.reserved[i]
 
-    def preempt(self, running: Sequence[int], generated: Sequence[int]) -> list[int]:
-        """After a decode step (`generated[k]` tokens so far for `running[k]`, oldest first): grow exhausted
-        reservations to the cap, then preempt the newest requests until the reservations fit the budget.
-        Returns the preempted ones; they wait first in line, in their admission order."""
-        for i, g in zip(running, generated, strict=True):
-            if g >= self.reserved[i]:
-                self.reserved[i] = self.caps[i]
-        out, left, gen = [], list(running), dict(zip(running, generated, strict=True))
+    def preempt(self, running: Sequence[int]) -> list[int]:
+        """After a decode step (`running`: oldest first): grow exhausted reservations to the cap, then preempt
+        the newest requests until the reservations fit the budget. Returns the preempted ones; they wait
+        first in line, in their admission order."""
+        for i in running:
+            if self.seqs[i].generated >= self.reserved[i]:
+                self.reserved[i] = self.cap(i)
+        out, left = [], list(running)
         for i in reversed(running):
-            fits = self._fits_padded(left, gen=gen) if self._padded else self._left() >= 0
+            fits = self._fits_padded(left) if self._padded else self._left() >= 0
             if fits or len(self.reserved) == 1:
                 break
             left.remove(i)
             del self.reserved[i]
-            self.initial[i] = self.caps[i]  # its prediction proved short: readmit at the cap
+            self.seqs[i].reserve = self.cap(i)  # its prediction proved short: readmit at the cap
             self.held.appendleft(i)
             out.append(i)
         return out
@@ -350,6 +339,9 @@ class Seq:
     predicted remainder)."""
     generated: int = 0
     """Answer tokens it holds (a preempted request keeps them unless the scheduler discards preempted work)."""
+    reserve: int = 0
+    """cb-kv: answer tokens it reserves when admitted (`Admitter`): its prediction, then its cap once
+    preempted."""
 
 
 @dataclass
@@ -414,7 +406,7 @@ class Scheduler:
         if queue is None:
             queue = self._sjf_queue() if config.policy in SJF_POLICIES else FCFSQueue()
         limits = limits or config.continuous()
-        self.admitter = Admitter(queue, limits, generated=lambda key: self.seqs[key].generated)
+        self.admitter = Admitter(queue, limits, self.seqs)
         self.running: list[int] = []
         self.arrived: dict[int, None] = {}  # arrived, not yet prefilled (prefill on arrival), in order
         self.kept: dict[int, tuple[int, float]] = {}  # waiting with KV kept: (positions, predicted), in order
@@ -487,7 +479,7 @@ class Scheduler:
 
     def _enqueue(self, seq: Seq, predicted: float) -> None:
         seq.predicted = min(float(seq.cap), predicted)
-        self.admitter.add(seq.key, seq.prompt_len, seq.predicted, cap=seq.cap)
+        seq.reserve = min(self.admitter.cap(seq.key), max(1, int(seq.predicted)))
         self._push(seq.key, seq.predicted)
 
     def _push(self, key: int, value: float) -> None:
@@ -601,7 +593,7 @@ class Scheduler:
     # ---- preemption --------------------------------------------------------------------------------------
     def _kv_preempt(self, runner: Runner) -> None:
         """cb-kv: reservations that outgrew the budget preempt the newest rows (`Admitter.preempt`)."""
-        out = self.admitter.preempt(self.running, [self.seqs[k].generated for k in self.running])
+        out = self.admitter.preempt(self.running)
         if not out:
             return
         runner.preempt(out, keep_kv=False, discard=self.discard_preempted)

@@ -46,7 +46,7 @@ import numpy as np
 from ecru.errors import EcruError
 from ecru.io import BadLine, read_jsonl
 from ecru.serve.cost import SMOLLM2_CPU, CostModel
-from ecru.serve.names import ENGINE_POLICY, ONLINE_POLICIES
+from ecru.serve.names import ENGINE_POLICY, ONLINE_POLICIES, SJF_POLICIES
 from ecru.serve.policies import Batch, PlanConfig, plan_batches, run_plan
 from ecru.serve.queues import RequestQueue
 from ecru.serve.scheduler import ContinuousConfig, EngineConfig, Outcome, Scheduler, run_in_steps
@@ -439,7 +439,7 @@ def simulate_online(
             raise ValueError("fcfs_slack orders predicted-shortest-first admission: not for policy 'fcfs'")
         return _simulate_static(trace, config, cost)
     engine = dataclasses.replace(config, policy=ENGINE_POLICY[policy], prefix_cache=0)
-    charge = predict_s if policy in ("cb-sjf", "cb-srpt") else 0.0
+    charge = predict_s if policy in SJF_POLICIES else 0.0
     return _simulate_continuous(trace, policy, engine, cost, charge, repredict_s, prefill_at_arrival)
 
 
