@@ -1,4 +1,5 @@
-"""Every serving policy name and preemption mode, defined once. Torch-free: `ecru --help` imports it.
+"""Every serving policy name, preemption mode and shipped queue default, defined once. Torch-free: `ecru --help`
+imports it.
 
 A policy name means the same thing wherever it appears: `ecru serve api/run/bench/simulate`, the
 simulators and the benchmarks' JSON."""
@@ -22,6 +23,11 @@ under: online `fcfs` takes cb's batch size and cap, `cb-ljf` cb's limits with it
 is cb-srpt on the true lengths."""
 PREEMPT_MODES = ("keep", "recompute")
 """What happens to a preempted request's KV: kept, or dropped and recomputed."""
+DEFAULT_AGING = 0.1
+"""Priority tokens per decode step waited. The old 0.5 made `cb-sjf` FCFS under any backlog: once requests
+wait a few hundred steps, 0.5 x the arrival gap outweighs predictions of at most the cap. 0.1 keeps most of
+shortest-first's mean-latency gain while bounding a long request's wait behind later arrivals to
+prediction / 0.1 steps (`bench/serve_online.py`'s aging sweep, mixed workload, load 1.2)."""
 FCFS_SLACK = 0.15
 """The FCFS deadline plain `cb-srpt` ships with (aging 0 then): the best measured (docs/serve.md). With the
 length predictor `ecru serve probe` fits and kept KV, it is the configuration the name `cb-srpt` means in
@@ -29,6 +35,7 @@ length predictor `ecru serve probe` fits and kept KV, it is the configuration th
 
 __all__ = [
     "CONTINUOUS_POLICIES",
+    "DEFAULT_AGING",
     "ENGINE_POLICIES",
     "ENGINE_POLICY",
     "FCFS_SLACK",

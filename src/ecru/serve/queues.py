@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from ecru.serve.names import CONTINUOUS_POLICIES
+from ecru.serve.names import CONTINUOUS_POLICIES, DEFAULT_AGING
 
 
 class RequestQueue(Protocol):
@@ -52,13 +52,6 @@ class FCFSQueue:
 
     def __len__(self) -> int:
         return len(self._items)
-
-
-DEFAULT_AGING = 0.1
-"""Priority tokens per decode step waited. The old 0.5 made `cb-sjf` FCFS under any backlog: once requests
-wait a few hundred steps, 0.5 x the arrival gap outweighs predictions of at most the cap. 0.1 keeps most of
-shortest-first's mean-latency gain while bounding a long request's wait behind later arrivals to
-prediction / 0.1 steps (`bench/serve_online.py`'s aging sweep, mixed workload, load 1.2)."""
 
 
 def past_fcfs_deadline(waited: float, backlog: float, *, rows: int, slack: float) -> bool:

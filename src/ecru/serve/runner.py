@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ecru.serve.engine import GenerationConfig, generate_static, resume_static
-from ecru.serve.names import CONTINUOUS_POLICIES, ENGINE_POLICY, POLICIES
+from ecru.serve.names import CONTINUOUS_POLICIES, DEFAULT_AGING, ENGINE_POLICY, POLICIES
 from ecru.serve.policies import PlanConfig, plan_batches, run_plan
-from ecru.serve.queues import DEFAULT_AGING, RequestQueue, make_queue
+from ecru.serve.queues import RequestQueue, make_queue
 from ecru.serve.request_engine import RequestEngine
 from ecru.serve.sampling import SamplingParams
 from ecru.serve.scheduler import ContinuousConfig, EngineConfig, run_in_steps

@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ecru.serve.names import ENGINE_POLICIES, FCFS_SLACK, PREEMPT_MODES, SJF_POLICIES
-from ecru.serve.queues import DEFAULT_AGING, FCFSQueue, RequestQueue, SJFQueue
+from ecru.serve.names import DEFAULT_AGING, ENGINE_POLICIES, FCFS_SLACK, PREEMPT_MODES, SJF_POLICIES
+from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
 
 KV_ACCOUNTING = ("reserved", "padded")
 
