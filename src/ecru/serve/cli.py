@@ -65,8 +65,8 @@ def _setup(args: argparse.Namespace):
 
 # ---- api, run and probe: the request engine ------------------------------------------------------------
 def _api(args: argparse.Namespace) -> int:
-    from ecru.serve.api_guard import APIConfig
     from ecru.serve.entrypoints import serve_api
+    from ecru.serve.openai_api import APIConfig
 
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     try:

@@ -15,8 +15,8 @@ from ecru.serve.names import SJF_POLICIES
 from ecru.serve.queues import DEFAULT_AGING
 
 if TYPE_CHECKING:
-    from ecru.serve.api_guard import APIConfig
     from ecru.serve.models import ServedModel
+    from ecru.serve.openai_api import APIConfig
     from ecru.serve.remaining import RemainingProbe
     from ecru.serve.request_engine import EngineConfig, PredictLength, RequestEngine
     from ecru.serve.sampling import SamplingParams
