@@ -61,7 +61,9 @@ class BenchConfig:
     batch_size: int = 16
     """Static batch size (and continuous batching's row limit)."""
     policies: tuple[str, ...] = tuple(p for p in BENCH_POLICIES if p != "cb-ljf")
-    """Policies to run (fcfs always runs first: it records the true lengths)."""
+    """Policies to run, comma-separated on the command line (default: all but cb-ljf; fcfs always runs first:
+    it records the true lengths); cb-srpt is the engine's as it ships (`ShippedSRPT`: `ecru serve probe`'s predictors fitted on
+    the train prompts' greedy answers)."""
     predictor: str = "self-lora"
     """Length predictor for the predicted policies (plain cb-srpt serves with its shipped predictors)."""
     labels: str | None = None

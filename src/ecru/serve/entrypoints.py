@@ -33,22 +33,31 @@ class EngineSetup:
     model: str = "smollm2"
     """smollm2 (bundled), tiny (random, for tests) or the path of a local Hugging Face model folder."""
     policy: str = "cb"
-    """The engine's admission policy (`EngineConfig.policy`)."""
+    """Admission (`EngineConfig.policy`): cb first come first served, cb-sjf shortest predicted answer first
+    (aged; by --length-predictor, or by max_tokens without it), cb-srpt cb-sjf plus shortest predicted
+    remaining first, re-predicted every 16 tokens by --remaining-probe, cb-kv KV memory reserved per request
+    (more rows)."""
     max_batch_size: int = 16
     """Rows decoded together at most."""
     max_new_tokens: int = 256
-    """The largest max_tokens a request may ask for."""
+    """max_tokens of a request that gives none, and the largest one may ask for."""
     prefix_cache: int = 16
-    """Recent prompts whose KV is kept for prompts that start alike (0: off)."""
+    """Recent prompts whose KV is kept so that prompts starting alike (a system prompt) skip recomputing the
+    start; 0: off."""
     fcfs_slack: float | None = None
-    """cb-sjf, cb-srpt: the FCFS deadline (`EngineConfig.fcfs_slack`; None: the policy's shipped default)."""
+    """cb-sjf, cb-srpt (`EngineConfig.fcfs_slack`): a request that has waited (1 + S) x the wait first come
+    first served would now impose is admitted first (the wait estimated from the predicted lengths;
+    docs/serve.md); None: the policy's shipped default (cb-srpt's 0.15), inf: off (aged instead)."""
     length_predictor: str | None = None
-    """cb-sjf, cb-srpt: folder of the length predictor `ecru serve probe` fitted; cb-srpt's default: the
-    `remaining_probe` folder's, when it holds one (the shipped configuration)."""
+    """cb-sjf, cb-srpt: predict each answer's length from the prompt with the predictor `ecru serve probe
+    --out DIR` fitted for this model (a lookup of its own embeddings and a dot product per request);
+    cb-srpt's default: the --remaining-probe folder's, when it holds one (the shipped configuration)."""
     remaining_probe: str | None = None
-    """cb-srpt (required there, only there): folder of its remaining-length probe (`ecru serve probe`)."""
+    """cb-srpt (required there, only there): the remaining-length probe `ecru serve probe --out DIR` fitted
+    for this model."""
     packed_weights: bool = True
-    """Multiply by pre-packed copies of the linear layers' weights (`ecru.serve.packed`)."""
+    """Multiply by a copy of the linear layers' weights pre-packed for the CPU (`ecru.serve.packed`): faster
+    decode steps, those weights twice in memory (--no-packed-weights: once)."""
 
     def __post_init__(self):
         if self.fcfs_slack is not None and self.policy not in SJF_POLICIES:
