@@ -338,10 +338,8 @@ class ShippedSRPT:
 
         engine = self.served.engine(self._engine(self.config, "cb-srpt"), remaining=self.probe,
                                     predict=self.length.engine_predict)  # fmt: skip
-        params, start = SamplingParams(max_tokens=self.config.max_new_tokens), time.perf_counter()
-        reqs = [engine.add_request(p, params) for p in ids]
-        while engine.has_unfinished():
-            engine.step()
+        start = time.perf_counter()
+        reqs = engine.generate(ids, SamplingParams(max_tokens=self.config.max_new_tokens))
         finish, s = [r.finish_s - start for r in reqs], engine.stats
         self.preemptions.append(s.preemptions)
         return PolicyRun("cb-srpt", [r.output for r in reqs], finish, time.perf_counter() - start, s.tokens, 0,
