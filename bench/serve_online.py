@@ -49,10 +49,10 @@ from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file
 from ecru.io import atomic_write_json
 from ecru.serve import EmbeddingPredictor, MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
+from ecru.serve.labels import generate_responses
 from ecru.serve.predictors import ConstantPredictor, ProbePredictor, ridge_fit, spearman, timed_predict
 from ecru.serve.prompts import encode_chat
 from ecru.serve.remaining import RemainingProbe, answer_states
-from ecru.serve.responses import generate_responses
 from ecru.serve.scheduler import EngineConfig
 from ecru.serve.self_predict import PiAPredictor
 from ecru.serve.simulator import OnlineRequest, poisson_arrivals, simulate_online, simulate_policy
@@ -298,9 +298,9 @@ def main(argv=None) -> None:
     answers_dir = Path(args.answers_dir)
     gen_start = time.perf_counter()
     tr_ans = generate_responses(model, tok, train[:n_answers], out=answers_dir / "serve_online_answers_train.jsonl",
-                                max_new_tokens=args.cap, order_hint=y_train[:n_answers])  # fmt: skip
+                                max_new_tokens=args.cap)  # fmt: skip
     te_ans = generate_responses(model, tok, test, out=answers_dir / "serve_online_answers_test.jsonl",
-                                max_new_tokens=args.cap, order_hint=y_test)  # fmt: skip
+                                max_new_tokens=args.cap)  # fmt: skip
     gen_s = time.perf_counter() - gen_start
     k = args.repredict_every
     probe, state_s = fit_remaining(model, tok, train[:n_answers], [tr_ans[p] for p in train[:n_answers]],

@@ -12,8 +12,8 @@ import openai
 import pytest
 import torch
 
-from ecru.serve.api_guard import APIConfig
 from ecru.serve.models import ServedModel
+from ecru.serve.openai_api import APIConfig
 from ecru.serve.request_engine import EngineConfig
 from ecru.serve.sampling import SamplingParams
 from ecru.serve.server import BackgroundServer

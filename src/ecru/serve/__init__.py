@@ -11,7 +11,6 @@ from __future__ import annotations
 from ecru.plugins import lazy_exports
 
 _EXPORTS = {
-    "ecru.serve.api_guard": ("APIConfig",),
     "ecru.serve.background": ("EngineThread",),
     "ecru.serve.cost": (
         "CostModel",
@@ -35,7 +34,7 @@ _EXPORTS = {
         "read_labels",
     ),
     "ecru.serve.models": ("ServedModel",),
-    "ecru.serve.openai_api": ("create_app",),
+    "ecru.serve.openai_api": ("APIConfig", "create_app"),
     "ecru.serve.packed": (
         "PackedLinear",
         "pack_linears_",

@@ -61,7 +61,9 @@ class BenchConfig:
     batch_size: int = 16
     """Static batch size (and continuous batching's row limit)."""
     policies: tuple[str, ...] = tuple(p for p in BENCH_POLICIES if p != "cb-ljf")
-    """Policies to run (fcfs always runs first: it records the true lengths)."""
+    """Policies to run, comma-separated on the command line (default: all but cb-ljf; fcfs always runs first:
+    it records the true lengths); cb-srpt is the engine's as it ships (`ShippedSRPT`: `ecru serve probe`'s predictors fitted on
+    the train prompts' greedy answers)."""
     predictor: str = "self-lora"
     """Length predictor for the predicted policies (plain cb-srpt serves with its shipped predictors)."""
     labels: str | None = None
@@ -336,10 +338,8 @@ class ShippedSRPT:
 
         engine = self.served.engine(self._engine(self.config, "cb-srpt"), remaining=self.probe,
                                     predict=self.length.engine_predict)  # fmt: skip
-        params, start = SamplingParams(max_tokens=self.config.max_new_tokens), time.perf_counter()
-        reqs = [engine.add_request(p, params) for p in ids]
-        while engine.has_unfinished():
-            engine.step()
+        start = time.perf_counter()
+        reqs = engine.generate(ids, SamplingParams(max_tokens=self.config.max_new_tokens))
         finish, s = [r.finish_s - start for r in reqs], engine.stats
         self.preemptions.append(s.preemptions)
         return PolicyRun("cb-srpt", [r.output for r in reqs], finish, time.perf_counter() - start, s.tokens, 0,

@@ -1,6 +1,8 @@
-"""`ecru serve ...`: api, run, probe, simulate, label, bench, cost. Argument parsing only: each handler maps
-its arguments onto a config (checked on construction) and calls the serve package (`entrypoints`, `bench`,
-...). Heavy imports happen inside the handlers."""
+"""`ecru serve ...`: api, run, probe, simulate, label, bench, cost. Argument parsing only: the flags of api,
+run, probe, simulate and bench are built from their configs' fields (`EngineSetup`, `ReplaySetup`,
+`BenchConfig`: the name, the default, the docstring as help); each handler maps its arguments onto a config
+(checked on construction) and calls the serve package (`entrypoints`, `bench`, ...). Heavy imports happen
+inside the handlers."""
 
 from __future__ import annotations
 
@@ -17,18 +19,15 @@ from ecru.cliargs import (
     positive_float,
     positive_int,
 )
-from ecru.errors import EcruError
-from ecru.serve.bench import BENCH_POLICIES, PREDICTORS
+from ecru.serve.bench import PREDICTORS, BenchConfig
+from ecru.serve.entrypoints import EngineSetup, ReplaySetup
 from ecru.serve.names import ENGINE_POLICIES
 from ecru.serve.names import POLICIES as POLICY_NAMES
-from ecru.serve.queues import DEFAULT_AGING
 
 PENALTY = number_in(float, "a number", lambda v: -2 <= v <= 2, "between -2 and 2")  # OpenAI's range
 PORT = number_in(int, "an integer", lambda v: 1 <= v <= 65535, "a TCP port, 1..65535")
 SLACK = number_in(float, "a number", lambda v: v >= 0, ">= 0 (inf: off)")
 API_KEY_ENV = "ECRU_API_KEY"
-
-MODEL_HELP = "smollm2 (bundled), tiny (random, for tests) or the path of a local Hugging Face model folder"
 
 
 def _write_json(data: dict, path: str | None) -> None:
@@ -57,23 +56,17 @@ def _from_args(cls, args: argparse.Namespace, **overrides):
     return config_from(cls, **{k: v for k, v in vars(args).items() if k in names} | overrides)
 
 
-def _setup(args: argparse.Namespace):
-    from ecru.serve.entrypoints import EngineSetup
-
+def _setup(args: argparse.Namespace) -> EngineSetup:
     return _from_args(EngineSetup, args)
 
 
 # ---- api, run and probe: the request engine ------------------------------------------------------------
 def _api(args: argparse.Namespace) -> int:
-    from ecru.serve.api_guard import APIConfig
     from ecru.serve.entrypoints import serve_api
+    from ecru.serve.openai_api import APIConfig
 
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    try:
-        api = APIConfig(api_key=key, max_body_bytes=args.max_body_bytes)
-    except ValueError as exc:
-        raise EcruError(f"--api-key: {exc}") from None
-    serve_api(_setup(args), api, host=args.host, port=args.port)
+    serve_api(_setup(args), _from_args(APIConfig, args, api_key=key), host=args.host, port=args.port)
     return 0
 
 
@@ -101,8 +94,6 @@ def _probe(args: argparse.Namespace) -> int:
 
 # ---- simulate, label, bench, cost: the scheduling measurements ----------------------------------------
 def _simulate(args: argparse.Namespace) -> int:
-    from ecru.serve.entrypoints import ReplaySetup
-
     setup = _from_args(ReplaySetup, args)
     _out_file(args.json)
     _write_json(setup.run(), args.json)
@@ -120,7 +111,7 @@ def _label(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from ecru.cliargs import note_long_run
-    from ecru.serve.bench import BenchConfig, format_bench, run_bench
+    from ecru.serve.bench import format_bench, run_bench
 
     config = _from_args(BenchConfig, args, labels=str(args.labels) if args.labels else None)
     _out_file(args.json)
@@ -144,54 +135,103 @@ def _policies(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
-def _add_engine_flags(p: argparse.ArgumentParser, *, max_new_tokens_help: str) -> None:
-    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
-    p.add_argument(
-        "--policy",
-        choices=ENGINE_POLICIES,
-        default="cb",
-        help="admission: cb first come first served, cb-sjf shortest predicted answer first (aged; by "
-        "--length-predictor, or by max_tokens without it), cb-srpt cb-sjf plus shortest predicted remaining "
-        "first, re-predicted every 16 tokens by --remaining-probe, cb-kv KV memory reserved per request (more rows)",
-    )
-    p.add_argument(
-        "--length-predictor",
+# ---- flags from the configs' fields ------------------------------------------------------------------
+_TYPES = {"int": positive_int, "int | None": positive_int, "float": non_negative_float,
+          "float | None": non_negative_float, "Path": existing_file, "Path | None": existing_file}  # fmt: skip
+"""The parser of a field's annotation; other annotations (str) are taken as given."""
+_ENGINE = {"policy": {"choices": ENGINE_POLICIES}, "prefix_cache": {"type": non_negative_int},
+           "fcfs_slack": {"type": SLACK}, "length_predictor": {"metavar": "DIR"},
+           "remaining_probe": {"metavar": "DIR"}}  # fmt: skip
+"""`EngineSetup`'s flags that need more than their field (the policy names, 0 or inf allowed, a folder)."""
+BENCH_MODELS = ("smollm2", "tiny")
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls, *, only: tuple[str, ...] | None = None,
+                **special: dict) -> None:  # fmt: skip
+    """One flag per field of the config `cls` (or of those in `only`): --field-name, the field's default (a
+    field without one is required), its docstring as help, its annotation's parser (ints > 0, floats >= 0,
+    paths of existing files, bools on/off); `special[name]` adds or replaces argparse keywords."""
+    import dataclasses
+
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
+        kw = {"help": docs[f.name]}
+        if f.default is dataclasses.MISSING:
+            kw["required"] = True
+        else:
+            kw["default"] = f.default
+        if f.type == "bool":
+            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        elif f.type in _TYPES:
+            kw["type"] = _TYPES[f.type]
+        parser.add_argument(f"--{f.name.replace('_', '-')}", **kw | special.get(f.name, {}))
+
+
+def _field_docs(cls) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), on one line."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        field.target.id: " ".join(doc.value.value.split()).replace("%", "%%")
+        for field, doc in zip(body, body[1:], strict=False)
+        if isinstance(field, ast.AnnAssign)
+        and isinstance(doc, ast.Expr)
+        and isinstance(doc.value, ast.Constant)
+    }
+
+
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", default=None, help="write the result here (default: print it)")
+
+
+# ---- the subcommands ---------------------------------------------------------------------------------
+def _configure_api_run(sub) -> None:
+    api = sub.add_parser("api", help="OpenAI-compatible HTTP server (chat, completions, streaming, /metrics)")
+    _add_fields(api, EngineSetup, **_ENGINE)
+    api.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
+    api.add_argument("--port", type=PORT, default=8000, help="TCP port (1..65535)")
+    api.add_argument(
+        "--api-key",
         default=None,
-        metavar="DIR",
-        help="cb-sjf, cb-srpt: predict each answer's length from the prompt with the predictor `ecru serve probe "
-        "--out DIR` fitted for this model (a lookup of its own embeddings and a dot product per request); "
-        "cb-srpt's default: the --remaining-probe folder's",
+        help=f"require 'Authorization: Bearer KEY' on every /v1 route (default: ${API_KEY_ENV} if set, "
+        "else open); /health and /metrics stay open",
     )
-    p.add_argument(
-        "--remaining-probe",
-        default=None,
-        metavar="DIR",
-        help="cb-srpt: the remaining-length probe `ecru serve probe --out DIR` fitted for this model",
+    api.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=2**20,
+        help="largest request body; a larger one is answered 413 (default 1 MiB)",
     )
-    p.add_argument("--max-batch-size", type=positive_int, default=16, help="rows decoded together at most")
-    p.add_argument(
-        "--fcfs-slack",
-        type=SLACK,
-        default=None,
-        help="cb-sjf, cb-srpt without aging: a request that has waited (1 + S) x the wait first come first "
-        "served would now impose is admitted first (the wait estimated from the predicted lengths; "
-        "docs/serve.md); cb-srpt's default 0.15, inf: off (aged instead)",
+    api.set_defaults(func=_api)
+
+    run = sub.add_parser(
+        "run", help="offline batch inference: a JSONL file of prompts -> answers (resumable)"
     )
-    p.add_argument("--max-new-tokens", type=positive_int, default=256, help=max_new_tokens_help)
-    p.add_argument(
-        "--prefix-cache",
-        type=non_negative_int,
-        default=16,
-        help="recent prompts whose KV is kept so that prompts starting alike (a system prompt) skip "
-        "recomputing the start; 0: off",
+    cap = {"help": "cap on generated tokens per line (a line's max_tokens wins)"}
+    _add_fields(run, EngineSetup, **_ENGINE, max_new_tokens=cap)
+    run.add_argument(
+        "--in",
+        dest="input",
+        required=True,
+        type=existing_file,
+        help='JSONL: {"prompt": str} or {"messages": [...]}, optional "id" and "max_tokens"',
     )
-    p.add_argument(
-        "--packed-weights",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="multiply by a copy of the linear layers' weights pre-packed for the CPU: faster decode "
-        "steps, those weights twice in memory (--no-packed-weights: once)",
+    run.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="answers JSONL {id, text, output_tokens, finish_reason}; rerunning skips the ids it holds",
     )
+    run.add_argument(
+        "--skip-invalid", action="store_true", help="skip and count bad lines instead of stopping"
+    )
+    _add_sampling_flags(run)
+    run.set_defaults(func=_run)
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -220,94 +260,16 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _configure_api_run(sub) -> None:
-    api = sub.add_parser("api", help="OpenAI-compatible HTTP server (chat, completions, streaming, /metrics)")
-    _add_engine_flags(
-        api, max_new_tokens_help="max_tokens of a request that gives none, and the largest one may ask"
-    )
-    api.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
-    api.add_argument("--port", type=PORT, default=8000, help="TCP port (1..65535)")
-    api.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require 'Authorization: Bearer KEY' on every /v1 route (default: ${API_KEY_ENV} if set, "
-        "else open); /health and /metrics stay open",
-    )
-    api.add_argument(
-        "--max-body-bytes",
-        type=positive_int,
-        default=2**20,
-        help="largest request body; a larger one is answered 413 (default 1 MiB)",
-    )
-    api.set_defaults(func=_api)
-
-    run = sub.add_parser(
-        "run", help="offline batch inference: a JSONL file of prompts -> answers (resumable)"
-    )
-    _add_engine_flags(run, max_new_tokens_help="cap on generated tokens per line (a line's max_tokens wins)")
-    run.add_argument(
-        "--in",
-        dest="input",
-        required=True,
-        type=existing_file,
-        help='JSONL: {"prompt": str} or {"messages": [...]}, optional "id" and "max_tokens"',
-    )
-    run.add_argument(
-        "--out",
-        required=True,
-        metavar="FILE",
-        help="answers JSONL {id, text, output_tokens, finish_reason}; rerunning skips the ids it holds",
-    )
-    run.add_argument(
-        "--skip-invalid", action="store_true", help="skip and count bad lines instead of stopping"
-    )
-    _add_sampling_flags(run)
-    run.set_defaults(func=_run)
-
-
 def _configure_simulate(sub) -> None:
     sim = sub.add_parser("simulate", help="replay a length trace through a policy (exact slot accounting)")
-    sim.add_argument(
-        "--trace",
-        required=True,
-        type=existing_file,
-        help='JSONL lines {"prompt_len", "output_len", "predicted_len"}',
-    )
-    sim.add_argument("--policy", choices=POLICY_NAMES, default="fcfs", help="scheduling policy")
-    sim.add_argument("--batch-size", type=positive_int, default=16, help="rows per batch")
-    sim.add_argument("--max-new-tokens", type=positive_int, default=512, help="global cap on answer tokens")
-    sim.add_argument(
-        "--token-budget", type=positive_int, default=None, help="fcr+vbs: rows x (prompt + cap) per batch"
-    )
-    sim.add_argument(
-        "--max-batch-size", type=positive_int, default=None, help="fcr+vbs: hard row limit per batch"
-    )
-    _add_resume_flag(sim)
-    sim.add_argument(
-        "--cost-model",
-        default=None,
-        type=existing_file,
-        help="cost model JSON from `ecru serve cost` (default: SmolLM2 on 1 CPU thread)",
-    )
-    sim.add_argument(
-        "--refill-min", type=positive_int, default=4, help="cb*: admit when this many rows are free"
-    )
-    sim.add_argument(
-        "--aging",
-        type=non_negative_float,
-        default=DEFAULT_AGING,
-        help="cb-sjf, cb-ljf: priority tokens per step waited",
-    )
-    sim.add_argument(
-        "--predict-s", type=non_negative_float, default=0.0, help="seconds of length prediction to add"
-    )
-    sim.add_argument("--json", default=None, help="write the result here (default: print it)")
+    _add_fields(sim, ReplaySetup, policy={"choices": POLICY_NAMES})
+    _add_json(sim)
     sim.set_defaults(func=_simulate)
 
 
 def _configure_label(sub) -> None:
     lab = sub.add_parser("label", help="record the model's own response lengths (max of k samples), cached")
-    lab.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="model to label with")
+    lab.add_argument("--model", choices=BENCH_MODELS, default="smollm2", help="model to label with")
     lab.add_argument(
         "--prompts", default="mixed", help="clinc, banking, mixed, instructions (bundled) or a JSONL file"
     )
@@ -328,71 +290,12 @@ def _configure_label(sub) -> None:
     lab.set_defaults(func=_label)
 
 
-def _add_resume_flag(parser) -> None:
-    parser.add_argument(
-        "--resume-failures",
-        action="store_true",
-        help="fcr*: a row cut at its predicted cap keeps its tokens and is resumed (prompt + them prefilled), "
-        "not recomputed from scratch",
-    )
-    parser.add_argument(
-        "--keep-kv",
-        action="store_true",
-        help="with --resume-failures: a cut row keeps its KV cache in memory and its rerun continues it "
-        "without a prefill",
-    )
-
-
 def _configure_bench(sub) -> None:
     bench = sub.add_parser("bench", help="run the scheduling policies for real on held-out prompts")
-    bench.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="model to serve")
-    bench.add_argument(
-        "--prompts",
-        default="mixed",
-        help="test split of clinc, banking, mixed (CLINC and Banking77 queries interleaved) or instructions "
-        "(the instruction workload, lengths that follow the request; docs/serve.md), or a JSONL file",
-    )
-    bench.add_argument("--n", type=positive_int, default=256, help="prompts served")
-    bench.add_argument("--max-new-tokens", type=positive_int, default=256, help="global cap on answer tokens")
-    bench.add_argument("--batch-size", type=positive_int, default=16, help="rows per batch")
-    bench.add_argument(
-        "--policies",
-        type=_policies,
-        default=argparse.SUPPRESS,
-        help=f"comma-separated, any of {', '.join(BENCH_POLICIES)} (default: all but cb-ljf); cb-srpt is the "
-        "engine's as it ships (`ecru serve probe`'s predictors fitted on the train prompts' greedy answers)",
-    )
-    bench.add_argument(
-        "--predictor",
-        choices=PREDICTORS,
-        default="self-lora",
-        help="length predictor of the predicted policies (not cb-srpt's: it serves with its shipped ones)",
-    )
-    bench.add_argument(
-        "--labels",
-        default=None,
-        type=existing_file,
-        help="train labels JSONL (default: cached, built on first use)",
-    )
-    bench.add_argument("--train-n", type=positive_int, default=192, help="labelled train prompts used")
-    bench.add_argument(
-        "--aging", type=non_negative_float, default=DEFAULT_AGING, help="cb-sjf priority tokens per step"
-    )
-    bench.add_argument("--lora-epochs", type=positive_int, default=2, help="self-lora tuning epochs")
-    bench.add_argument(
-        "--lora-readout",
-        choices=("greedy", "expected"),
-        default="greedy",
-        help="self-lora's prediction: the number it generates (the paper's) or its expected bucket",
-    )
-    _add_resume_flag(bench)
-    bench.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=1,
-        help="run every policy R times, repetition k starting at policy k; report medians and paired ratios",
-    )
-    bench.add_argument("--json", default=None, help="write the result here (default: print it)")
+    _add_fields(bench, BenchConfig, model={"choices": BENCH_MODELS}, policies={"type": _policies},
+                predictor={"choices": PREDICTORS}, labels={"type": existing_file},
+                lora_readout={"choices": ("greedy", "expected")})  # fmt: skip
+    _add_json(bench)
     bench.set_defaults(func=_bench)
 
 
@@ -400,7 +303,7 @@ def _configure_cost(sub) -> None:
     cost = sub.add_parser(
         "cost", help="measure t_step(batch, context) on this machine, write a cost model JSON"
     )
-    cost.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="model to time")
+    cost.add_argument("--model", choices=BENCH_MODELS, default="smollm2", help="model to time")
     cost.add_argument("--reps", type=positive_int, default=3, help="timings per point (median)")
     cost.add_argument("--out", required=True, metavar="FILE", help="cost model JSON; its folder is created")
     cost.set_defaults(func=_cost)
@@ -412,7 +315,6 @@ def _configure_probe(sub) -> None:
         help="fit cb-srpt's remaining-length probe and cb-sjf's prompt-length predictor for a model on your "
         "prompts (their greedy answers)",
     )
-    probe.add_argument("--model", default="smollm2", help=MODEL_HELP)
     probe.add_argument("--in", dest="input", required=True, type=existing_file,
                        help='JSONL as for `serve run`: {"prompt": str} or {"messages": [...]} a line')  # fmt: skip
     probe.add_argument(
@@ -422,12 +324,10 @@ def _configure_probe(sub) -> None:
         help="folder for the probe and the predictor (remaining_probe.safetensors, length_predictor.safetensors, "
         "probe.json)",
     )
-    probe.add_argument("--max-new-tokens", type=positive_int, default=256,
-                       help="cap on each greedy answer: the longest answer the predictor and the probe "
-                       "predict (serve with --max-new-tokens at most this)")  # fmt: skip
-    probe.add_argument("--max-batch-size", type=positive_int, default=16, help="rows decoded together")
-    probe.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True,
-                       help="pre-packed weights while answering (as in `serve api`)")  # fmt: skip
+    cap = {"help": "cap on each greedy answer: the longest answer the predictor and the probe predict (serve "
+           "with --max-new-tokens at most this)"}  # fmt: skip
+    _add_fields(probe, EngineSetup, only=("model", "max_batch_size", "max_new_tokens", "packed_weights"),
+                max_new_tokens=cap)  # fmt: skip
     probe.set_defaults(func=_probe)
 
 

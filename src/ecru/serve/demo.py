@@ -63,9 +63,7 @@ def serve_burst(served, ids: list[list[int]], config, *, predict=None, remaining
 
     engine = served.engine(config, predict=predict, remaining=remaining)
     start = time.perf_counter()
-    reqs = [engine.add_request(i, SamplingParams(max_tokens=CAP)) for i in ids]
-    while engine.has_unfinished():
-        engine.step()
+    reqs = engine.generate(ids, SamplingParams(max_tokens=CAP))
     lat = [r.finish_s - start for r in reqs]
     return {"mean_s": statistics.fmean(lat), "p99_s": float(np.percentile(lat, 99)), "latencies": lat,
             "wall_s": time.perf_counter() - start, "preemptions": engine.stats.preemptions,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,14 +17,24 @@ from ecru.serve.names import SJF_POLICIES
 from ecru.serve.queues import DEFAULT_AGING
 
 if TYPE_CHECKING:
-    from ecru.serve.api_guard import APIConfig
     from ecru.serve.models import ServedModel
+    from ecru.serve.openai_api import APIConfig
     from ecru.serve.remaining import RemainingProbe
     from ecru.serve.request_engine import EngineConfig, PredictLength, RequestEngine
     from ecru.serve.sampling import SamplingParams
 
 MIN_PROBE_PROMPTS = 10
 """`ecru serve probe` fits on at least this many prompts (hundreds are better)."""
+
+
+@contextmanager
+def one_line(prefix: str = "") -> Iterator[None]:
+    """A ValueError raised inside becomes one `EcruError` line: `prefix` (the flag or file it concerns), then
+    the message."""
+    try:
+        yield
+    except ValueError as exc:
+        raise EcruError(f"{prefix}{exc}") from None
 
 
 @dataclass(frozen=True)
@@ -33,22 +45,31 @@ class EngineSetup:
     model: str = "smollm2"
     """smollm2 (bundled), tiny (random, for tests) or the path of a local Hugging Face model folder."""
     policy: str = "cb"
-    """The engine's admission policy (`EngineConfig.policy`)."""
+    """Admission (`EngineConfig.policy`): cb first come first served, cb-sjf shortest predicted answer first
+    (aged; by --length-predictor, or by max_tokens without it), cb-srpt cb-sjf plus shortest predicted
+    remaining first, re-predicted every 16 tokens by --remaining-probe, cb-kv KV memory reserved per request
+    (more rows)."""
     max_batch_size: int = 16
     """Rows decoded together at most."""
     max_new_tokens: int = 256
-    """The largest max_tokens a request may ask for."""
+    """max_tokens of a request that gives none, and the largest one may ask for."""
     prefix_cache: int = 16
-    """Recent prompts whose KV is kept for prompts that start alike (0: off)."""
+    """Recent prompts whose KV is kept so that prompts starting alike (a system prompt) skip recomputing the
+    start; 0: off."""
     fcfs_slack: float | None = None
-    """cb-sjf, cb-srpt: the FCFS deadline (`EngineConfig.fcfs_slack`; None: the policy's shipped default)."""
+    """cb-sjf, cb-srpt (`EngineConfig.fcfs_slack`): a request that has waited (1 + S) x the wait first come
+    first served would now impose is admitted first (the wait estimated from the predicted lengths;
+    docs/serve.md); None: the policy's shipped default (cb-srpt's 0.15), inf: off (aged instead)."""
     length_predictor: str | None = None
-    """cb-sjf, cb-srpt: folder of the length predictor `ecru serve probe` fitted; cb-srpt's default: the
-    `remaining_probe` folder's, when it holds one (the shipped configuration)."""
+    """cb-sjf, cb-srpt: predict each answer's length from the prompt with the predictor `ecru serve probe
+    --out DIR` fitted for this model (a lookup of its own embeddings and a dot product per request);
+    cb-srpt's default: the --remaining-probe folder's, when it holds one (the shipped configuration)."""
     remaining_probe: str | None = None
-    """cb-srpt (required there, only there): folder of its remaining-length probe (`ecru serve probe`)."""
+    """cb-srpt (required there, only there): the remaining-length probe `ecru serve probe --out DIR` fitted
+    for this model."""
     packed_weights: bool = True
-    """Multiply by pre-packed copies of the linear layers' weights (`ecru.serve.packed`)."""
+    """Multiply by a copy of the linear layers' weights pre-packed for the CPU (`ecru.serve.packed`): faster
+    decode steps, those weights twice in memory (--no-packed-weights: once)."""
 
     def __post_init__(self):
         if self.fcfs_slack is not None and self.policy not in SJF_POLICIES:
@@ -80,10 +101,8 @@ class EngineSetup:
                 "--length-predictor orders cb-sjf's and cb-srpt's queue: drop it or add --policy cb-sjf"
             )
         where = f"--length-predictor {self.length_predictor}"
-        try:
+        with one_line("--length-predictor "):
             meta, _, _ = read_length_file(self.length_predictor)
-        except ValueError as exc:
-            raise EcruError(f"--length-predictor {exc}") from None
         _check_fit(where, meta["model"], model_key(self.model), self.model)
         _check_cap(where, "answers", meta["cap"], self.max_new_tokens)
 
@@ -91,7 +110,7 @@ class EngineSetup:
     def engine_config(self) -> EngineConfig:
         from ecru.serve.scheduler import EngineConfig
 
-        try:
+        with one_line():
             return EngineConfig(
                 policy=self.policy,
                 max_batch_size=self.max_batch_size,
@@ -99,8 +118,6 @@ class EngineSetup:
                 prefix_cache=self.prefix_cache,
                 fcfs_slack=self.fcfs_slack,
             )
-        except ValueError as exc:
-            raise EcruError(str(exc)) from None
 
     def load_remaining(self) -> RemainingProbe | None:
         """The `remaining_probe` folder's probe, read before the model loads (None without one)."""
@@ -108,10 +125,8 @@ class EngineSetup:
 
         if self.remaining_probe is None:
             return None
-        try:
+        with one_line("--remaining-probe "):
             return RemainingProbe.load(self.remaining_probe)
-        except ValueError as exc:
-            raise EcruError(f"--remaining-probe {exc}") from None
 
     def load_model(self) -> ServedModel:
         from ecru.serve.models import ServedModel
@@ -123,22 +138,19 @@ class EngineSetup:
         if remaining is not None:
             _check_probe(f"--remaining-probe {self.remaining_probe}", remaining, served, self.max_new_tokens)
         predict = self._load_length(served)
-        try:
+        # the engine's own checks (e.g. kept KV on a sliding-window model)
+        with one_line(f"--remaining-probe {self.remaining_probe}: "):
             return served.engine(self.engine_config, remaining=remaining, predict=predict)
-        except ValueError as exc:  # the engine's own checks (e.g. kept KV on a sliding-window model)
-            raise EcruError(f"--remaining-probe {self.remaining_probe}: {exc}") from None
 
     def _load_length(self, served: ServedModel) -> PredictLength | None:
         from ecru.serve.predictors import EmbeddingPredictor
 
         if self.length_predictor is None:
             return None
-        try:
+        with one_line("--length-predictor "):
             return EmbeddingPredictor.load(
                 self.length_predictor, served.model, served.tokenizer
             ).engine_predict
-        except ValueError as exc:
-            raise EcruError(f"--length-predictor {exc}") from None
 
 
 def _check_fit(where: str, fitted: str, key: str, model: str) -> None:
@@ -230,10 +242,8 @@ def fit_probe_folder(setup: EngineSetup, lines: list, *, src: Path, out: Path) -
                                   skipped=[], hint="")  # fmt: skip
     prompts = [e.prompt_ids for e in todo]
     answers = greedy_answers(served, prompts, cap=cap, config=setup.engine_config, progress=True)
-    try:
+    with one_line(f"{src}: "):
         report, length_report = save_predictors(served, prompts, answers, cap=cap, out=out)
-    except ValueError as exc:
-        raise EcruError(f"{src}: {exc}") from None
     return (f"fitted on {report['answers']} greedy answers ({report['answer_tokens']} tokens); held out "
             f"{report['held_out_answers']}: remaining-length Spearman {_rho(report)} over "
             f"{report['held_out_points']} re-predictions, prompt-length Spearman {_rho(length_report)}; wrote "
@@ -345,12 +355,10 @@ class ReplaySetup:
     def plan(self):
         from ecru.serve.policies import PlanConfig
 
-        try:
+        with one_line():
             return PlanConfig(batch_size=self.batch_size, max_new_tokens=self.max_new_tokens,
                               token_budget=self.token_budget, max_batch_size=self.max_batch_size,
                               resume=self.resume_failures, keep_kv=self.keep_kv)  # fmt: skip
-        except ValueError as exc:
-            raise EcruError(str(exc)) from None
 
     def run(self) -> dict:
         """The replay's result JSON, with the settings it ran under."""
@@ -376,13 +384,11 @@ class ReplaySetup:
         predicted = [r.predicted_len for r in trace]
         if self.policy != "cb" and any(p is None for p in predicted):
             raise EcruError(f"policy {self.policy!r} needs predicted_len on every trace line")
-        try:  # the limits read only the plan's batch size and cap
+        with one_line():  # the limits read only the plan's batch size and cap
             config = continuous_config(
                 self.policy, self.plan, [r.prompt_len for r in trace], refill_min=self.refill_min
             )
             queue = make_queue(self.policy, predicted, aging=self.aging)
-        except ValueError as exc:
-            raise EcruError(str(exc)) from None
         result, _ = simulate_continuous(trace, queue=queue, config=config, cost=cost, predict_s=self.predict_s,
                                         policy=self.policy, reserve=reservations(self.policy, predicted))  # fmt: skip
         return result

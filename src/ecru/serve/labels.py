@@ -1,15 +1,21 @@
-"""Response-length labels: the model's own answers to each prompt, sampled k times; label = max length.
+"""Response-length labels and greedy answers: the model's own answers to each prompt, on the request engine.
 
-The paper samples 4 answers (temperatures 0, 0.3, 0.5, 0.7) and labels a prompt with the longest, so a
-predictor trained on it errs towards over-estimating (fewer FCR failures). Labels are cached in a JSONL
-file keyed by prompt: a rerun only generates what is missing.
+Labels: the paper samples 4 answers (temperatures 0, 0.3, 0.5, 0.7) and labels a prompt with the longest, so
+a predictor trained on it errs towards over-estimating (fewer FCR failures).
+
+Answers: re-predicting the remaining length while generating needs the hidden states a row has at every
+decode step. Teacher forcing gives the same states from one forward of prompt + answer, so the greedy
+answers (token ids) are generated once and kept: {"prompt": str, "tokens": [int, ...], "max_new_tokens": int}.
+
+Both are cached in a JSONL file keyed by prompt, appended chunk by chunk: a rerun only generates what is
+missing, and an interrupted run loses at most the chunk in flight.
 """
 
 from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -78,42 +84,49 @@ def label_prompts(
     """Label every prompt not yet in `out` (appended chunk by chunk: an interrupted run loses at most the
     chunk in flight); return the labels of `prompts`. The samples run on the continuous-batching request
     engine (CPU), up to `batch_size` rows at a time, finished rows refilled from the waiting samples."""
-    from tqdm.auto import tqdm
-
-    from ecru.serve.prompts import encode_chat
-
     if not 1 <= samples <= len(TEMPERATURES):
         raise EcruError(f"samples must be in 1..{len(TEMPERATURES)} (one per temperature), got {samples}")
-    out = Path(out)
     done = {
         r.prompt: r
         for r in read_labels(out)
         if len(r.lengths) >= samples and r.max_new_tokens == max_new_tokens
     }
+    gen = GenerationConfig.for_tokenizer(tokenizer)
+
+    def label(chunk: list[str], ids: list[list[int]]) -> list[LengthLabel]:
+        lengths = sample_lengths(model, ids, gen=gen, samples=samples, max_new_tokens=max_new_tokens,
+                                 batch_size=batch_size)  # fmt: skip
+        return [LengthLabel(p, ls, max_new_tokens) for p, ls in zip(chunk, lengths, strict=True)]
+
+    _fill(done, prompts, model, tokenizer, out=out, cap=max_new_tokens, run=label, row=lambda p, v: asdict(v),
+          chunk_size=CHUNK_BATCHES * batch_size, desc="labelling", progress=progress)  # fmt: skip
+    return [done[p] for p in prompts]
+
+
+def _fill(done: dict, prompts: Sequence[str], model, tokenizer, *, out: str | Path, cap: int, run: Callable,
+          row: Callable, chunk_size: int, desc: str, progress: bool) -> None:  # fmt: skip
+    """For every prompt not in `done`, `chunk_size` at a time: `run(prompts, their token ids)`, keep each
+    result in `done` and append `row(prompt, result)` to `out`. Prompts the model's context cannot hold with
+    `cap` new tokens are refused first."""
+    from tqdm.auto import tqdm
+
+    from ecru.serve.prompts import encode_chat
+
+    out = Path(out)
     todo = list(dict.fromkeys(p for p in prompts if p not in done))
     ids = dict(zip(todo, encode_chat(tokenizer, todo), strict=True))
-    _check_context(model, ids, max_new_tokens)
+    _check_context(model, ids, cap)
     out.parent.mkdir(parents=True, exist_ok=True)
-    gen = GenerationConfig.for_tokenizer(tokenizer)
-    bar = tqdm(total=len(todo), desc="labelling", unit="prompt", disable=not progress)
-    chunk_size = CHUNK_BATCHES * batch_size
+    bar = tqdm(total=len(todo), desc=desc, unit="prompt", disable=not progress)
     for start in range(0, len(todo), chunk_size):
         chunk = todo[start : start + chunk_size]
-        lengths = sample_lengths(
-            model,
-            [ids[p] for p in chunk],
-            gen=gen,
-            samples=samples,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-        )
+        results = run(chunk, [ids[p] for p in chunk])
         with out.open("a") as f:
-            for p, ls in zip(chunk, lengths, strict=True):
-                done[p] = LengthLabel(prompt=p, lengths=ls, max_new_tokens=max_new_tokens)
-                f.write(json.dumps(asdict(done[p])) + "\n")
+            for p, result in zip(chunk, results, strict=True):
+                done[p] = result
+                f.write(json.dumps(row(p, result)) + "\n")
         bar.update(len(chunk))
     bar.close()
-    return [done[p] for p in prompts]
 
 
 def _check_context(model, ids: dict[str, list[int]], max_new_tokens: int) -> None:
@@ -143,13 +156,9 @@ def sample_lengths(
     """Per prompt (token ids), the lengths (EOS included) of `samples` answers: sample k at
     `TEMPERATURES[k]` seeded by `sample_seed`; `gen` gives the EOS and pad ids. A prompt that leaves no
     room for `max_new_tokens` in the model's context is a ValueError before any generation."""
-    from ecru.serve.request_engine import EngineConfig, RequestEngine
     from ecru.serve.sampling import SamplingParams
 
-    config = EngineConfig(max_batch_size=batch_size, max_new_tokens=max_new_tokens)
-    engine = RequestEngine(
-        model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, config=config
-    )
+    engine = _engine(model, gen, batch_size=batch_size, max_new_tokens=max_new_tokens)
     params = [
         SamplingParams(max_new_tokens, temperature=TEMPERATURES[k], seed=sample_seed(p, k))
         for p in prompts
@@ -157,3 +166,52 @@ def sample_lengths(
     ]
     requests = engine.generate([p for p in prompts for _ in range(samples)], params)
     return [[len(r.output) for r in requests[i : i + samples]] for i in range(0, len(requests), samples)]
+
+
+def _engine(model, gen: GenerationConfig, *, batch_size: int, max_new_tokens: int):
+    from ecru.serve.request_engine import EngineConfig, RequestEngine
+
+    config = EngineConfig(max_batch_size=batch_size, max_new_tokens=max_new_tokens)
+    return RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, config=config)
+
+
+# ---- greedy answers ------------------------------------------------------------------------------------
+def read_responses(path: str | Path, *, max_new_tokens: int) -> dict[str, list[int]]:
+    """prompt -> greedy answer tokens (EOS included when produced) generated under `max_new_tokens`."""
+    if not Path(path).is_file():
+        return {}
+    rows = read_jsonl(path, _response, expected="{'prompt', 'tokens', 'max_new_tokens'}")
+    return {prompt: tokens for prompt, tokens, cap in rows if cap == max_new_tokens}
+
+
+def _response(row: dict) -> tuple[str, list[int], int]:
+    return str(row["prompt"]), [int(t) for t in row["tokens"]], int(row["max_new_tokens"])
+
+
+def generate_responses(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    out: str | Path,
+    max_new_tokens: int,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> dict[str, list[int]]:
+    """Greedy answers of every prompt not yet in `out` (appended chunk by chunk) on the request engine, up to
+    `batch_size` rows at a time; returns prompt -> tokens."""
+    from ecru.serve.sampling import SamplingParams
+
+    done = read_responses(out, max_new_tokens=max_new_tokens)
+    engine = _engine(model, GenerationConfig.for_tokenizer(tokenizer), batch_size=batch_size,
+                     max_new_tokens=max_new_tokens)  # fmt: skip
+
+    def answer(chunk: list[str], ids: list[list[int]]) -> list[list[int]]:
+        return [r.output for r in engine.generate(ids, SamplingParams(max_new_tokens))]
+
+    def row(prompt: str, tokens: list[int]) -> dict:
+        return {"prompt": prompt, "tokens": tokens, "max_new_tokens": max_new_tokens}
+
+    _fill(done, prompts, model, tokenizer, out=out, cap=max_new_tokens, run=answer, row=row,
+          chunk_size=CHUNK_BATCHES * batch_size, desc="answers", progress=progress)  # fmt: skip
+    return {p: done[p] for p in prompts}

@@ -5,24 +5,25 @@ concurrent clients share the running batch. The engine's listener hands each rel
 the request's asyncio queue (thread-safely); a streaming response sends it as a server-sent event at once,
 a plain one gathers it while watching for the client's disconnect, so a client that goes away has its
 requests cancelled at once and their rows leave the batch at the next step. Tokenisation runs on a worker
-thread, so the event loop keeps answering (`/health`) while a long prompt is encoded. `api_guard.APIGuard`
+thread, so the event loop keeps answering (`/health`) while a long prompt is encoded. `APIGuard`
 refuses, before any route runs, a body over the limit (413) and a `/v1` call without the API key (401). Errors are OpenAI's JSON bodies: 400 invalid request, 401, 404 unknown model or path, 413, 500.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ecru.serve.api_guard import APIConfig, APIGuard
 from ecru.serve.api_schema import APIError, ChatCompletionRequest, CompletionRequest
 from ecru.serve.background import EngineThread
 from ecru.serve.metrics import ServerMetrics
@@ -103,10 +104,8 @@ class OpenAIServer:
     # ---- routes -------------------------------------------------------------------------------------
     def _routes(self) -> None:
         app = self.app
-        app.add_exception_handler(APIError, self._api_error)
-        app.add_exception_handler(RequestValidationError, self._validation_error)
-        app.add_exception_handler(HTTPException, self._http_error)
-        app.add_exception_handler(Exception, self._server_error)
+        for kind in (APIError, RequestValidationError, HTTPException, Exception):
+            app.add_exception_handler(kind, self._error)
         app.post("/v1/chat/completions")(self.chat)
         app.post("/v1/completions")(self.completions)
         app.get("/v1/models")(self.models)
@@ -135,9 +134,7 @@ class OpenAIServer:
         return {"object": "list", "data": [self._card()]}
 
     async def model_card(self, model_id: str):
-        if model_id != self.served.name:
-            raise APIError(404, f"model {model_id!r} not found; this server has {self.served.name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+        self._check_model(model_id)
         return self._card()
 
     def _card(self) -> dict:
@@ -153,10 +150,13 @@ class OpenAIServer:
 
     # ---- serving ------------------------------------------------------------------------------------
     def _check(self, body) -> None:
-        if body.model != self.served.name:
-            raise APIError(404, f"model {body.model!r} not found; this server has {self.served.name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
+        self._check_model(body.model)
         body.refuse_unsupported()
+
+    def _check_model(self, name: str) -> None:
+        if name != self.served.name:
+            raise APIError(404, f"model {name!r} not found; this server has {self.served.name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
 
     def _params(self, body, prompt: list[int], choice: int) -> SamplingParams:
         asked = body.requested_max_tokens
@@ -317,22 +317,27 @@ class OpenAIServer:
         }
 
     # ---- errors -------------------------------------------------------------------------------------
-    async def _api_error(self, request: Request, exc: APIError):
-        self.metrics.count_request(endpoint=request.url.path, status=str(exc.status))
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def _error(self, request: Request, exc: Exception):
+        return _refuse(self.metrics, request.url.path, _as_api_error(exc))
 
-    async def _validation_error(self, request: Request, exc: RequestValidationError):
+
+def _as_api_error(exc: Exception) -> APIError:
+    """Any error a route raised, as the OpenAI error it is answered with."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
-        message = f"{where}: {first['msg']}" if where else first["msg"]
-        return await self._api_error(request, APIError(400, message, param=where or None))
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return APIError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None)
+    if isinstance(exc, HTTPException):
+        return APIError(exc.status_code, str(exc.detail))
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    async def _http_error(self, request: Request, exc: HTTPException):
-        return await self._api_error(request, APIError(exc.status_code, str(exc.detail)))
 
-    async def _server_error(self, request: Request, exc: Exception):
-        return await self._api_error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+def _refuse(metrics: ServerMetrics, path: str, exc: APIError) -> JSONResponse:
+    """The one place an error becomes OpenAI's JSON body (and a count in /metrics)."""
+    metrics.count_request(endpoint=path, status=str(exc.status))
+    return JSONResponse(exc.body(), status_code=exc.status)
 
 
 async def _disconnect(http: Request) -> None:
@@ -350,3 +355,82 @@ def create_app(
     """The ASGI application: `OpenAIServer`'s routes behind `APIGuard`."""
     server = OpenAIServer(served, threads, default_max_tokens=default_max_tokens)
     return APIGuard(server.app, api or APIConfig(), server.metrics)
+
+
+# ---- before routing: the API key and the body limit ----------------------------------------------------
+@dataclass(frozen=True)
+class APIConfig:
+    """What the HTTP layer enforces before a request reaches a route."""
+
+    api_key: str | None = None
+    """Bearer token every /v1 route requires (None: open); /health and /metrics stay open."""
+    max_body_bytes: int = 2**20
+    """Largest request body accepted; a larger one is answered 413."""
+
+    def __post_init__(self):
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            raise ValueError("the API key must be non-empty, without surrounding spaces")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+
+
+class APIGuard:
+    """ASGI middleware: a body over the limit is 413 and a /v1 call without the key 401, both before
+    routing; a body within the limit is read here once and replayed to the app."""
+
+    def __init__(self, app, config: APIConfig, metrics: ServerMetrics):
+        self.app, self.config, self.metrics = app, config, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self._unauthorised(scope)
+        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body, refusal = await self._read(scope, receive)
+            receive = _replay(body, receive)
+        if refusal is None:
+            return await self.app(scope, receive, send)
+        await _refuse(self.metrics, scope["path"], refusal)(scope, receive, send)
+
+    def _unauthorised(self, scope) -> APIError | None:
+        key = self.config.api_key
+        if key is None or not scope["path"].startswith("/v1"):
+            return None
+        given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        if hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return None
+        return APIError(
+            401, "missing or wrong API key: send 'Authorization: Bearer KEY'", code="invalid_api_key"
+        )
+
+    async def _read(self, scope, receive) -> tuple[bytes, APIError | None]:
+        limit = self.config.max_body_bytes
+        too_big = APIError(
+            413, f"the request body exceeds {limit} bytes (--max-body-bytes)", code="body_too_large"
+        )
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > limit:
+            return b"", too_big
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size, more = size + len(chunks[-1]), message.get("more_body", False)
+            if size > limit:
+                return b"", too_big
+        return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed

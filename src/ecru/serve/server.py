@@ -11,10 +11,9 @@ import time
 import uvicorn
 
 from ecru.errors import EcruError
-from ecru.serve.api_guard import APIConfig
 from ecru.serve.background import EngineThread
 from ecru.serve.models import ServedModel
-from ecru.serve.openai_api import create_app
+from ecru.serve.openai_api import APIConfig, create_app
 from ecru.serve.request_engine import EngineConfig, PredictLength, RemainingPredictor, RequestEngine
 
 
