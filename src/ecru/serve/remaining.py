@@ -81,13 +81,8 @@ class RemainingProbe:
     @classmethod
     def load(cls, folder: str | Path) -> RemainingProbe:
         """A probe written by `save`; ValueError when `folder` holds none."""
-
-        def fields(meta: dict) -> dict:
-            return {"cap": int(meta["cap"]), "lam": float(meta["lam"]), "stride": int(meta["stride"]),
-                    "model": meta["model"]}  # fmt: skip
-
         meta, w, b = read_ridge(Path(folder) / PROBE_FILE, meta_key="probe", what="a remaining-length probe",
-                                fields=fields)  # fmt: skip
+                                numbers={"cap": int, "lam": float, "stride": int})  # fmt: skip
         probe = cls(**meta)
         probe.w, probe.b = w, b
         return probe
