@@ -323,8 +323,10 @@ class EmbeddingPredictor(_RidgeOnFeatures):
 def read_length_file(folder: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """A saved `EmbeddingPredictor`'s metadata (cap, lam, model), weights and bias, without a model (front
     ends check the metadata before loading one); ValueError when `folder` holds none."""
-    return read_ridge(Path(folder) / LENGTH_FILE, meta_key="predictor", what="a length predictor",
-                      numbers={"cap": int, "lam": float})  # fmt: skip
+    path = Path(folder) / LENGTH_FILE
+    return read_ridge(
+        path, meta_key="predictor", what="a length predictor", numbers={"cap": int, "lam": float}
+    )
 
 
 def fit_length_predictor(

@@ -80,8 +80,9 @@ class RemainingProbe:
     @classmethod
     def load(cls, folder: str | Path) -> RemainingProbe:
         """A probe written by `save`; ValueError when `folder` holds none."""
-        meta, w, b = read_ridge(Path(folder) / PROBE_FILE, meta_key="probe", what="a remaining-length probe",
-                                numbers={"cap": int, "lam": float, "stride": int})  # fmt: skip
+        numbers = {"cap": int, "lam": float, "stride": int}
+        path = Path(folder) / PROBE_FILE
+        meta, w, b = read_ridge(path, meta_key="probe", what="a remaining-length probe", numbers=numbers)
         probe = cls(**meta)
         probe.w, probe.b = w, b
         return probe
@@ -143,7 +144,7 @@ def fit_probe(served, prompts: Sequence[Sequence[int]], answers: Sequence[Sequen
     pred, true = [], []
     for i in sorted(test):
         t = torch.arange(every, max(every, lengths[i]), every)  # after every k tokens, while the answer runs
-        pred += held.predict(states[i][t], t).tolist() if len(t) else []
+        pred += held.predict(states[i][t], t).tolist()
         true += (lengths[i] - t).tolist()
     report = {"answers": len(answers), "answer_tokens": sum(lengths), "held_out_answers": len(test),
               "held_out_points": len(pred), "every": every, **(length_metrics(pred, true) if pred else {}),
