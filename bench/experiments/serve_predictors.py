@@ -190,12 +190,14 @@ def study_features(
 class StudySimulator:
     """Replays predictions of the labelled prompts through the static policies; x fcfs per policy."""
 
-    def __init__(self, prompt_lens, lengths, *, cap: int, cost):
+    POLICIES = ("sorted", "fcr", "fcr+vbs")
+
+    def __init__(self, prompt_lens, lengths, *, cap: int, cost, batch_size: int = 16):
         from ecru.serve import PlanConfig, TraceRequest, simulate
 
         self.rows, self.cost, self.simulate = list(zip(prompt_lens, lengths, strict=True)), cost, simulate
-        self.plan, self.trace_request = PlanConfig(batch_size=16, max_new_tokens=cap), TraceRequest
-        self.base = self.run(lengths, "fcfs").samples_per_s
+        self.plan, self.trace_request = PlanConfig(batch_size=batch_size, max_new_tokens=cap), TraceRequest
+        self.base = self.run(lengths, "fcfs").samples_per_s  # fcfs reads no prediction
 
     def run(self, predicted, policy: str, predict_s: float = 0.0):
         trace = [
@@ -204,11 +206,11 @@ class StudySimulator:
         ]
         return self.simulate(trace, policy=policy, config=self.plan, cost=self.cost, predict_s=predict_s)
 
+    def results(self, predicted, predict_s: float) -> dict:
+        return {pol: self.run(predicted, pol, predict_s) for pol in self.POLICIES}
+
     def speedups(self, predicted, predict_s: float) -> dict[str, float]:
-        return {
-            pol: self.run(predicted, pol, predict_s).samples_per_s / self.base
-            for pol in ("sorted", "fcr", "fcr+vbs")
-        }
+        return {pol: r.samples_per_s / self.base for pol, r in self.results(predicted, predict_s).items()}
 
 
 def evaluate_features(x, lengths, *, cap: int, known=None, seeds: int = 5) -> tuple[dict, np.ndarray, dict]:
@@ -342,7 +344,7 @@ CLINC_LABELS = "bench/results/serve_labels_smollm2.jsonl"
 
 
 def main() -> None:
-    from ecru.serve import PlanConfig, TraceRequest, length_metrics, simulate, timed_predict
+    from ecru.serve import SMOLLM2_CPU, length_metrics, timed_predict
     from ecru.serve.bench import BenchConfig, build_predictor
     from ecru.serve.models import load_model
     from ecru.serve.prompts import load_prompts
@@ -372,7 +374,13 @@ def main() -> None:
     texts = load_prompts(setup["prompts"], n=setup["n"], split="test")
     true = setup["true_lengths"]
     model, tok = load_model(setup["model"])
-    plan = PlanConfig(batch_size=setup["batch_size"], max_new_tokens=setup["max_new_tokens"])
+    sim = StudySimulator(
+        setup["prompt_lens"],
+        true,
+        cap=setup["max_new_tokens"],
+        cost=SMOLLM2_CPU,
+        batch_size=setup["batch_size"],
+    )
     results = {}
     for name in args.predictors.split(","):
         config = BenchConfig(
@@ -386,15 +394,7 @@ def main() -> None:
         )
         predictor = build_predictor(model, tok, config, dict(zip(texts, true, strict=True)))
         predicted, seconds = timed_predict(predictor, texts)
-        trace = [
-            TraceRequest(pl, int(t), q)
-            for pl, t, q in zip(setup["prompt_lens"], true, predicted, strict=True)
-        ]
-        base = simulate(trace, policy="fcfs", config=plan).samples_per_s
-        sim = {
-            pol: simulate(trace, policy=pol, config=plan, predict_s=seconds)
-            for pol in ("sorted", "fcr", "fcr+vbs")
-        }
+        runs = sim.results(predicted, seconds)
         cap_hit = [t >= setup["max_new_tokens"] for t in true]
         flagged = [q >= setup["max_new_tokens"] for q in predicted]  # predicted to run to the cap
         results[name] = {
@@ -402,8 +402,8 @@ def main() -> None:
             "predict_s": seconds,
             "cap_hitters_flagged": sum(a and b for a, b in zip(cap_hit, flagged, strict=True))
             / max(1, sum(cap_hit)),
-            "sim_x_fcfs": {pol: s.samples_per_s / base for pol, s in sim.items()},
-            "sim_failure_ratio": {pol: s.failure_ratio for pol, s in sim.items()},
+            "sim_x_fcfs": {pol: r.samples_per_s / sim.base for pol, r in runs.items()},
+            "sim_failure_ratio": {pol: r.failure_ratio for pol, r in runs.items()},
         }
         r = results[name]
         print(
@@ -411,15 +411,7 @@ def main() -> None:
             f"{seconds:6.1f} s  cap-hitters flagged {r['cap_hitters_flagged']:.2f}  sim x fcfs "
             + " ".join(f"{k} {v:.2f}" for k, v in r["sim_x_fcfs"].items())
         )
-    oracle = simulate(
-        [TraceRequest(pl, int(t), t) for pl, t in zip(setup["prompt_lens"], true, strict=True)],
-        policy="oracle",
-        config=plan,
-    )
-    trace0 = [TraceRequest(pl, int(t)) for pl, t in zip(setup["prompt_lens"], true, strict=True)]
-    results["oracle_sim_x_fcfs"] = (
-        oracle.samples_per_s / simulate(trace0, policy="fcfs", config=plan).samples_per_s
-    )
+    results["oracle_sim_x_fcfs"] = sim.run(true, "oracle").samples_per_s / sim.base
     print(f"oracle sim x fcfs {results['oracle_sim_x_fcfs']:.2f}")
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")

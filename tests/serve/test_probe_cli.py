@@ -103,6 +103,33 @@ def test_save_and_load_give_the_same_predictions(tmp_path):
             RemainingProbe.load(tmp_path)
 
 
+def test_files_written_as_today_keep_loading_and_are_written_the_same(model, tmp_path):
+    """The layout `ecru serve probe` writes: one safetensors file, "w" [width] and "b" [1] in float32, the
+    settings as JSON under "predictor" (length predictor) or "probe" (remaining probe)."""
+    from safetensors.torch import save_file
+
+    table = model.get_input_embeddings().weight.detach()
+    w, b = torch.arange(table.shape[1], dtype=torch.float32) / table.shape[1], torch.tensor([3.0])
+    old = tmp_path / "old"
+    old.mkdir()
+    save_file({"w": w, "b": b}, str(old / LENGTH_FILE),
+              metadata={"predictor": json.dumps({"cap": 24, "lam": 0.3, "model": "m"})})  # fmt: skip
+    length = EmbeddingPredictor.load(old, model, None)
+    assert torch.equal(length.w, w) and torch.equal(length.b, b[0])
+    assert (length.lam, length.cap, length.key) == (0.3, 24, "m")
+    assert length.predict_ids([[5, 6]]) == pytest.approx([float(table[[5, 6]].float().mean(0) @ w + 3)])
+    save_file({"w": w[:10], "b": b}, str(old / PROBE_FILE),
+              metadata={"probe": json.dumps({"cap": 16, "lam": 10.0, "stride": 4, "model": "m"})})  # fmt: skip
+    probe = RemainingProbe.load(old)
+    assert torch.equal(probe.w, w[:10]) and torch.equal(probe.b, b[0]) and probe.hidden_size == 8
+    assert (probe.cap, probe.lam, probe.stride, probe.model) == (16, 10.0, 4, "m")
+    new = tmp_path / "new"
+    length.save(new)
+    probe.save(new)
+    for name in (LENGTH_FILE, PROBE_FILE):
+        assert (new / name).read_bytes() == (old / name).read_bytes()
+
+
 class Repredictions:
     """Counts the probe's re-predictions (it must run, not only load)."""
 

@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Self
 
 import torch
 
@@ -133,17 +133,16 @@ def model_key(name: str) -> str:
 def save_ridge(path: Path, w: torch.Tensor, b: torch.Tensor, *, meta_key: str, meta: dict) -> Path:
     """Fitted ridge weights and bias with their JSON metadata under `meta_key`, as one safetensors file
     written atomically."""
-    from safetensors.torch import save
+    from ecru.io import save_tensors
 
-    from ecru.io import atomic_write_bytes
-
-    data = save({"w": w.contiguous(), "b": b.reshape(1)}, metadata={meta_key: json.dumps(meta)})
-    return atomic_write_bytes(path, data)
+    return save_tensors(path, {"w": w, "b": b.reshape(1)}, {meta_key: json.dumps(meta)})
 
 
-def read_ridge(path: Path, *, meta_key: str, what: str, fields) -> tuple[dict, torch.Tensor, torch.Tensor]:
-    """What `save_ridge` wrote: `fields(metadata)` (typed; it may raise on a missing or bad field), the
-    weights and the bias (float32). ValueError, in one line, when the file is missing or is not `what`."""
+def read_ridge(
+    path: Path, *, meta_key: str, what: str, numbers: Mapping[str, type]
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """What `save_ridge` wrote: its metadata's `numbers` (each cast to its type) and "model" (as written),
+    the weights and the bias (float32). ValueError, in one line, when the file is missing or is not `what`."""
     from safetensors import SafetensorError, safe_open
 
     from ecru.io import ChecksumError, verify_manifest
@@ -158,7 +157,8 @@ def read_ridge(path: Path, *, meta_key: str, what: str, fields) -> tuple[dict, t
         )
     try:
         with safe_open(str(path), "pt") as f:
-            meta = fields(json.loads(f.metadata()[meta_key]))
+            raw = json.loads(f.metadata()[meta_key])
+            meta = {name: cast(raw[name]) for name, cast in numbers.items()} | {"model": raw["model"]}
             w, b = f.get_tensor("w"), f.get_tensor("b")
         if w.ndim != 1 or b.numel() != 1 or not w.is_floating_point() or not b.is_floating_point():
             raise ValueError(f"weights of shape {tuple(w.shape)} and bias of {b.numel()} values, {w.dtype}")
@@ -168,26 +168,36 @@ def read_ridge(path: Path, *, meta_key: str, what: str, fields) -> tuple[dict, t
 
 
 class _RidgeOnFeatures:
-    """Ridge regression on features of the prompt; subclasses define `features`. Predictions clamped to [1, cap]."""
+    """Ridge regression on features of the prompt; subclasses define `features`. Predictions clamped to [1, cap].
+    `lam=None` chooses the penalty among `LAMS` by 5-fold out-of-fold Spearman on the training rows
+    (`ridge_cv`; the scores kept in `cv`)."""
 
     name = "ridge"
+    LAMS = (0.1, 0.3, 1.0, 3.0, 10.0)
 
-    def __init__(self, *, lam: float = 1.0, cap: int = 256):
+    def __init__(self, *, lam: float | None = 1.0, cap: int = 256):
         self.lam, self.cap = lam, cap
         self.w: torch.Tensor | None = None
         self.b: torch.Tensor | None = None
+        self.cv: dict[float, float | None] = {}
 
     def features(self, prompts: Sequence[str]) -> torch.Tensor:
         raise NotImplementedError
 
-    def fit(self, prompts: Sequence[str], labels: Sequence[float]) -> _RidgeOnFeatures:
-        self.w, self.b = ridge_fit(
-            self.features(prompts), torch.as_tensor(labels, dtype=torch.float32), lam=self.lam
-        )
-        return self
+    def fit(self, prompts: Sequence[str], labels: Sequence[float]) -> Self:
+        return self._fit(self.features(prompts), labels)
 
     def predict(self, prompts: Sequence[str]) -> list[float]:
         return self._regress(self.features(prompts))
+
+    def _fit(self, x: torch.Tensor, labels: Sequence[float]) -> Self:
+        y = torch.as_tensor(labels, dtype=torch.float32)
+        if self.lam is None:
+            self.cv = ridge_cv(x, y, self.LAMS)
+            ranked = {lam: float("-inf") if rho is None else rho for lam, rho in self.cv.items()}
+            self.lam = max(self.LAMS, key=ranked.__getitem__)  # the first, the smallest, on a tie
+        self.w, self.b = ridge_fit(x, y, lam=self.lam)
+        return self
 
     def _regress(self, features: torch.Tensor) -> list[float]:
         if self.w is None:
@@ -249,20 +259,17 @@ class EmbeddingPredictor(_RidgeOnFeatures):
     the engine can predict inside `add_request`: pass `predict=predictor.engine_predict` to `RequestEngine`
     (or `ServedModel.engine`).
 
-    `lam=None` (the default) chooses the ridge penalty among `LAMS` by 5-fold out-of-fold Spearman on the
-    training prompts (`ridge_cv`; the scores kept in `cv`). `save` / `load` keep a fitted one in a folder
-    (`ecru serve probe` writes it, `ecru serve api/run --length-predictor DIR` serve with it)."""
+    `lam=None` (the default) chooses the ridge penalty by cross-validation on the training prompts (`cv`).
+    `save` / `load` keep a fitted one in a folder (`ecru serve probe` writes it, `ecru serve api/run
+    --length-predictor DIR` serve with it)."""
 
     name = "embed"
-    LAMS = (0.1, 0.3, 1.0, 3.0, 10.0)
 
     def __init__(self, model, tokenizer, *, lam: float | None = None, cap: int = 256, key: str | None = None):
-        super().__init__(cap=cap)
-        self.lam: float | None = lam
+        super().__init__(lam=lam, cap=cap)
         self.embeddings, self.tokenizer = model.get_input_embeddings(), tokenizer
         self.key = key
         """The name of the model whose embeddings it reads (recorded by `save`, checked by front ends)."""
-        self.cv: dict[float, float | None] = {}
 
     def save(self, folder: str | Path) -> Path:
         """Write the fitted weights to `folder`/length_predictor.safetensors (atomically)."""
@@ -296,25 +303,14 @@ class EmbeddingPredictor(_RidgeOnFeatures):
         return torch.stack([table[r].float().mean(0) for r in rows])
 
     def features(self, prompts: Sequence[str]) -> torch.Tensor:
+        """Raw user texts, each as one user turn in the model's chat template."""
         from ecru.serve.prompts import encode_chat
 
         return self.id_features(encode_chat(self.tokenizer, prompts))
 
-    def fit(self, prompts: Sequence[str], labels: Sequence[float]) -> EmbeddingPredictor:
-        """Fit on raw user texts, each as one user turn in the model's chat template."""
-        from ecru.serve.prompts import encode_chat
-
-        return self.fit_ids(encode_chat(self.tokenizer, prompts), labels)
-
-    def fit_ids(self, ids: Sequence[Sequence[int]], labels: Sequence[float]) -> EmbeddingPredictor:
+    def fit_ids(self, ids: Sequence[Sequence[int]], labels: Sequence[float]) -> Self:
         """Fit on prompts given as the engine will see them: token ids."""
-        x, y = self.id_features(ids), torch.as_tensor(labels, dtype=torch.float32)
-        if self.lam is None:
-            self.cv = ridge_cv(x, y, self.LAMS)
-            ranked = {lam: float("-inf") if rho is None else rho for lam, rho in self.cv.items()}
-            self.lam = max(self.LAMS, key=ranked.__getitem__)  # the first, the smallest, on a tie
-        self.w, self.b = ridge_fit(x, y, lam=self.lam)
-        return self
+        return self._fit(self.id_features(ids), labels)
 
     def predict_ids(self, ids: Sequence[Sequence[int]]) -> list[float]:
         return self._regress(self.id_features(ids))
@@ -327,12 +323,9 @@ class EmbeddingPredictor(_RidgeOnFeatures):
 def read_length_file(folder: str | Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """A saved `EmbeddingPredictor`'s metadata (cap, lam, model), weights and bias, without a model (front
     ends check the metadata before loading one); ValueError when `folder` holds none."""
-
-    def fields(meta: dict) -> dict:
-        return {"cap": int(meta["cap"]), "lam": float(meta["lam"]), "model": meta["model"]}
-
+    path = Path(folder) / LENGTH_FILE
     return read_ridge(
-        Path(folder) / LENGTH_FILE, meta_key="predictor", what="a length predictor", fields=fields
+        path, meta_key="predictor", what="a length predictor", numbers={"cap": int, "lam": float}
     )
 
 

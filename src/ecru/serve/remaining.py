@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ecru.serve.predictors import length_metrics, model_key, read_ridge, ridge_fit, save_ridge, spearman
 
@@ -33,18 +34,16 @@ def answer_states(
     tokens (row t is the state at the prompt's last token + t: the one that emits answer token t + 1)."""
     out = []
     for start in range(0, len(prompts), batch_size):
-        seqs = [list(p) + list(a) for p, a in zip(prompts[start : start + batch_size],
-                                                   answers[start : start + batch_size], strict=True)]  # fmt: skip
-        width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, s in enumerate(seqs):  # right padding: positions 0.. per row without position ids
-            ids[row, : len(s)], mask[row, : len(s)] = torch.tensor(s), 1
+        end = start + batch_size
+        pairs = list(zip(prompts[start:end], answers[start:end], strict=True))
+        seqs = [torch.tensor([*p, *a], dtype=torch.long) for p, a in pairs]
+        # right padding: positions 0.. per row without position ids
+        ids = pad_sequence(seqs, batch_first=True)
+        mask = pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
         # the decoder stack alone: its output is the model's last hidden state, without the vocabulary-sized
         # LM head at every position (most of a teacher-forced forward's memory traffic)
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
-        for row, (p, a) in enumerate(zip(prompts[start : start + batch_size],
-                                         answers[start : start + batch_size], strict=True)):  # fmt: skip
+        for row, (p, a) in enumerate(pairs):
             out.append(hidden[row, len(p) - 1 : len(p) - 1 + len(a)].float().clone())
     return out
 
@@ -81,13 +80,9 @@ class RemainingProbe:
     @classmethod
     def load(cls, folder: str | Path) -> RemainingProbe:
         """A probe written by `save`; ValueError when `folder` holds none."""
-
-        def fields(meta: dict) -> dict:
-            return {"cap": int(meta["cap"]), "lam": float(meta["lam"]), "stride": int(meta["stride"]),
-                    "model": meta["model"]}  # fmt: skip
-
-        meta, w, b = read_ridge(Path(folder) / PROBE_FILE, meta_key="probe", what="a remaining-length probe",
-                                fields=fields)  # fmt: skip
+        numbers = {"cap": int, "lam": float, "stride": int}
+        path = Path(folder) / PROBE_FILE
+        meta, w, b = read_ridge(path, meta_key="probe", what="a remaining-length probe", numbers=numbers)
         probe = cls(**meta)
         probe.w, probe.b = w, b
         return probe
@@ -149,7 +144,7 @@ def fit_probe(served, prompts: Sequence[Sequence[int]], answers: Sequence[Sequen
     pred, true = [], []
     for i in sorted(test):
         t = torch.arange(every, max(every, lengths[i]), every)  # after every k tokens, while the answer runs
-        pred += held.predict(states[i][t], t).tolist() if len(t) else []
+        pred += held.predict(states[i][t], t).tolist()
         true += (lengths[i] - t).tolist()
     report = {"answers": len(answers), "answer_tokens": sum(lengths), "held_out_answers": len(test),
               "held_out_points": len(pred), "every": every, **(length_metrics(pred, true) if pred else {}),

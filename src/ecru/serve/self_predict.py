@@ -8,7 +8,6 @@ memory (`adapter_disabled()` wraps generation).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import statistics
@@ -16,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ecru.serve.engine import GenerationConfig, generate_static
 
@@ -80,6 +80,13 @@ def buckets(*, bucket: int, cap: int) -> list[int]:
     return sorted({bucket_label(v, bucket=bucket, cap=cap) for v in range(1, cap + 1)})
 
 
+def query_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
+    """Each prompt wrapped in `QUERY`, as one chat-templated user turn."""
+    from ecru.serve.prompts import encode_chat
+
+    return encode_chat(tokenizer, [QUERY.format(prompt=p) for p in prompts])
+
+
 def parse_length(text: str, *, cap: int) -> float | None:
     """The first integer in the model's answer, clipped to [1, cap]; None when the answer holds no number."""
     match = re.search(r"\d+", text)
@@ -98,10 +105,8 @@ def stated_lengths(
 ) -> list[float | None]:
     """The length the model states when asked `QUERY` (greedy, `max_tokens` tokens, first integer; None where
     its answer holds no number)."""
-    from ecru.serve.prompts import encode_chat
-
     gen = GenerationConfig.for_tokenizer(tokenizer)
-    ids = encode_chat(tokenizer, [QUERY.format(prompt=p) for p in prompts])
+    ids = query_ids(tokenizer, prompts)
     out = []
     for i in range(0, len(ids), batch_size):
         result = generate_static(model, ids[i : i + batch_size], max_new_tokens=max_tokens, config=gen)
@@ -120,7 +125,6 @@ def bucket_log_probs(
     from transformers import DynamicCache
 
     from ecru.serve.engine import left_pad, positions
-    from ecru.serve.prompts import encode_chat
 
     eos = tokenizer.eos_token_id
     answers = [tokenizer.encode(str(v), add_special_tokens=False) + [eos] for v in values]
@@ -128,7 +132,7 @@ def bucket_log_probs(
     device = next(model.parameters()).device
     padded = [a + [eos] * (width - len(a)) for a in answers]  # the EOS after a shorter answer is never read
     tail = torch.tensor(padded, device=device)
-    ids = encode_chat(tokenizer, [QUERY.format(prompt=p) for p in prompts])
+    ids = query_ids(tokenizer, prompts)
     out = []
     for i in range(0, len(ids), batch_size):
         x, mask = (t.to(device) for t in left_pad(ids[i : i + batch_size], tokenizer.pad_token_id or 0))
@@ -195,15 +199,10 @@ class SelfLoRAPredictor:
             self.model = get_peft_model(model, lora)
         self.model.eval()
 
-    def _query_ids(self, prompts: Sequence[str]) -> list[list[int]]:
-        from ecru.serve.prompts import encode_chat
-
-        return encode_chat(self.tokenizer, [QUERY.format(prompt=p) for p in prompts])
-
     def _examples(self, prompts: Sequence[str], labels: Sequence[float]) -> list[tuple[list[int], int]]:
         eos = self.tokenizer.eos_token_id
         out = []
-        for ids, y in zip(self._query_ids(prompts), labels, strict=True):
+        for ids, y in zip(query_ids(self.tokenizer, prompts), labels, strict=True):
             answer = self.tokenizer.encode(
                 str(bucket_label(y, bucket=self.config.bucket, cap=self.config.cap)), add_special_tokens=False
             )
@@ -248,15 +247,13 @@ class SelfLoRAPredictor:
         return self
 
     def _loss(self, batch: list[tuple[list[int], int]]) -> torch.Tensor:
-        width = max(len(ids) for ids, _ in batch)
         pad = self.tokenizer.pad_token_id or 0
-        x = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(x)
-        target = torch.full_like(x, -100)  # right padding; only the answer (number + EOS) is learned
-        for row, (ids, start) in enumerate(batch):
-            x[row, : len(ids)] = torch.tensor(ids)
-            mask[row, : len(ids)] = 1
-            target[row, start : len(ids)] = torch.tensor(ids[start:])
+        rows = [torch.tensor(ids) for ids, _ in batch]  # right padding
+        x = pad_sequence(rows, batch_first=True, padding_value=pad)
+        mask = pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
+        # only the answer (number + EOS) is learned
+        answers = [torch.tensor([-100] * start + ids[start:]) for ids, start in batch]
+        target = pad_sequence(answers, batch_first=True, padding_value=-100)
         return self.model(input_ids=x, attention_mask=mask, labels=target).loss
 
     def predict(self, prompts: Sequence[str], *, batch_size: int = 32) -> list[float]:
@@ -271,11 +268,7 @@ class SelfLoRAPredictor:
 
     def adapter_disabled(self):
         """Context in which the model generates as the base LLM (the adapter is bypassed)."""
-        return (
-            self.model.disable_adapter()
-            if hasattr(self.model, "disable_adapter")
-            else contextlib.nullcontext()
-        )
+        return self.model.disable_adapter()
 
     def save(self, path) -> None:
         self.model.save_pretrained(str(path))
