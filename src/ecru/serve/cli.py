@@ -113,7 +113,8 @@ _ENGINE = {"policy": {"choices": ENGINE_POLICIES}, "prefix_cache": {"type": non_
            "fcfs_slack": {"type": SLACK}, "length_predictor": {"metavar": "DIR"},
            "remaining_probe": {"metavar": "DIR"}}  # fmt: skip
 """`EngineSetup`'s flags that need more than their field (the policy names, 0 or inf allowed, a folder)."""
-BENCH_MODELS = ("smollm2", "tiny")
+MODELS = ("smollm2", "tiny")
+"""The models `serve label` and `serve cost` take by name."""
 
 
 def _add_json(parser: argparse.ArgumentParser) -> None:
@@ -200,7 +201,7 @@ def _configure_simulate(sub) -> None:
 
 def _configure_label(sub) -> None:
     lab = sub.add_parser("label", help="record the model's own response lengths (max of k samples), cached")
-    lab.add_argument("--model", choices=BENCH_MODELS, default="smollm2", help="model to label with")
+    lab.add_argument("--model", choices=MODELS, default="smollm2", help="model to label with")
     lab.add_argument(
         "--prompts", default="mixed", help="clinc, banking, mixed, instructions (bundled) or a JSONL file"
     )
@@ -225,7 +226,7 @@ def _configure_cost(sub) -> None:
     cost = sub.add_parser(
         "cost", help="measure t_step(batch, context) on this machine, write a cost model JSON"
     )
-    cost.add_argument("--model", choices=BENCH_MODELS, default="smollm2", help="model to time")
+    cost.add_argument("--model", choices=MODELS, default="smollm2", help="model to time")
     cost.add_argument("--reps", type=positive_int, default=3, help="timings per point (median)")
     cost.add_argument("--out", required=True, metavar="FILE", help="cost model JSON; its folder is created")
     cost.set_defaults(func=_cost)
