@@ -89,10 +89,5 @@ def test_cli_choices_match_the_library():
     from ecru.cowclip.recipes import RECIPES
     from ecru.ctr import cli as ctr_cli
     from ecru.ctr.models import MODELS
-    from ecru.serve.bench import PREDICTORS
 
     assert ctr_cli.MODELS == MODELS and ctr_cli.RECIPES == RECIPES
-    bench = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
-    bench = bench._subparsers._group_actions[0].choices["bench"]
-    predictor = next(a for a in bench._actions if a.dest == "predictor")
-    assert tuple(predictor.choices) == PREDICTORS

@@ -1,11 +1,16 @@
+from __future__ import annotations  # string annotations, as in ecru's configs: the flag builder reads them
+
 import argparse
+import dataclasses
 import os
 
 import pytest
 
 from ecru.cliargs import (
     ArgumentParser,
+    add_config_flags,
     config_from,
+    config_from_args,
     existing_file,
     fraction,
     int_list,
@@ -14,6 +19,7 @@ from ecru.cliargs import (
     positive_int,
     prepare_out_dir,
     prepare_out_file,
+    run_main,
 )
 from ecru.errors import EcruError
 from ecru.io import atomic_write_json
@@ -112,3 +118,52 @@ def test_config_from_turns_value_error_into_one_line():
     assert config_from(C, n=1).n == 1
     with pytest.raises(EcruError, match="n must be > 0"):
         config_from(C, n=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """A config for the flag builder."""
+
+    name: str
+    """What to call it."""
+    steps: int = 10
+    """Steps to run, 100% of them."""
+    rate: float = 0.5
+    """Learning rate."""
+    fast: bool = False
+    """Skip the checks."""
+
+    def __post_init__(self):
+        if self.name == "bad":
+            raise ValueError("name: bad is not a name")
+
+
+def test_config_flags_come_from_the_fields_and_build_the_config_back(capsys):
+    parser = ArgumentParser(prog="run")
+    add_config_flags(parser, _Run, rate={"help": "step size"})
+    help_text = parser.format_help()
+    assert "Steps to run, 100% of them. (default: 10)" in help_text and "step size" in help_text
+    args = parser.parse_args(["--name", "a", "--steps", "3", "--fast"])
+    assert config_from_args(_Run, args, rate=0.25) == _Run("a", 3, 0.25, True)
+    with pytest.raises(EcruError, match="not a name"):
+        config_from_args(_Run, parser.parse_args(["--name", "bad"]))
+    for bad in (["--steps", "3"], ["--name", "a", "--steps", "0"], ["--name", "a", "--rate", "-1"]):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(bad)
+        assert info.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    only = ArgumentParser(prog="run")
+    add_config_flags(only, _Run, only=("steps",))
+    assert [a.dest for a in only._actions if a.option_strings[0] != "-h"] == ["steps"]
+
+
+def test_run_main_is_one_line_and_exit_2_or_130(capsys):
+    assert run_main(lambda: None) == 0 and run_main(lambda: 3) == 3
+
+    def fails():
+        raise EcruError("--n: too many")
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert run_main(fails) == 2 and capsys.readouterr().err == "ecru: error: --n: too many\n"
+    assert run_main(interrupted) == 130 and capsys.readouterr().err == "ecru: interrupted\n"

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -339,15 +340,19 @@ def learning_curve(args) -> None:
     print(f"wrote {args.json}")
 
 
+BENCH = Path(__file__).resolve().parents[1]  # bench/: the product benchmark this study builds on
 CLINC_LABELS = "bench/results/serve_labels_smollm2.jsonl"
 """Greedy SmolLM2 labels of CLINC/Banking train queries (the default workload of the earlier studies)."""
 
 
 def main() -> None:
     from ecru.serve import SMOLLM2_CPU, length_metrics, timed_predict
-    from ecru.serve.bench import BenchConfig, build_predictor
     from ecru.serve.models import load_model
     from ecru.serve.prompts import load_prompts
+
+    if str(BENCH) not in sys.path:
+        sys.path.append(str(BENCH))
+    from serve import BenchConfig, build_predictor
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", default="bench/results/serve_bench.json")

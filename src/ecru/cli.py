@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from ecru import __version__
-from ecru.cliargs import EXIT_USAGE, ArgumentParser, note_long_run, prepare_out_dir
+from ecru.cliargs import EXIT_USAGE, ArgumentParser, note_long_run, prepare_out_dir, run_main
 from ecru.errors import EcruError
 from ecru.plugins import module_available
 
@@ -88,14 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)  # exits 2 with a usage message on bad arguments
     args.command_line = "ecru " + shlex.join(argv)  # what a result file records as its command
-    try:
-        return int(args.func(args) or 0)
-    except EcruError as exc:
-        print(f"ecru: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("ecru: interrupted", file=sys.stderr)
-        return 130
+    return run_main(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@
 - A run's artifacts go to `--out DIR` (`add_out_dir`), created if missing and checked writable before any
   work (`prepare_out_dir`); `--resume` continues from what that folder holds. A single output file
   (`--out answers.jsonl`, `--json F`) goes through `prepare_out_file` and `ecru.io`'s atomic writers.
-- Anything a handler raises as `EcruError` is printed by `ecru.cli.main` as one line, exit status 2.
+- A config dataclass gives its own flags (`add_config_flags`: name, default, docstring as help) and is built
+  back from the parsed arguments (`config_from_args`), validated on construction.
+- Anything a handler raises as `EcruError` is printed as one line, exit status 2, and Ctrl-C exits 130
+  (`run_main`: `ecru.cli.main` and the benchmark scripts of bench/).
 
 Nothing here imports torch: `ecru --help` imports every pillar's `cli.py`.
 """
@@ -14,6 +17,7 @@ Nothing here imports torch: `ecru --help` imports every pillar's `cli.py`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -155,6 +159,68 @@ def config_from(cls: Callable[..., T], **kwargs: Any) -> T:
         return cls(**kwargs)
     except (ValueError, TypeError) as exc:
         raise EcruError(str(exc)) from None
+
+
+def config_from_args(cls: Callable[..., T], args: argparse.Namespace, **overrides: Any) -> T:
+    """A config built from the arguments named as its fields (`overrides` win); its ValueError is one line."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return config_from(cls, **{k: v for k, v in vars(args).items() if k in names} | overrides)
+
+
+_FIELD_TYPES = {"int": positive_int, "int | None": positive_int, "float": non_negative_float,
+                "float | None": non_negative_float, "Path": existing_file, "Path | None": existing_file}  # fmt: skip
+"""The parser of a field's annotation; other annotations (str) are taken as given."""
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser, cls: type, *, only: tuple[str, ...] | None = None, **special: dict
+) -> None:
+    """One flag per field of the config `cls` (or of those in `only`): --field-name, the field's default (a
+    field without one is required), its docstring as help, its annotation's parser (ints > 0, floats >= 0,
+    paths of existing files, bools on/off); `special[name]` adds or replaces argparse keywords."""
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
+        kw: dict[str, Any] = {"help": docs[f.name]}
+        if f.default is dataclasses.MISSING:
+            kw["required"] = True
+        else:
+            kw["default"] = f.default
+        if f.type == "bool":
+            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        elif f.type in _FIELD_TYPES:
+            kw["type"] = _FIELD_TYPES[f.type]
+        parser.add_argument(f"--{f.name.replace('_', '-')}", **kw | special.get(f.name, {}))
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), on one line."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {
+        field.target.id: " ".join(doc.value.value.split()).replace("%", "%%")
+        for field, doc in zip(body, body[1:], strict=False)
+        if isinstance(field, ast.AnnAssign)
+        and isinstance(doc, ast.Expr)
+        and isinstance(doc.value, ast.Constant)
+    }
+
+
+def run_main(body: Callable[[], int | None]) -> int:
+    """Run a command's body the one way: an `EcruError` is one line on stderr (``ecru: error: ...``) with
+    exit status 2, Ctrl-C is ``ecru: interrupted`` with 130; otherwise `body`'s status (None: 0)."""
+    try:
+        return int(body() or 0)
+    except EcruError as exc:
+        print(f"ecru: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("ecru: interrupted", file=sys.stderr)
+        return 130
 
 
 def note_long_run(estimate: str) -> None:

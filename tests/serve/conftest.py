@@ -98,3 +98,14 @@ def chat_model_dir(tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def bench_serve(monkeypatch):
+    """bench/serve.py as a module (`serve` in sys.modules while the test runs)."""
+    import sys
+
+    from tests.bench_scripts import load_bench_script
+
+    monkeypatch.setitem(sys.modules, "serve", None)  # taken out again after the test
+    return load_bench_script("serve")

@@ -1,14 +1,14 @@
-"""`ecru serve label` and `ecru serve bench` end to end on the tiny model (SmolLM2's tokenizer)."""
+"""`ecru serve label`, `simulate`, `cost`, `api` and `run` (and the labels feeding bench/serve.py) end to end on
+the tiny model (SmolLM2's tokenizer)."""
 
 import json
-import shlex
 
 import pytest
 
 from ecru.cli import main
 
 
-def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
+def test_label_then_bench_on_a_prompt_file(tmp_path, capsys, bench_serve):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"tell me about topic {i}"}) + "\n" for i in range(6)))
     labels = tmp_path / "labels.jsonl"
@@ -20,10 +20,8 @@ def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
     assert len(labels.read_text().splitlines()) == 6
 
     out = tmp_path / "bench.json"
-    code = main(
+    code = bench_serve.main(
         [
-            "serve",
-            "bench",
             "--model",
             "tiny",
             "--prompts",
@@ -77,25 +75,7 @@ def test_label_then_bench_on_a_prompt_file(tmp_path, capsys):
     assert {"name", "mae", "acc50", "acc100", "predict_s"} <= set(result["predictor"])
 
 
-def test_bench_rejects_unknown_policy(capsys):
-    assert main(["serve", "bench", "--model", "tiny", "--policies", "fcfs,lifo"]) == 2
-    assert "lifo" in capsys.readouterr().err
-
-
-def test_bench_runs_cb_ljf_when_asked(tmp_path):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"say something about {i}"}) + "\n" for i in range(5)))
-    out = tmp_path / "bench.json"
-    args = "serve bench --model tiny --n 5 --max-new-tokens 6 --batch-size 2 --predictor oracle".split()
-    args += ["--prompts", str(prompts), "--policies", "fcfs,cb,cb-ljf", "--json", str(out)]
-    assert main(args) == 0
-    result = json.loads(out.read_text())
-    assert set(result["policies"]) == {"fcfs", "cb", "cb-ljf"}
-    assert all(m["outputs_match_fcfs"] for m in result["policies"].values())
-    assert result["command"] == "ecru " + shlex.join(args)  # the arguments given, not the host process's
-
-
-def test_bad_predicted_len_and_labels_are_one_line_errors_before_any_work(tmp_path, capsys):
+def test_bad_predicted_len_and_labels_are_one_line_errors_before_any_work(tmp_path, capsys, bench_serve):
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"prompt_len": 3, "output_len": 4, "predicted_len": "soon"}\n')
     assert main(["serve", "simulate", "--trace", str(trace), "--policy", "sorted"]) == 2
@@ -104,8 +84,6 @@ def test_bad_predicted_len_and_labels_are_one_line_errors_before_any_work(tmp_pa
     labels = tmp_path / "labels.jsonl"
     labels.write_text('{"prompt": "x", "lengths": [3], "max_new_tokens": 8}\n{"prompt": "y"}\n')
     args = [
-        "serve",
-        "bench",
         "--model",
         "tiny",
         "--n",
@@ -115,7 +93,7 @@ def test_bad_predicted_len_and_labels_are_one_line_errors_before_any_work(tmp_pa
         "--predictor",
         "constant",
     ]
-    assert main(args) == 2  # before the model is even loaded
+    assert bench_serve.main(args) == 2  # before the model is even loaded
     err = capsys.readouterr().err
     assert err.strip().startswith(f"ecru: error: {labels}:2:") and len(err.strip().splitlines()) == 1
 
@@ -126,14 +104,6 @@ def test_output_folders_are_created_or_refused_before_work(tmp_path, capsys):
     assert json.loads(out.read_text())["source"].startswith("tiny")
     assert main(["serve", "cost", "--model", "tiny", "--out", str(tmp_path)]) == 2  # a folder, not a file
     assert "is a folder" in capsys.readouterr().err
-
-
-def test_bench_defaults_say_they_run_long(monkeypatch, capsys):
-    import ecru.serve.bench as bench
-
-    monkeypatch.setattr(bench, "run_bench", lambda config: (_ for _ in ()).throw(KeyboardInterrupt))
-    assert main(["serve", "bench"]) == 130
-    assert "note: " in capsys.readouterr().err
 
 
 def test_api_and_run_refuse_bad_arguments_in_one_line(tmp_path, capsys):
@@ -174,44 +144,14 @@ def test_prompt_files_refuse_null_and_empty_prompts(tmp_path):
             read_jsonl_prompts(tmp_path / "p.jsonl")
 
 
-def test_instruction_prompts_are_the_workload_s_and_its_labels_are_the_default(tmp_path):
-    from ecru.serve.bench import REPO_INSTRUCTION_LABELS, REPO_LABELS, BenchConfig, labels_path
-    from ecru.serve.prompts import load_prompts
-    from ecru.serve.workload import build_mixed_workload
-
-    def committed(name: str) -> set[str]:
-        return {json.loads(line)["prompt"] for line in REPO_LABELS.with_name(name).read_text().splitlines()}
-
-    # the instruction workload in its own order: its first 240 test prompts are the ones
-    # bench/experiments/serve_workload.py --test 240 labelled (the labels file is in labelling order), and so
-    # on
-    got = load_prompts("instructions", n=240, split="test")
-    assert got == [p.prompt for p in build_mixed_workload()["test"][:240]]
-    assert set(got) == committed("serve_workload_labels_test.jsonl")
-    assert set(load_prompts("instructions", n=1000, split="train")) == committed(REPO_INSTRUCTION_LABELS.name)
-    assert not set(load_prompts("mixed", n=50)) & set(got)  # "mixed" stays the CLINC/Banking queries
-    assert labels_path(BenchConfig(prompts="instructions")) == REPO_INSTRUCTION_LABELS
-    assert labels_path(BenchConfig(prompts="mixed")) == REPO_LABELS
-    mine = tmp_path / "mine.jsonl"
-    assert labels_path(BenchConfig(prompts="instructions", labels=str(mine))) == mine
-
-
-def test_a_misspelt_prompt_source_is_refused_before_any_model_loads(capsys, monkeypatch):
-    import ecru.serve.models
-
-    monkeypatch.setattr(ecru.serve.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
-    assert main(["serve", "bench", "--model", "tiny", "--prompts", "instrutions", "--n", "2"]) == 2
-    err = capsys.readouterr().err
-    assert "instrutions not found" in err and "instructions" in err and len(err.strip().splitlines()) == 1
-
-
-def test_undecodable_prompt_and_label_files_are_one_line_errors(tmp_path, capsys):
+def test_undecodable_prompt_and_label_files_are_one_line_errors(tmp_path, capsys, bench_serve):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"prompt": "hi"}\n{"prompt": "ab\xff"}\n')
     labels = tmp_path / "labels.jsonl"
     labels.write_bytes(b'{"prompt": "x\xfe", "lengths": [3], "max_new_tokens": 8}\n')
     runs = [
         [
+            main,
             "serve",
             "label",
             "--model",
@@ -223,10 +163,12 @@ def test_undecodable_prompt_and_label_files_are_one_line_errors(tmp_path, capsys
             "--out",
             str(tmp_path / "l.jsonl"),
         ],
-        ["serve", "bench", "--model", "tiny", "--n", "2", "--labels", str(labels), "--predictor", "constant"],
+        [bench_serve.main, "--model", "tiny", "--n", "2", "--labels", str(labels), "--predictor", "constant"],
     ]
-    for args, where in zip(runs, (f"{bad}:2: not valid UTF-8 (byte 0xff", f"{labels}:1: "), strict=True):
-        assert main(args) == 2
+    for (run, *args), where in zip(
+        runs, (f"{bad}:2: not valid UTF-8 (byte 0xff", f"{labels}:1: "), strict=True
+    ):
+        assert run(args) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ecru")]
         assert len(err) == 1 and err[0].startswith(f"ecru: error: {where}"), err
 

@@ -1,8 +1,8 @@
-"""`ecru serve ...`: api, run, probe, simulate, label, bench, cost. Argument parsing only: the flags of api,
-run, probe, simulate and bench are built from their configs' fields (`EngineSetup`, `ReplaySetup`,
-`BenchConfig`: the name, the default, the docstring as help); each handler maps its arguments onto a config
-(checked on construction) and calls the serve package (`entrypoints`, `bench`, ...). Heavy imports happen
-inside the handlers."""
+"""`ecru serve ...`: api, run, probe, simulate, label, cost. Argument parsing only: the flags of api, run,
+probe and simulate are built from their configs' fields (`EngineSetup`, `ReplaySetup`: the name, the default,
+the docstring as help; `cliargs.add_config_flags`); each handler maps its arguments onto a config (checked on
+construction) and calls the serve package (`entrypoints`, ...). Heavy imports happen inside the handlers. The
+static-batching benchmark is a script, `bench/serve.py`."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import os
 import sys
 
 from ecru.cliargs import (
+    add_config_flags,
+    config_from_args,
     existing_file,
     non_negative_float,
     non_negative_int,
@@ -19,7 +21,6 @@ from ecru.cliargs import (
     positive_float,
     positive_int,
 )
-from ecru.serve.bench import PREDICTORS, BenchConfig
 from ecru.serve.entrypoints import EngineSetup, ReplaySetup
 from ecru.serve.names import ENGINE_POLICIES
 from ecru.serve.names import POLICIES as POLICY_NAMES
@@ -46,18 +47,8 @@ def _out_file(path: str | None, flag: str = "--json") -> None:
         prepare_out_file(path, flag=flag)
 
 
-def _from_args(cls, args: argparse.Namespace, **overrides):
-    """A config built from the arguments named as its fields (`overrides` win); its ValueError is one line."""
-    import dataclasses
-
-    from ecru.cliargs import config_from
-
-    names = {f.name for f in dataclasses.fields(cls)}
-    return config_from(cls, **{k: v for k, v in vars(args).items() if k in names} | overrides)
-
-
 def _setup(args: argparse.Namespace) -> EngineSetup:
-    return _from_args(EngineSetup, args)
+    return config_from_args(EngineSetup, args)
 
 
 # ---- api, run and probe: the request engine ------------------------------------------------------------
@@ -66,7 +57,7 @@ def _api(args: argparse.Namespace) -> int:
     from ecru.serve.openai_api import APIConfig
 
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    serve_api(_setup(args), _from_args(APIConfig, args, api_key=key), host=args.host, port=args.port)
+    serve_api(_setup(args), config_from_args(APIConfig, args, api_key=key), host=args.host, port=args.port)
     return 0
 
 
@@ -76,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
     from ecru.serve.sampling import SamplingParams
 
     setup = _setup(args)
-    base = _from_args(SamplingParams, args, max_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
+    base = config_from_args(SamplingParams, args, max_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
     out = prepare_out_file(args.out)
     print(run_file(setup, base, src=args.input, out=out, skip_invalid=args.skip_invalid))
     return 0
@@ -92,9 +83,9 @@ def _probe(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- simulate, label, bench, cost: the scheduling measurements ----------------------------------------
+# ---- simulate, label, cost: the scheduling measurements ----------------------------------------------
 def _simulate(args: argparse.Namespace) -> int:
-    setup = _from_args(ReplaySetup, args)
+    setup = config_from_args(ReplaySetup, args)
     _out_file(args.json)
     _write_json(setup.run(), args.json)
     return 0
@@ -109,20 +100,6 @@ def _label(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from ecru.cliargs import note_long_run
-    from ecru.serve.bench import format_bench, run_bench
-
-    config = _from_args(BenchConfig, args, labels=str(args.labels) if args.labels else None)
-    _out_file(args.json)
-    if config.long_run():
-        note_long_run(config.long_run())
-    result = {"command": args.command_line, **run_bench(config)}
-    print(format_bench(result))
-    _write_json(result, args.json)
-    return 0
-
-
 def _cost(args: argparse.Namespace) -> int:
     from ecru.serve.entrypoints import measure_cost
 
@@ -131,58 +108,13 @@ def _cost(args: argparse.Namespace) -> int:
     return 0
 
 
-def _policies(text: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in text.split(",") if p.strip())
-
-
 # ---- flags from the configs' fields ------------------------------------------------------------------
-_TYPES = {"int": positive_int, "int | None": positive_int, "float": non_negative_float,
-          "float | None": non_negative_float, "Path": existing_file, "Path | None": existing_file}  # fmt: skip
-"""The parser of a field's annotation; other annotations (str) are taken as given."""
 _ENGINE = {"policy": {"choices": ENGINE_POLICIES}, "prefix_cache": {"type": non_negative_int},
            "fcfs_slack": {"type": SLACK}, "length_predictor": {"metavar": "DIR"},
            "remaining_probe": {"metavar": "DIR"}}  # fmt: skip
 """`EngineSetup`'s flags that need more than their field (the policy names, 0 or inf allowed, a folder)."""
-BENCH_MODELS = ("smollm2", "tiny")
-
-
-def _add_fields(parser: argparse.ArgumentParser, cls, *, only: tuple[str, ...] | None = None,
-                **special: dict) -> None:  # fmt: skip
-    """One flag per field of the config `cls` (or of those in `only`): --field-name, the field's default (a
-    field without one is required), its docstring as help, its annotation's parser (ints > 0, floats >= 0,
-    paths of existing files, bools on/off); `special[name]` adds or replaces argparse keywords."""
-    import dataclasses
-
-    docs = _field_docs(cls)
-    for f in dataclasses.fields(cls):
-        if only is not None and f.name not in only:
-            continue
-        kw = {"help": docs[f.name]}
-        if f.default is dataclasses.MISSING:
-            kw["required"] = True
-        else:
-            kw["default"] = f.default
-        if f.type == "bool":
-            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
-        elif f.type in _TYPES:
-            kw["type"] = _TYPES[f.type]
-        parser.add_argument(f"--{f.name.replace('_', '-')}", **kw | special.get(f.name, {}))
-
-
-def _field_docs(cls) -> dict[str, str]:
-    """Each field's docstring (the string literal under it in the class body), on one line."""
-    import ast
-    import inspect
-    import textwrap
-
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {
-        field.target.id: " ".join(doc.value.value.split()).replace("%", "%%")
-        for field, doc in zip(body, body[1:], strict=False)
-        if isinstance(field, ast.AnnAssign)
-        and isinstance(doc, ast.Expr)
-        and isinstance(doc.value, ast.Constant)
-    }
+MODELS = ("smollm2", "tiny")
+"""The models `serve label` and `serve cost` take by name."""
 
 
 def _add_json(parser: argparse.ArgumentParser) -> None:
@@ -192,7 +124,7 @@ def _add_json(parser: argparse.ArgumentParser) -> None:
 # ---- the subcommands ---------------------------------------------------------------------------------
 def _configure_api_run(sub) -> None:
     api = sub.add_parser("api", help="OpenAI-compatible HTTP server (chat, completions, streaming, /metrics)")
-    _add_fields(api, EngineSetup, **_ENGINE)
+    add_config_flags(api, EngineSetup, **_ENGINE)
     api.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface)")
     api.add_argument("--port", type=PORT, default=8000, help="TCP port (1..65535)")
     api.add_argument(
@@ -213,7 +145,7 @@ def _configure_api_run(sub) -> None:
         "run", help="offline batch inference: a JSONL file of prompts -> answers (resumable)"
     )
     cap = {"help": "cap on generated tokens per line (a line's max_tokens wins)"}
-    _add_fields(run, EngineSetup, **_ENGINE, max_new_tokens=cap)
+    add_config_flags(run, EngineSetup, **_ENGINE, max_new_tokens=cap)
     run.add_argument(
         "--in",
         dest="input",
@@ -262,14 +194,14 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 def _configure_simulate(sub) -> None:
     sim = sub.add_parser("simulate", help="replay a length trace through a policy (exact slot accounting)")
-    _add_fields(sim, ReplaySetup, policy={"choices": POLICY_NAMES})
+    add_config_flags(sim, ReplaySetup, policy={"choices": POLICY_NAMES})
     _add_json(sim)
     sim.set_defaults(func=_simulate)
 
 
 def _configure_label(sub) -> None:
     lab = sub.add_parser("label", help="record the model's own response lengths (max of k samples), cached")
-    lab.add_argument("--model", choices=BENCH_MODELS, default="smollm2", help="model to label with")
+    lab.add_argument("--model", choices=MODELS, default="smollm2", help="model to label with")
     lab.add_argument(
         "--prompts", default="mixed", help="clinc, banking, mixed, instructions (bundled) or a JSONL file"
     )
@@ -290,20 +222,11 @@ def _configure_label(sub) -> None:
     lab.set_defaults(func=_label)
 
 
-def _configure_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="run the scheduling policies for real on held-out prompts")
-    _add_fields(bench, BenchConfig, model={"choices": BENCH_MODELS}, policies={"type": _policies},
-                predictor={"choices": PREDICTORS}, labels={"type": existing_file},
-                lora_readout={"choices": ("greedy", "expected")})  # fmt: skip
-    _add_json(bench)
-    bench.set_defaults(func=_bench)
-
-
 def _configure_cost(sub) -> None:
     cost = sub.add_parser(
         "cost", help="measure t_step(batch, context) on this machine, write a cost model JSON"
     )
-    cost.add_argument("--model", choices=BENCH_MODELS, default="smollm2", help="model to time")
+    cost.add_argument("--model", choices=MODELS, default="smollm2", help="model to time")
     cost.add_argument("--reps", type=positive_int, default=3, help="timings per point (median)")
     cost.add_argument("--out", required=True, metavar="FILE", help="cost model JSON; its folder is created")
     cost.set_defaults(func=_cost)
@@ -326,7 +249,7 @@ def _configure_probe(sub) -> None:
     )
     cap = {"help": "cap on each greedy answer: the longest answer the predictor and the probe predict (serve "
            "with --max-new-tokens at most this)"}  # fmt: skip
-    _add_fields(probe, EngineSetup, only=("model", "max_batch_size", "max_new_tokens", "packed_weights"),
+    add_config_flags(probe, EngineSetup, only=("model", "max_batch_size", "max_new_tokens", "packed_weights"),
                 max_new_tokens=cap)  # fmt: skip
     probe.set_defaults(func=_probe)
 
@@ -337,7 +260,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _configure_probe(sub)
     _configure_simulate(sub)
     _configure_label(sub)
-    _configure_bench(sub)
     _configure_cost(sub)
 
 

@@ -9,7 +9,7 @@ STATIC_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "fcr+vbs+bins", "oracle")
 CONTINUOUS_POLICIES = ("cb", "cb-sjf", "cb-ljf", "cb-kv")
 """Continuous batching in the batch runner and its simulator (`ecru.serve.queues.make_queue`)."""
 POLICIES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
-"""What `ecru serve bench` and `ecru serve simulate` run."""
+"""What `ecru serve simulate` and the static batching benchmark (`bench/serve.py`) run."""
 ENGINE_POLICIES = ("cb", "cb-sjf", "cb-srpt", "cb-kv")
 """The request engine's (`ecru serve api`, `ecru serve run`)."""
 SJF_POLICIES = ("cb-sjf", "cb-srpt")
