@@ -106,8 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=Path,
         default=None,
         metavar="FILE",
-        help="instead of running: join the (seed, order) runs of several JSONs of this script (same stream and "
-        "training, one process each) into --json, with the targets over all of them",
+        help="instead of running: join the (seed, order) runs and the methods of several JSONs of this script "
+        "(same stream and training, one process each) into --json, with the targets over all of them",
     )
     p.add_argument(
         "--no-open-set",
@@ -134,7 +134,8 @@ def _results_file(path: Path) -> dict:
 
 
 def combine(paths: list[Path]) -> dict:
-    """One result from several runs' JSONs (`--combine`): each method's runs joined, then aggregated."""
+    """One result from several JSONs (`--combine`), one process each: each method's runs joined (a method may
+    come from some of the files only: methods of one run measured in separate processes), then aggregated."""
     files = [_results_file(p) for p in paths]
     first = files[0]["config"]
     for p, f in zip(paths[1:], files[1:], strict=True):
@@ -143,11 +144,14 @@ def combine(paths: list[Path]) -> dict:
             sys.exit(
                 f"--combine: {p} differs from {paths[0]} in {differs}; join runs of one configuration only"
             )
-    names = [n for n in files[0]["methods"] if all(n in f["methods"] for f in files)]
-    per_method = {n: [r for f in files for r in f["methods"][n]["runs"]] for n in names}
-    pairs = [(r["seed"], r["order"]) for r in per_method[names[0]]]
-    if len(set(pairs)) != len(pairs):
-        sys.exit(f"--combine: (seed, order) runs {pairs} repeat; join different runs")
+    # methods run in separate processes too
+    names = list(dict.fromkeys(n for f in files for n in f["methods"]))
+    per_method = {n: [r for f in files if n in f["methods"] for r in f["methods"][n]["runs"]] for n in names}
+    for n, runs in per_method.items():
+        pairs = [(r["seed"], r["order"]) for r in runs]
+        if len(set(pairs)) != len(pairs):
+            sys.exit(f"--combine: {n}'s (seed, order) runs {pairs} repeat; join different runs")
+    pairs = sorted({(r["seed"], r["order"]) for runs in per_method.values() for r in runs})
     methods = {n: aggregate(r) for n, r in per_method.items()}
     config = {**first, "runs": pairs, "combined_from": [str(p) for p in paths],
               "command": " ".join(["python", *sys.argv])}  # fmt: skip

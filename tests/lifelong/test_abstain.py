@@ -15,7 +15,9 @@ from ecru.lifelong.calibration import expected_calibration_error
 from ecru.lifelong.store import UNCLAIMED, KnowledgeStore
 
 TAUGHT, UNTAUGHT = ("travel", "kitchen_and_dining"), ("auto_and_commute", "home")
-INTENTS, TRAIN, TEST = 6, 16, 10
+INTENTS, TRAIN, TEST = 6, 16, 30
+# every CLINC test text of the six intents (30 each): with 10 per intent the answered share's standard error
+# (about 2.7 points on 120 texts) exceeded the margin the 0.90 target leaves; the never-taught domains use the same
 
 
 def _rows(domain: str, split: str, per_intent: int) -> list[tuple[str, str]]:
@@ -96,13 +98,13 @@ def test_cli_abstain_writes_null_labels_with_the_reason(store, tmp_path, capsys)
 
 def test_abstention_is_the_claim_score_below_the_slack_and_probabilities_are_each_tasks_softmax(store):
     from ecru.lifelong.router import FROZEN
-    from ecru.lifelong.store import CLAIM_SLACK
+    from ecru.lifelong.store import CLAIM_Z
 
     texts = [t for d in (*TAUGHT, *UNTAUGHT) for t, _ in _rows(d, "test", 3)]
     method, preds = store.method(), store.predict(texts, abstain=True)
     enc = method.encoder()
     grade = enc.claim_scores(texts)
-    assert [p.label is None for p in preds] == (grade < -CLAIM_SLACK).tolist()
+    assert [p.label is None for p in preds] == (grade < -CLAIM_Z).tolist()
     assert 0 < sum(p.label is None for p in preds) < len(texts)
     names = method.names[0] + method.names[1]
     scores, routes = enc.scores(texts, names).double(), method.router(enc.frozen(texts), open_set=False)

@@ -105,6 +105,14 @@ def test_combine_joins_one_process_per_run_and_checks_targets_over_all(bench, tm
     assert t["agnostic_last_minus_zscl"]["mean"] == 5.0
     with pytest.raises(SystemExit, match="repeat"):
         bench.combine([paths[0], paths[0]])
+    apart = []  # one run's methods measured in two processes: joined as one result
+    for name in ("routed-lora", "zscl"):
+        apart.append(tmp_path / f"{name}.json")
+        only = {name: json.loads(paths[0].read_text())["methods"][name]}
+        apart[-1].write_text(json.dumps({"config": config | {"runs": [[0, 0]]}, "methods": only}))
+    joined = bench.combine(apart)
+    assert list(joined["methods"]) == ["routed-lora", "zscl"] and joined["config"]["runs"] == [(0, 0)]
+    assert joined["targets"]["agnostic_last_minus_zscl"]["mean"] == 5.0
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"config": config | {"lr": 2e-5}, "methods": {}}))
     with pytest.raises(SystemExit, match="differs"):

@@ -101,27 +101,74 @@ def test_holdout_split_is_per_label_deterministic_and_keeps_two_of_each():
     assert holdout_split(labels, 0.0, seed=1) == (list(range(15)), [])
 
 
-def _two_tasks(router):
+def _two_task_data() -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Two tasks' (embeddings [20, 16], labels [20]) and 200 queries."""
     g = torch.Generator().manual_seed(0)
     centres = torch.nn.functional.normalize(torch.randn(4, 16, generator=g), dim=-1)
+    tasks = []
     for t in (0, 1):
         labels = torch.arange(2).repeat_interleave(10)
         emb = centres[2 * t + labels] + 0.3 * torch.randn(20, 16, generator=g)
-        router.add_task(torch.nn.functional.normalize(emb, dim=-1), labels=labels)
-    return torch.nn.functional.normalize(torch.randn(200, 16, generator=g), dim=-1)
+        tasks.append((torch.nn.functional.normalize(emb, dim=-1), labels))
+    return tasks, torch.nn.functional.normalize(torch.randn(200, 16, generator=g), dim=-1)
+
+
+def _two_tasks(router):
+    tasks, queries = _two_task_data()
+    for emb, labels in tasks:
+        router.add_task(emb, labels=labels)
+    return queries
 
 
 @pytest.mark.parametrize("kind", ["prototypes", "lda"])
-def test_claim_margin_is_the_prototype_test_graded(kind):
-    from ecru.lifelong.router import FROZEN, LDARouter, PrototypeRouter
+def test_claim_margin_is_the_best_tasks_standardised_prototype_score(kind):
+    from ecru.lifelong.router import LDARouter, PrototypeRouter, loo_prototype_scores
 
     router = LDARouter(percentile=10.0) if kind == "lda" else PrototypeRouter(percentile=10.0)
     queries = _two_tasks(router)
     margin = router.claim_margin(queries)
-    # reference: the routed task's best prototype cosine minus that task's threshold
-    routed = router(queries, open_set=False)
-    cosine = torch.stack([(queries @ p.T).max(-1).values for p in router.prototypes], -1)
-    expected = cosine.gather(1, routed[:, None])[:, 0] - torch.tensor(router.thresholds)[routed]
-    torch.testing.assert_close(margin, expected, rtol=0, atol=1e-6)
-    assert torch.equal(margin >= 0, router(queries) != FROZEN)  # no relative Mahalanobis test here
-    assert 0 < (margin >= 0).sum() < len(queries)  # the check is not vacuous
+    # reference: each task's own leave-one-out scores give its mean and sd; the best standardised score wins
+    z = []
+    for t, (emb, labels) in enumerate(_two_task_data()[0]):
+        own = loo_prototype_scores(emb, labels, 2).double()
+        cosine = (queries.double() @ router.prototypes[t].double().T).max(-1).values
+        z.append((cosine - own.mean()) / own.std())
+    torch.testing.assert_close(margin, torch.stack(z, -1).max(-1).values, rtol=0, atol=1e-6)
+    assert 0 < (margin >= -2).sum() < len(queries)  # the check is not vacuous
+
+
+def test_admit_pools_the_held_out_scores_into_the_claim_statistics():
+    from ecru.lifelong.router import PrototypeRouter, loo_prototype_scores, pooled_stats
+
+    router = PrototypeRouter(percentile=10.0)
+    _two_tasks(router)
+    held = torch.nn.functional.normalize(
+        torch.randn(7, 16, generator=torch.Generator().manual_seed(3)), dim=-1
+    )
+    before = router.claim_means[1]
+    router.admit(1, held, quantile=0.0)
+    emb, labels = _two_task_data()[0][1]
+    own = torch.cat([loo_prototype_scores(emb, labels, 2), router.scores(held, [1])[:, 0]]).double()
+    assert router.claim_counts[1] == 27 and router.claim_means[1] != before
+    assert router.claim_means[1] == pytest.approx(own.mean().item(), abs=1e-9)
+    assert router.claim_sds[1] == pytest.approx(own.std().item(), abs=1e-9)
+    assert pooled_stats(3, 1.0, 0.5, torch.tensor([float("inf")])) == (
+        3,
+        1.0,
+        0.5,
+    )  # nothing finite: unchanged
+
+
+def test_a_router_saved_without_claim_statistics_keeps_its_old_claim():
+    from ecru.lifelong.router import PrototypeRouter
+
+    router = PrototypeRouter(percentile=10.0)
+    queries = _two_tasks(router)
+    old = {k: v for k, v in router.state_dict().items() if not k.startswith("claim_")}
+    legacy = PrototypeRouter(percentile=10.0)
+    legacy.load_state_dict(old)
+    # some task's prototype score reaches its threshold - 0.04 (the former rule asked it of the routed task)
+    margins = legacy.scores(queries, [0, 1]) - torch.tensor(legacy.thresholds)
+    was_claimed = (margins >= -0.04).any(-1)
+    assert torch.equal(legacy.claim_margin(queries) >= -2, was_claimed)
+    assert 0 < was_claimed.sum() < len(queries)

@@ -26,21 +26,21 @@ def test_no_shortfall_when_the_targets_hold():
     assert demo._sentences(results(90.0, 84.4, -0.5))[1] == ""
 
 
-def test_answers_abstain_below_the_stores_slack_and_answer_otherwise():
+def test_answers_abstain_below_the_stores_claim_z_and_answer_otherwise():
     import torch
 
-    from ecru.lifelong.store import CLAIM_SLACK, UNCLAIMED
+    from ecru.lifelong.store import CLAIM_Z, UNCLAIMED
 
     class Encoder:
         def probabilities(self, texts, names):
             return torch.tensor([[0.1, 0.9], [0.6, 0.4]])
 
         def claim_scores(self, texts):
-            return torch.tensor([0.2, -CLAIM_SLACK - 0.01])
+            return torch.tensor([0.2, -CLAIM_Z - 0.01])
 
     method = SimpleNamespace(names=[["freeze account"], ["routing"]], encoder=Encoder)
     task = SimpleNamespace(test=[SimpleNamespace(text="block my card")])
     exp = SimpleNamespace(evaluator=SimpleNamespace(stream=SimpleNamespace(tasks=[task])))
     first, asked = demo._answers(method, exp)
     assert first == "'block my card' -> routing (probability 0.90)"
-    assert asked.startswith(f"{demo.ASKED[0]!r} -> abstains: {UNCLAIMED} (claim score -0.05")
+    assert asked.startswith(f"{demo.ASKED[0]!r} -> abstains: {UNCLAIMED} (claim score -2.01 < -2.0)")

@@ -89,7 +89,7 @@ def _sentences(results: dict) -> tuple[str, str]:
 def _answers(method, exp) -> list[str]:
     """routed-lora's answers among its learned labels, as a store's `predict(..., abstain=True)` gives them, to
     one test text of the first task and to `ASKED`."""
-    from ecru.lifelong.store import CLAIM_SLACK, UNCLAIMED
+    from ecru.lifelong.store import CLAIM_Z, UNCLAIMED
 
     names = [n for task in method.names for n in task]
     texts = [exp.evaluator.stream.tasks[0].test[0].text, *ASKED]
@@ -97,8 +97,8 @@ def _answers(method, exp) -> list[str]:
     prob, grade = enc.probabilities(texts, names), enc.claim_scores(texts)
     lines = []
     for text, p, g in zip(texts, prob, grade.tolist(), strict=True):
-        if g < -CLAIM_SLACK:
-            lines.append(f"{text!r} -> abstains: {UNCLAIMED} (claim score {g:+.2f} < -{CLAIM_SLACK})")
+        if g < -CLAIM_Z:
+            lines.append(f"{text!r} -> abstains: {UNCLAIMED} (claim score {g:+.2f} < -{CLAIM_Z})")
         else:
             lines.append(f"{text!r} -> {names[int(p.argmax())]} (probability {p.max().item():.2f})")
     return lines

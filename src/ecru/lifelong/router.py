@@ -115,10 +115,52 @@ def routing_threshold(
     return threshold
 
 
+LEGACY_CLAIM_SD = 0.02
+"""The claim unit of a task saved before claim statistics (`_Routing.claim_counts`), its mean being its threshold:
+`claim_margin` >= -2 then claims a text when such a task's score reaches its threshold - 0.04, the former rule
+(which asked it of the routed task only)."""
+
+
+def pooled_stats(count: float, mean: float, sd: float, new: torch.Tensor) -> tuple[float, float, float]:
+    """(count, mean, sd) of a sample of `count` values with that `mean` and (unbiased) `sd` joined by the
+    finite values of `new` (Chan et al.'s pairwise update)."""
+    new = new[torch.isfinite(new)].double()
+    n = new.numel()
+    if n == 0:
+        return count, mean, sd
+    m2 = sd**2 * max(count - 1, 0) + ((new - new.mean()) ** 2).sum().item()
+    delta, total = new.mean().item() - mean, count + n
+    m2 += delta**2 * count * n / total
+    return total, mean + delta * n / total, (m2 / max(total - 1, 1)) ** 0.5
+
+
 class _Routing:
-    """What both routers share: a score per (text, task) and a threshold per task."""
+    """What both routers share: a score per (text, task), a threshold per task, and per task the count, mean
+    and sd of its own texts' scores (training texts' leave-one-out scores plus, after `admit`, the held-out
+    texts'): the units of `claim_margin`."""
 
     thresholds: list[float]
+    claim_counts: list[float]
+    claim_means: list[float]
+    claim_sds: list[float]
+
+    def _add_claim(self, own: torch.Tensor) -> None:
+        count, mean, sd = pooled_stats(0, 0.0, 0.0, own)
+        self.claim_counts.append(count), self.claim_means.append(mean), self.claim_sds.append(sd)
+
+    def _claim_state(self) -> dict[str, list[float]]:
+        return {"claim_counts": list(self.claim_counts), "claim_means": list(self.claim_means),
+                "claim_sds": list(self.claim_sds)}  # fmt: skip
+
+    def _load_claim(self, state: dict[str, Any]) -> None:
+        """The claim statistics of `state`; a state saved without them keeps its old claim (`LEGACY_CLAIM_SD`)."""
+        n = len(self.thresholds)
+        legacy = ([0.0] * n, list(self.thresholds), [LEGACY_CLAIM_SD] * n)
+        keys = ("claim_counts", "claim_means", "claim_sds")
+        got = [
+            [float(v) for v in state[k]] if k in state else old for k, old in zip(keys, legacy, strict=True)
+        ]
+        self.claim_counts, self.claim_means, self.claim_sds = got
 
     def scores(self, emb: torch.Tensor, tasks: Sequence[int]) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
@@ -132,12 +174,21 @@ class _Routing:
         leave-one-out texts, so a percentile of those rejects more new texts than it says."""
         own = self.scores(emb, [task])[:, 0]
         self.thresholds[task] = min(self.thresholds[task], torch.quantile(own.double(), quantile).item())
+        if self.claim_counts[task] > 0:  # a legacy task's claim stays as it was saved
+            stats = (self.claim_counts[task], self.claim_means[task], self.claim_sds[task])
+            self.claim_counts[task], self.claim_means[task], self.claim_sds[task] = pooled_stats(*stats, own)
 
     def claim_margin(self, emb: torch.Tensor) -> torch.Tensor:
-        """[Q] how far each frozen embedding's score for its best task lies above that task's threshold (>= 0:
-        the prototype test claims it; graded, so a caller can set its own threshold). Needs a learned task."""
-        best, task = self.scores(emb, range(len(self))).max(-1)
-        return best - torch.tensor(self.thresholds, dtype=best.dtype)[task]
+        """[Q] how strongly the learned tasks claim each frozen embedding: the largest over tasks of its score
+        standardised by the task's own texts' scores, (score - mean) / sd (graded, so a caller can set its own
+        threshold; standardised, so that one threshold means the same for a task of 40 texts and of 300).
+        Needs a learned task."""
+        scores = self.scores(emb, range(len(self))).double()
+        mean, sd = (
+            torch.tensor(self.claim_means, dtype=scores.dtype),
+            torch.tensor(self.claim_sds, dtype=scores.dtype),
+        )
+        return ((scores - mean) / sd.clamp(min=1e-6)).max(-1).values
 
     def __call__(
         self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True
@@ -169,6 +220,7 @@ class PrototypeRouter(_Routing):
         self.percentile, self.negative_quantile = percentile, negative_quantile
         self.prototypes: list[torch.Tensor] = []
         self.thresholds: list[float] = []
+        self.claim_counts, self.claim_means, self.claim_sds = [], [], []
 
     def add_task(
         self, train_emb: torch.Tensor, *, labels: torch.Tensor, negatives: torch.Tensor | None = None
@@ -182,6 +234,7 @@ class PrototypeRouter(_Routing):
         self.thresholds.append(
             routing_threshold(own, neg, percentile=self.percentile, negative_quantile=self.negative_quantile)
         )
+        self._add_claim(own)
         self.prototypes.append(protos.detach().clone())
 
     def scores(self, emb: torch.Tensor, tasks: Sequence[int]) -> torch.Tensor:
@@ -189,10 +242,15 @@ class PrototypeRouter(_Routing):
         return torch.stack([prototype_scores(emb, self.prototypes[t].to(emb.dtype)) for t in tasks], dim=-1)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prototypes": list(self.prototypes), "thresholds": list(self.thresholds)}
+        return {
+            "prototypes": list(self.prototypes),
+            "thresholds": list(self.thresholds),
+            **self._claim_state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prototypes, self.thresholds = list(state["prototypes"]), [float(t) for t in state["thresholds"]]
+        self._load_claim(state)
 
 
 def ledoit_wolf(scatter: torch.Tensor, n: int, fourth: float) -> torch.Tensor:
@@ -424,12 +482,6 @@ class LDARouter(PrototypeRouter):
         proto = self.scores(emb, tasks).gather(1, best[:, None])[:, 0]
         return picked, proto - torch.tensor(self.thresholds, dtype=emb.dtype)[picked]
 
-    def claim_margin(self, emb: torch.Tensor) -> torch.Tensor:
-        """[Q] the routed task's (best LDA class's) prototype score minus its threshold: the prototype test
-        graded (the relative Mahalanobis test is left out: on validation streams it separated a task's new
-        texts from out-of-scope ones far worse than the prototype score)."""
-        return self._picked(emb, list(range(len(self))))[1]
-
     def state_dict(self) -> dict[str, Any]:
         state = {**super().state_dict(), "means": list(self.means), "scatters": list(self.scatters),
                  "counts": list(self.counts), "fourths": list(self.fourths)}  # fmt: skip
@@ -459,6 +511,7 @@ class Router(_Routing):
         self.k, self.percentile, self.negative_quantile = k, percentile, negative_quantile
         self.keys: list[torch.Tensor] = []
         self.thresholds: list[float] = []
+        self.claim_counts, self.claim_means, self.claim_sds = [], [], []
 
     def add_task(
         self,
@@ -481,13 +534,15 @@ class Router(_Routing):
             threshold = min(threshold, torch.quantile(neg, self.negative_quantile).item())
         self.keys.append(train_emb.detach().clone())
         self.thresholds.append(threshold)
+        self._add_claim(loo)
 
     def scores(self, emb: torch.Tensor, tasks: Sequence[int]) -> torch.Tensor:
         """[Q, len(tasks)] scores of frozen embeddings `emb` [Q, D] for the learned `tasks`."""
         return torch.stack([knn_scores(emb, self.keys[t], k=self.k) for t in tasks], dim=-1)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"keys": list(self.keys), "thresholds": list(self.thresholds)}
+        return {"keys": list(self.keys), "thresholds": list(self.thresholds), **self._claim_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.keys, self.thresholds = list(state["keys"]), [float(t) for t in state["thresholds"]]
+        self._load_claim(state)

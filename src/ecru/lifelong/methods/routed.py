@@ -257,15 +257,11 @@ class RoutedEncoder:
         return self.m.router(self.frozen(texts))
 
     def claim_scores(self, texts: list[str]) -> torch.Tensor:
-        """[Q] how strongly the learned tasks claim each text: the routed task's prototype score minus its
-        threshold (`TaskRouter.claim_margin`; >= 0: claimed); -inf for every text before any task is learned."""
+        """[Q] how strongly the learned tasks claim each text: its best task's score standardised by that task's
+        own texts' scores (`TaskRouter.claim_margin`, in standard deviations); -inf before any task is learned."""
         if not len(self.m.router):
             return torch.full((len(texts),), float("-inf"), dtype=torch.float64)
         return self.m.router.claim_margin(self.frozen(texts)).double()
-
-    def claims(self, texts: list[str]) -> torch.Tensor:
-        """[Q] whether some learned task claims each text (`claim_scores` >= 0)."""
-        return self.claim_scores(texts) >= 0
 
     @torch.no_grad()
     def probabilities(self, texts: list[str], names: list[str]) -> torch.Tensor:
