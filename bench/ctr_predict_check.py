@@ -26,7 +26,9 @@ import numpy as np
 from sklearn.metrics import roc_auc_score
 
 from ecru.cli import main as ecru
+from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file, run_main
 from ecru.ctr import SyntheticConfig, generate
+from ecru.io import atomic_write_text
 
 BAD = [
     "2\t" + "\t".join(["1"] * 13 + ["0aaf7e0c"] * 26) + "\n",
@@ -55,8 +57,8 @@ def make_files(root: Path, rows: int, seed: int) -> tuple[Path, Path, np.ndarray
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=400_000, help="synthetic rows (train + held out)")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=positive_int, default=400_000, help="synthetic rows (train + held out)")
     p.add_argument("--seed", type=int, default=1, help="seed of the synthetic data")
     p.add_argument(
         "--train-flags",
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", default="bench/results/ctr_predict_check.json", help="result file")
     args = p.parse_args(argv)
+    prepare_out_file(args.json, flag="--json")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         train, held, labels, oracle = make_files(root, args.rows, args.seed)
@@ -101,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         "predict_s": predict_s,
         "model_folder": files,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
     print(
         f"held-out AUC from predictions {result['held_out_auc_from_predictions']:.4f} "
         f"(oracle {oracle:.4f}, target {TARGET}); skipped {metrics['skipped_lines']} of {len(BAD)} bad lines -> {args.json}"
@@ -111,4 +113,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))
