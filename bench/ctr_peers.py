@@ -206,7 +206,9 @@ def summarise(runs: list[dict]) -> dict:
 def main() -> int:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--peer-python", default="/tmp/peers/bin/python", help="python of the DeepCTR-Torch venv")
-    p.add_argument("--rows", type=positive_int, default=200_000, help="synthetic rows (90%% train, 10%% test)")
+    p.add_argument(
+        "--rows", type=positive_int, default=200_000, help="synthetic rows (90%% train, 10%% test)"
+    )
     p.add_argument(
         "--scale", type=positive_float, default=1e-2, help="cardinalities x this (ecru.ctr.synthetic)"
     )
