@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
+from ecru.cli import build_parser
 from ecru.cli import main as ecru
 from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file, run_main
 from ecru.ctr import SyntheticConfig, generate
@@ -56,6 +57,12 @@ def make_files(root: Path, rows: int, seed: int) -> tuple[Path, Path, np.ndarray
     return root / "train.tsv", root / "held.tsv", labels, float(roc_auc_score(labels, prob))
 
 
+def train_argv(train: str | Path, model: str | Path, flags: str) -> list[str]:
+    """`ecru ctr train` on the file `train` into the folder `model`, with the extra `flags`."""
+    data = ["--data", f"criteo:{train}", "--skip-malformed"]
+    return ["ctr", "train", *data, "--out", str(model), *flags.split()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=positive_int, default=400_000, help="synthetic rows (train + held out)")
@@ -68,13 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="bench/results/ctr_predict_check.json", help="result file")
     args = p.parse_args(argv)
     prepare_out_file(args.json, flag="--json")
+    # bad --train-flags: refused in one line (as `ecru ctr train` refuses them) before any data is made
+    build_parser().parse_args(train_argv("TRAIN", "MODEL", args.train_flags))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         train, held, labels, oracle = make_files(root, args.rows, args.seed)
         model, scores = root / "model", root / "scores.txt"
         start = time.perf_counter()
-        train_argv = ["ctr", "train", "--data", f"criteo:{train}", "--skip-malformed", "--out", str(model)]
-        assert ecru([*train_argv, *args.train_flags.split()]) == 0
+        assert ecru(train_argv(train, model, args.train_flags)) == 0
         train_s = time.perf_counter() - start
         start = time.perf_counter()
         assert (
