@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -38,6 +39,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # ecru.cliargs is plain Python: the DeepCTR-Torch venv imports it too
+from ecru.cliargs import ArgumentParser, positive_float, positive_int, prepare_out_file, run_main  # noqa: E402
+from ecru.errors import EcruError  # noqa: E402
 
 THREADS = 1
 MLP, DIM, BATCH, LR = (400, 400, 400), 10, 1024, 1e-3
@@ -170,8 +176,6 @@ def one_run(system: str, python: str, folder: Path, tag: str, seed: int, mode: s
 
 
 def _env() -> dict:
-    import os
-
     threads = str(THREADS)
     return {
         **os.environ,
@@ -200,11 +204,17 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--peer-python", default="/tmp/peers/bin/python", help="python of the DeepCTR-Torch venv")
-    p.add_argument("--rows", type=int, default=200_000, help="synthetic rows (90% train, 10% test)")
-    p.add_argument("--scale", type=float, default=1e-2, help="cardinalities x this (ecru.ctr.synthetic)")
-    p.add_argument("--pairs", type=int, default=1, help="A B B A blocks (each runs both systems twice)")
+    p.add_argument(
+        "--rows", type=positive_int, default=200_000, help="synthetic rows (90%% train, 10%% test)"
+    )
+    p.add_argument(
+        "--scale", type=positive_float, default=1e-2, help="cardinalities x this (ecru.ctr.synthetic)"
+    )
+    p.add_argument(
+        "--pairs", type=positive_int, default=1, help="A B B A blocks (each runs both systems twice)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--mode",
@@ -219,6 +229,11 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    out = prepare_out_file(args.json, flag="--json")
+    if not os.access(args.peer_python, os.X_OK):
+        raise EcruError(
+            f"--peer-python {args.peer_python}: not an executable; make the venv as the docstring says"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         facts = write_arrays(folder, args.rows, args.scale, args.seed)
@@ -257,9 +272,9 @@ def main() -> int:
         "runs": runs,
         "summary": summarise(runs),
     }
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    from ecru.io import atomic_write_text
+
+    atomic_write_text(out, json.dumps(result, indent=1))
     s = result["summary"]
     print(
         f"ecru / DeepCTR-Torch samples/s: {s['speedup']:.2f}x; AUC gap {s['auc_gap']:+.4f}; oracle AUC "
@@ -269,4 +284,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

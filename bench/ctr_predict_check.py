@@ -25,8 +25,11 @@ from pathlib import Path
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
+from ecru.cli import build_parser
 from ecru.cli import main as ecru
+from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file, run_main
 from ecru.ctr import SyntheticConfig, generate
+from ecru.io import atomic_write_text
 
 BAD = [
     "2\t" + "\t".join(["1"] * 13 + ["0aaf7e0c"] * 26) + "\n",
@@ -54,9 +57,15 @@ def make_files(root: Path, rows: int, seed: int) -> tuple[Path, Path, np.ndarray
     return root / "train.tsv", root / "held.tsv", labels, float(roc_auc_score(labels, prob))
 
 
+def train_argv(train: str | Path, model: str | Path, flags: str) -> list[str]:
+    """`ecru ctr train` on the file `train` into the folder `model`, with the extra `flags`."""
+    data = ["--data", f"criteo:{train}", "--skip-malformed"]
+    return ["ctr", "train", *data, "--out", str(model), *flags.split()]
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=400_000, help="synthetic rows (train + held out)")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=positive_int, default=400_000, help="synthetic rows (train + held out)")
     p.add_argument("--seed", type=int, default=1, help="seed of the synthetic data")
     p.add_argument(
         "--train-flags",
@@ -65,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", default="bench/results/ctr_predict_check.json", help="result file")
     args = p.parse_args(argv)
+    prepare_out_file(args.json, flag="--json")
+    # bad --train-flags: refused in one line (as `ecru ctr train` refuses them) before any data is made
+    build_parser().parse_args(train_argv("TRAIN", "MODEL", args.train_flags))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         train, held, labels, oracle = make_files(root, args.rows, args.seed)
         model, scores = root / "model", root / "scores.txt"
         start = time.perf_counter()
-        train_argv = ["ctr", "train", "--data", f"criteo:{train}", "--skip-malformed", "--out", str(model)]
-        assert ecru([*train_argv, *args.train_flags.split()]) == 0
+        assert ecru(train_argv(train, model, args.train_flags)) == 0
         train_s = time.perf_counter() - start
         start = time.perf_counter()
         assert (
@@ -101,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "predict_s": predict_s,
         "model_folder": files,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
     print(
         f"held-out AUC from predictions {result['held_out_auc_from_predictions']:.4f} "
         f"(oracle {oracle:.4f}, target {TARGET}); skipped {metrics['skipped_lines']} of {len(BAD)} bad lines -> {args.json}"
@@ -111,4 +121,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -26,7 +26,9 @@ import psutil
 import pyarrow
 import pyarrow.csv as pacsv
 
+from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file, run_main
 from ecru.ctr import ReaderConfig, SyntheticConfig, generate, load_ctr_file, write_criteo_tsv
+from ecru.io import atomic_write_text
 
 TARGET = 3.0  # the bound on load time / raw parse time
 NAMES = [f"c{i}" for i in range(40)]
@@ -60,11 +62,12 @@ def ecru_load(path: Path, cfg: ReaderConfig) -> tuple[tuple[float, float], int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=1_000_000, help="synthetic rows in the file")
-    p.add_argument("--reps", type=int, default=5, help="alternating repetitions of each measurement")
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=positive_int, default=1_000_000, help="synthetic rows in the file")
+    p.add_argument("--reps", type=positive_int, default=5, help="alternating repetitions of each measurement")
     p.add_argument("--json", default="bench/results/ctr_reader.json", help="result file")
     args = p.parse_args(argv)
+    prepare_out_file(args.json, flag="--json")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "criteo.tsv"
         bad = write_file(path, args.rows)
@@ -118,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "platform": platform.platform(),
         "cpus": psutil.cpu_count(),
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
     print(
         f"{args.rows:,} rows ({size / 1e6:.0f} MB): raw parse {med['raw']:.2f}s, load_ctr_file "
         + ", ".join(f"{k} {med[k]:.2f}s ({ratios[k]:.2f}x wall, {cpu_ratios[k]:.2f}x CPU)" for k in configs)
@@ -129,4 +131,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

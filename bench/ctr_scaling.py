@@ -32,10 +32,12 @@ from pathlib import Path
 
 import torch
 
+from ecru.cliargs import ArgumentParser, existing_file, int_list, positive_int, prepare_out_file, run_main
 from ecru.cowclip import RECIPES, scaled_recipe
 from ecru.ctr import CTRData, SyntheticConfig, TrainConfig, generate, train
 from ecru.ctr.synthetic import realised_oracle
-from ecru.io import load_tensors, save_tensors
+from ecru.errors import EcruError
+from ecru.io import atomic_write_text, load_tensors, save_tensors
 
 BOTH_MODES = ("cowclip", "tempered")  # the other baselines run in the faithful mode only
 
@@ -180,7 +182,7 @@ def first_reaching(curve: list[dict], target: float) -> dict | None:
 def time_to_auc(args: argparse.Namespace) -> int:
     setting, start = replace(TIME_TO_AUC, rows=args.rows or TIME_TO_AUC.rows), time.perf_counter()
     if args.batches:
-        setting = replace(setting, batches=tuple(int(b) for b in args.batches.split(",")))
+        setting = replace(setting, batches=args.batches)
     data = generate(
         SyntheticConfig(n_rows=setting.rows, scale=setting.scale, zipf=setting.zipf, seed=args.seed)
     )
@@ -205,8 +207,7 @@ def time_to_auc(args: argparse.Namespace) -> int:
                     rows.append(tta_row(procs, batch, recipe, run, target))
                     print(tta_line(rows[-1]), file=sys.stderr, flush=True)
     out = tta_summary(args, setting, parts, ref, target, rows, time.perf_counter() - start)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))
+    atomic_write_text(args.json, json.dumps(out, indent=2))
     print_tta_table(rows, target)
     return 0
 
@@ -450,7 +451,12 @@ def print_table(runs: list[dict], summary: dict) -> None:
 def summarize(path: Path, plot_path: Path | None, note: str | None) -> int:
     """Recompute the targets, table and plot of a finished run's JSON from its recorded runs (no training);
     `note` (the diagnosis, in words) is stored beside them."""
-    out = json.loads(path.read_text())
+    try:
+        out = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EcruError(
+            f"--summarize {path}: not a JSON file ({exc}); give the JSON a run of this script wrote"
+        ) from None
     for run in out["runs"]:  # results recorded before the tempered recipe was renamed from "ecru"
         run["recipe"] = {"ecru": "tempered"}.get(run["recipe"], run["recipe"])
     base, *large = out["setting"]["batches"]
@@ -496,7 +502,7 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="1K vs 32K, one epoch, 1M train rows (default)")
     size.add_argument(
@@ -508,9 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         help="default: bench/results/ctr_quick.json (ctr_time_to_auc.json with --time-to-auc)",
     )
     p.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (recorded in every run)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (recorded in every run)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--epochs", type=int, default=None, help="override the setting's epochs")
+    p.add_argument("--epochs", type=positive_int, default=None, help="override the setting's epochs")
     p.add_argument(
         "--recipes", default=",".join(RECIPES), help="comma-separated subset (adam always included)"
     )
@@ -524,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--summarize",
         metavar="JSON",
+        type=existing_file,
         help="recompute the targets, table and plot of a finished run's JSON (no training); see --note",
     )
     p.add_argument("--note", help="with --summarize: the diagnosis, in words, stored as the JSON's 'note'")
@@ -532,9 +539,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="seconds and steps to 1K's final AUC - 0.001 per batch (1K, 8K, 32K) and recipe, on 1 and 2 processes",
     )
-    p.add_argument("--rows", type=int, default=None, help="--time-to-auc: synthetic rows (default 1.2M)")
     p.add_argument(
-        "--batches", default=None, help="--time-to-auc: batch sizes, the base first (1024,8192,32768)"
+        "--rows", type=positive_int, default=None, help="--time-to-auc: synthetic rows (default 1.2M)"
+    )
+    p.add_argument(
+        "--batches",
+        type=int_list,
+        default=None,
+        help="--time-to-auc: batch sizes, the base first (1024,8192,32768)",
     )
     p.add_argument("--tta-worker", action="store_true", help=argparse.SUPPRESS)
     for flag, kind in (("--arrays", str), ("--out", str), ("--recipe", str), ("--target", float)):
@@ -545,11 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.tta_worker:
         return tta_worker(args)
     if args.time_to_auc:
-        args.json = args.json or "bench/results/ctr_time_to_auc.json"
+        args.json = prepare_out_file(args.json or "bench/results/ctr_time_to_auc.json", flag="--json")
         return time_to_auc(args)
-    args.json = args.json or "bench/results/ctr_quick.json"
     if args.summarize:
-        return summarize(Path(args.summarize), Path(args.plot) if args.plot else None, args.note)
+        return summarize(args.summarize, Path(args.plot) if args.plot else None, args.note)
+    args.json = prepare_out_file(args.json or "bench/results/ctr_quick.json", flag="--json")
+    if args.plot:
+        prepare_out_file(args.plot, flag="--plot")
     torch.set_num_threads(args.threads)
     setting = FULL if args.full else QUICK
     if args.epochs:
@@ -605,8 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": summary,
         "total_wall_s": time.perf_counter() - start,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))
+    atomic_write_text(args.json, json.dumps(out, indent=2))
     plot(
         runs,
         Path(args.plot or Path(args.json).with_suffix(".png")),
@@ -617,4 +630,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -46,6 +46,9 @@ from pathlib import Path
 
 import torch
 
+from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file, run_main
+from ecru.io import atomic_write_text
+
 
 @dataclass(frozen=True)
 class Case:
@@ -273,13 +276,14 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: within 5 minutes on 2 CPU cores")
     parser.add_argument("--json", default=None, help="write results here (a PNG is written beside it)")
     parser.add_argument(
-        "--reps", type=int, default=None, help="timed steps per mode after one warm-up (default per case)"
+        "--reps",
+        type=positive_int,
+        default=None,
+        help="timed steps per mode after one warm-up (default per case)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", default=None, help="comma-separated case names")
@@ -292,6 +296,9 @@ def main() -> int:
         print(json.dumps(child(cases[args.child], args.mode, args.device)))
         return 0
     names = args.only.split(",") if args.only else list(cases)
+    if set(names) - set(cases):
+        parser.error(f"--only: comma-separated names among {','.join(cases)}, got {args.only!r}")
+    path = prepare_out_file(args.json, flag="--json") if args.json else None
     start = time.perf_counter()
     results = {
         n: run_case(cases[n], reps=args.reps or REPS[args.quick][n], quick=args.quick, device=args.device)
@@ -337,14 +344,12 @@ def main() -> int:
         "cases": results,
         "wall_s": time.perf_counter() - start,
     }
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2))
+    if path:
+        atomic_write_text(path, json.dumps(out, indent=2))
         plot(results, path.with_suffix(".png"))
         print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

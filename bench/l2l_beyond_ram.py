@@ -45,6 +45,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ecru.cliargs import (
+    ArgumentParser,
+    positive_float,
+    positive_int,
+    prepare_out_dir,
+    prepare_out_file,
+    run_main,
+)
+from ecru.errors import EcruError
+from ecru.io import atomic_write_text
+
 SHAPE = {
     "hidden_size": 2560,
     "intermediate_size": 6912,
@@ -79,21 +90,28 @@ def disk_bandwidth(folder: Path, nbytes: int = 1 << 30) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--store-dir", type=Path, required=True, help="an empty folder on a disk with >= 50 GB free"
     )
     ap.add_argument("--mode", choices=("full", "lora-in-place"), default="full")
     ap.add_argument(
-        "--layers", type=int, default=None, help="full: 26 blocks (2.1B); lora-in-place: 60 (13.3B)"
+        "--layers", type=positive_int, default=None, help="full: 26 blocks (2.1B); lora-in-place: 60 (13.3B)"
     )
-    ap.add_argument("--steps", type=int, default=None, help="full: 3; lora-in-place: 2")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens per step (full: 128; lora-in-place: 16)")
-    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--steps", type=positive_int, default=None, help="full: 3; lora-in-place: 2")
+    ap.add_argument(
+        "--tokens", type=positive_int, default=None, help="tokens per step (full: 128; lora-in-place: 16)"
+    )
+    ap.add_argument("--lr", type=positive_float, default=3e-4)
     ap.add_argument("--keep", action="store_true", help="lora-in-place: keep the model folder")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    prepare_out_dir(args.store_dir, flag="--store-dir")
+    if args.json:
+        prepare_out_file(args.json, flag="--json")
     if args.mode == "lora-in-place":
+        if args.json:
+            old_json(args.json)  # a file to merge into that cannot be read: refused before any work
         return lora_in_place(args)
     args.layers, args.steps, args.tokens = args.layers or 26, args.steps or 3, args.tokens or 128
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -101,7 +119,6 @@ def main(argv=None) -> None:
 
     from ecru.l2l import L2L, L2LConfig
 
-    args.store_dir.mkdir(parents=True, exist_ok=True)
     bw = disk_bandwidth(args.store_dir)
     print(f"disk: write {bw['write_gb_s']:.2f} GB/s, read {bw['read_gb_s']:.2f} GB/s", flush=True)
     torch.manual_seed(0)
@@ -163,8 +180,7 @@ def main(argv=None) -> None:
         f"(plain training would need >= {out['plain_needs_gb']:.0f} GB; RAM {out['ram_gb']:.0f} GB)"
     )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+        atomic_write_text(args.json, json.dumps(out, indent=1))
 
 
 # ---- --mode lora-in-place --------------------------------------------------------------------------
@@ -339,11 +355,22 @@ def lora_in_place(args) -> None:
 
 def merge_json(path: Path, key: str, value: dict) -> None:
     """`path`'s JSON object with `key` set to `value` (the other modes' keys kept)."""
-    data = json.loads(path.read_text()) if path.is_file() else {}
+    data = old_json(path)
     data[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
+    atomic_write_text(path, json.dumps(data, indent=1))
+
+
+def old_json(path: Path) -> dict:
+    """`path`'s JSON object ({} if there is no file); one line if the file is not one."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EcruError(
+            f"--json {path}: not a JSON file ({exc}); give another path or move it away"
+        ) from None
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -41,6 +41,10 @@ from pathlib import Path
 
 import torch
 
+from ecru.cliargs import ArgumentParser, prepare_out_dir, prepare_out_file, run_main
+from ecru.io import atomic_write_json
+from ecru.l2l.cli import MODELS
+
 
 def llama(depth: int, *, hidden: int, inter: int, heads: int, vocab: int, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -295,7 +299,7 @@ def real_model(folder: Path, *, device: str, rows: int, seq: int, steps: int) ->
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="depth 8 only, 2 repetitions")
     ap.add_argument("--json", type=Path)
     ap.add_argument(
@@ -308,21 +312,31 @@ def main(argv=None) -> int:
         "--work", type=Path, default=None, help="folder for the model and store (default: a temp one)"
     )
     args = ap.parse_args(argv)
-    toy = torch.device(args.device).type == "cpu"
+    try:
+        toy = torch.device(args.device).type == "cpu"
+    except RuntimeError:
+        ap.error(f"argument --device: cuda, cuda:N or cpu, got {args.device!r}")
     if not toy and not torch.cuda.is_available():
         print(
             "bench/l2l_gpu.py needs a CUDA GPU; none here (--device cpu runs it at toy sizes)",
             file=sys.stderr,
         )
         return 1
+    named = args.model in (None, *MODELS, "tiny-llama")
+    if not named and not (Path(args.model).expanduser() / "config.json").is_file():
+        ap.error(
+            f"argument --model: {' or '.join(MODELS)} or a Hugging Face model folder, got {args.model!r}"
+        )
+    if args.json:
+        prepare_out_file(args.json, flag="--json")
+    if args.work:
+        prepare_out_dir(args.work, flag="--work")
     work = Path(tempfile.mkdtemp(prefix="l2l-gpu-", dir=args.work))
     try:
         out = run_all(args, toy=toy, work=work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
-        from ecru.io import atomic_write_json
-
         atomic_write_json(args.json, out)
     ok = [out["parity"]["ok"], out["lora_in_place"]["ok"], out["real_model"]["ok"]]
     return 0 if all(ok) else 1
@@ -371,4 +385,4 @@ def summary(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

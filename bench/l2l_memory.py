@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file, run_main
+from ecru.io import atomic_write_text
+
 WIDTH = {
     "hidden_size": 768,
     "intermediate_size": 2048,
@@ -154,17 +157,17 @@ def run(depths, *, batch: int, seq: int, micro: int, steps: int) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--quick", action="store_true", help="2 steps of 2 x 64 tokens per depth (~5-10 min on 2 cores)"
     )
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--worker", choices=("plain", "l2l"), help=argparse.SUPPRESS)
     ap.add_argument("--depth", type=int, default=4, help=argparse.SUPPRESS)
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--micro", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--batch", type=positive_int, default=None)
+    ap.add_argument("--seq", type=positive_int, default=None)
+    ap.add_argument("--micro", type=positive_int, default=None)
+    ap.add_argument("--steps", type=positive_int, default=None)
     ap.add_argument("--store-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batch = args.batch or (2 if args.quick else 8)
@@ -186,14 +189,15 @@ def main(argv=None) -> None:
             )
         )
         return
+    if args.json:
+        prepare_out_file(args.json, flag="--json")
     t0 = time.perf_counter()
     out = run(DEPTHS, batch=batch, seq=seq, micro=micro, steps=steps)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(f"ratio_plain {out['ratio_plain']}  ratio_l2l {out['ratio_l2l']}  target met: {out['target_met']}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+        atomic_write_text(args.json, json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

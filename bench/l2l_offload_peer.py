@@ -31,6 +31,9 @@ from pathlib import Path
 
 import torch
 
+from ecru.cliargs import ArgumentParser, positive_int, prepare_out_dir, prepare_out_file, run_main
+from ecru.io import atomic_write_json
+
 SHAPE = {
     "hidden_size": 1024,
     "intermediate_size": 2816,
@@ -224,15 +227,17 @@ def summarize(runs: list[dict], *, folder_bytes: int, max_memory_mb: int) -> dic
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--work", type=Path, required=True, help="a folder for the model, the store and the offload"
     )
-    ap.add_argument("--layers", type=int, default=24, help="24 blocks of width 1024: 341M parameters, 1.4 GB")
-    ap.add_argument("--max-memory-mb", type=int, default=512, help="accelerate's CPU budget (MiB)")
-    ap.add_argument("--sequences", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=128, help="tokens per sequence")
-    ap.add_argument("--rounds", type=int, default=1, help="A B B A rounds")
+    ap.add_argument(
+        "--layers", type=positive_int, default=24, help="24 blocks of width 1024: 341M parameters, 1.4 GB"
+    )
+    ap.add_argument("--max-memory-mb", type=positive_int, default=512, help="accelerate's CPU budget (MiB)")
+    ap.add_argument("--sequences", type=positive_int, default=4)
+    ap.add_argument("--tokens", type=positive_int, default=128, help="tokens per sequence")
+    ap.add_argument("--rounds", type=positive_int, default=1, help="A B B A rounds")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # a child process: one arm
     ap.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
@@ -244,7 +249,9 @@ def main(argv=None) -> int:
     if args.arm:
         print(json.dumps(run_arm(args.arm, args)))
         return 0
-    args.work.mkdir(parents=True, exist_ok=True)
+    prepare_out_dir(args.work, flag="--work")
+    if args.json:
+        prepare_out_file(args.json, flag="--json")
     args.folder = build_folder(args.work / f"llama_{args.layers}", layers=args.layers, shape=SHAPE)
     folder_bytes = sum(p.stat().st_size for p in args.folder.glob("*.safetensors"))
     runs = []
@@ -272,12 +279,9 @@ def main(argv=None) -> int:
           f"ecru / accelerate: eval {ratio['eval_s']:.2f}x, load {ratio['load_s']:.2f}x, peak RSS "
           f"{ratio['peak_rss_mb']:.2f}x (anonymous {ratio['peak_anon_rss_mb']:.2f}x); loss difference {out['loss_max_abs_diff']:.2e}")  # fmt: skip
     if args.json:
-        from ecru.io import atomic_write_json
-
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(args.json, out)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_main(main))

@@ -25,7 +25,6 @@ first `--single-n` prompts. Prints a table, writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -39,6 +38,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # this checkout's ecru, installed or not
+from ecru.cliargs import ArgumentParser, int_list, positive_int, prepare_out_file, run_main  # noqa: E402
+from ecru.serve.names import ENGINE_POLICIES  # noqa: E402
+
 TARGETS = {"x_one_at_a_time": 4.0, "x_generate_batch": 1.5}  # at 16 concurrent clients (issue 21)
 
 
@@ -291,25 +294,27 @@ def mean_of(runs: list[dict], key: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--quick", action="store_true", help="32 prompts, cap 64, one at a time on 8 (~8 min on 2 cores)"
     )
-    ap.add_argument("--n", type=int, default=None, help="prompts (default 64; --quick 32)")
-    ap.add_argument("--single-n", type=int, default=None,
+    ap.add_argument("--n", type=positive_int, default=None, help="prompts (default 64; --quick 32)")
+    ap.add_argument("--single-n", type=positive_int, default=None,
                     help="prompts generated one at a time and sent by 1 client (default all; --quick 8)")  # fmt: skip
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="cap on answer tokens")
-    ap.add_argument("--concurrency", default="1,4,16", help="concurrent clients, comma-separated")
-    ap.add_argument("--max-batch-size", type=int, default=16, help="server's rows (and generate_batch's)")
-    ap.add_argument("--policy", default="cb", help="server admission policy")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64, help="cap on answer tokens")
+    ap.add_argument(
+        "--concurrency", type=int_list, default="1,4,16", help="concurrent clients, comma-separated"
+    )
+    ap.add_argument(
+        "--max-batch-size", type=positive_int, default=16, help="server's rows (and generate_batch's)"
+    )
+    ap.add_argument("--policy", choices=ENGINE_POLICIES, default="cb", help="server admission policy")
     ap.add_argument("--json", required=True, help="result JSON")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "src"))
     import psutil
     import torch
     import transformers
 
-    from ecru.cliargs import prepare_out_file
     from ecru.io import atomic_write_json
     from ecru.serve.detok import Decoder
     from ecru.serve.models import ServedModel
@@ -318,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_out_file(args.json, flag="--json")
     n, cap = args.n or (32 if args.quick else 64), args.max_new_tokens
     single_n = min(n, args.single_n or (8 if args.quick else n))
-    levels = sorted(int(c) for c in args.concurrency.split(","))
+    levels = sorted(args.concurrency)
     served = ServedModel.load("smollm2", packed=False)  # packed for the engine arms only
     texts = load_prompts("mixed", n=n, split="test")
     prompts = [served.encode_chat([{"role": "user", "content": t}]) for t in texts]
@@ -430,4 +435,4 @@ def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file
+from ecru.cliargs import ArgumentParser, positive_int, prepare_out_dir, prepare_out_file, run_main
+from ecru.errors import EcruError
 from ecru.io import atomic_write_json
 from ecru.serve import EmbeddingPredictor, MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
@@ -80,7 +81,7 @@ def read_split(path: Path, n: int, cap: int, samples: int = 1) -> tuple[list[str
     """Prompts, greedy answer lengths (the first sample, T = 0) and labels (the longest of `samples`)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()][:n]
     if any(len(r["lengths"]) < samples for r in rows):
-        raise SystemExit(f"{path}: fewer than {samples} answer lengths on a line")
+        raise EcruError(f"{path}: fewer than {samples} answer lengths on a line")
     greedy = [min(cap, r["lengths"][0]) for r in rows]
     return [r["prompt"] for r in rows], greedy, [min(cap, max(r["lengths"][:samples])) for r in rows]
 
@@ -281,6 +282,7 @@ def main(argv=None) -> None:
     )
     args = ap.parse_args(argv)
     out_path = prepare_out_file(args.json, flag="--json")
+    answers_dir = prepare_out_dir(args.answers_dir, flag="--answers-dir")
     torch.manual_seed(0)
     started = time.perf_counter()
     labels = (
@@ -295,7 +297,6 @@ def main(argv=None) -> None:
     cost = measure_cost_model(model, reps=3, source="SmolLM2-135M fp32, measured in this run")
     preds = prompt_predictors(model, tok, train, y_label, test, args.cap, quick=args.quick)
     n_answers = 240 if args.quick else 480
-    answers_dir = Path(args.answers_dir)
     gen_start = time.perf_counter()
     tr_ans = generate_responses(model, tok, train[:n_answers], out=answers_dir / "serve_online_answers_train.jsonl",
                                 max_new_tokens=args.cap)  # fmt: skip
@@ -574,4 +575,4 @@ def sweep(idx, prompt_lens, lengths, preds, traj, capacity, base, cost, repredic
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -59,7 +59,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ecru.cliargs import ArgumentParser, non_negative_float, positive_float, positive_int, prepare_out_file
+from ecru.cliargs import (
+    ArgumentParser,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    prepare_out_file,
+    run_main,
+)
 from ecru.io import atomic_write_json
 from ecru.serve import EmbeddingPredictor, MiniLMPredictor
 from ecru.serve.cost import CostModel, StepWork, fit_cost_model, measure_cost_model, record_forwards
@@ -473,4 +480,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

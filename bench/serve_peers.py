@@ -26,7 +26,6 @@ answers may differ after a near tie; the fraction of identical answers is report
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -37,7 +36,9 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "bench")]  # this checkout's ecru; serve_api beside it
+from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file, run_main  # noqa: E402
+from ecru.errors import EcruError  # noqa: E402
 from serve_api import Server, drive  # noqa: E402 - the same clients and ecru server as bench/serve_api.py
 
 GOAL = 1.0  # ecru's tokens/s over llama-server's at 16 clients (issue 43)
@@ -79,26 +80,24 @@ def measure(url: str, texts: list[str], cap: int, clients: int, name: str) -> tu
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--llama-server", required=True, help="path of the llama-server binary (see the docstring)"
     )
-    ap.add_argument("--n", type=int, default=64, help="prompts per group")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="cap on answer tokens")
-    ap.add_argument("--clients", type=int, default=16, help="concurrent streaming clients")
-    ap.add_argument("--rows", type=int, default=16, help="server rows (llama-server --parallel)")
-    ap.add_argument("--rounds", type=int, default=1, help="A B B A pairs")
+    ap.add_argument("--n", type=positive_int, default=64, help="prompts per group")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=64, help="cap on answer tokens")
+    ap.add_argument("--clients", type=positive_int, default=16, help="concurrent streaming clients")
+    ap.add_argument("--rows", type=positive_int, default=16, help="server rows (llama-server --parallel)")
+    ap.add_argument("--rounds", type=positive_int, default=1, help="A B B A pairs")
     ap.add_argument("--json", required=True, help="result JSON")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "src"))
-    from ecru.cliargs import prepare_out_file
     from ecru.io import atomic_write_json
     from ecru.models.smollm2 import smollm2_gguf_path
     from ecru.serve.prompts import load_prompts
 
     prepare_out_file(args.json, flag="--json")
     if not os.access(args.llama_server, os.X_OK):
-        raise SystemExit(
+        raise EcruError(
             f"--llama-server {args.llama_server}: not an executable; build it as the docstring says"
         )
     texts = load_prompts("mixed", n=args.n, split="test")
@@ -153,4 +152,4 @@ def summarize(args, runs: dict[str, list[dict]], answers: dict[str, list[str]]) 
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_main(main))

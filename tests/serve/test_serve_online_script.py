@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from ecru.errors import EcruError
 from ecru.serve.cost import CostModel, StepWork
 from ecru.serve.scheduler import EngineConfig
 from tests.bench_scripts import load_bench_script
@@ -187,7 +188,7 @@ def test_read_split_gives_greedy_lengths_and_the_longest_of_samples(bench, tmp_p
     )
     assert bench.read_split(path, 10, 256) == (["a", "b"], [30, 9], [30, 9])
     assert bench.read_split(path, 10, 256, samples=4) == (["a", "b"], [30, 9], [256, 9])  # capped at 256
-    with pytest.raises(SystemExit, match="fewer than 4 answer lengths"):
+    with pytest.raises(EcruError, match="fewer than 4 answer lengths"):
         path.write_text('{"prompt": "a", "lengths": [30]}\n')
         bench.read_split(path, 10, 256, samples=4)
 
