@@ -33,7 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ecru.cliargs import run_main
 from ecru.demo.plots import new_figure, save
+from ecru.errors import EcruError
 from ecru.lifelong.evaluate import OOS_RECALL
 from ecru.lifelong.experiment import Experiment
 from ecru.lifelong.methods import ALIASES, METHODS, ROUTED, RoutedConfig, TrainConfig
@@ -127,9 +129,11 @@ def _results_file(path: Path) -> dict:
     try:
         out = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        sys.exit(f"--combine: cannot read {path} ({exc}); give JSON files this script wrote with --json")
+        raise EcruError(
+            f"--combine: cannot read {path} ({exc}); give JSON files this script wrote with --json"
+        ) from None
     if not isinstance(out, dict) or not {"config", "methods"} <= set(out):
-        sys.exit(f"--combine: {path} is not a result of this script (no config and methods)")
+        raise EcruError(f"--combine: {path} is not a result of this script (no config and methods)")
     return out
 
 
@@ -141,7 +145,7 @@ def combine(paths: list[Path]) -> dict:
     for p, f in zip(paths[1:], files[1:], strict=True):
         differs = [k for k in SAME_RUN_CONFIG if f["config"].get(k) != first.get(k)]
         if differs:
-            sys.exit(
+            raise EcruError(
                 f"--combine: {p} differs from {paths[0]} in {differs}; join runs of one configuration only"
             )
     # methods run in separate processes too
@@ -150,7 +154,7 @@ def combine(paths: list[Path]) -> dict:
     for n, runs in per_method.items():
         pairs = [(r["seed"], r["order"]) for r in runs]
         if len(set(pairs)) != len(pairs):
-            sys.exit(f"--combine: {n}'s (seed, order) runs {pairs} repeat; join different runs")
+            raise EcruError(f"--combine: {n}'s (seed, order) runs {pairs} repeat; join different runs")
     pairs = sorted({(r["seed"], r["order"]) for runs in per_method.values() for r in runs})
     methods = {n: aggregate(r) for n, r in per_method.items()}
     config = {**first, "runs": pairs, "combined_from": [str(p) for p in paths],
@@ -196,13 +200,15 @@ def reused(spec: str | None, stream: dict, pairs: list[tuple[int, int]]) -> dict
     try:
         old = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
-        sys.exit(f"--reuse: cannot read {path!r} ({exc}); give FILE:METHODS, e.g. results.json:zscl,zeroshot")
+        raise EcruError(
+            f"--reuse: cannot read {path!r} ({exc}); give FILE:METHODS, e.g. results.json:zscl,zeroshot"
+        ) from None
     config = old.get("config", {})
     if config.get("stream") != stream or [tuple(r) for r in config.get("runs", [])] != pairs:
-        sys.exit(f"--reuse: {path} holds another stream or other (seed, order) runs than this command")
+        raise EcruError(f"--reuse: {path} holds another stream or other (seed, order) runs than this command")
     missing = [n for n in names.split(",") if n not in old.get("methods", {})]
     if missing or not names:
-        sys.exit(f"--reuse: {path} has no results for {missing or 'no method named'}")
+        raise EcruError(f"--reuse: {path} has no results for {missing or 'no method named'}")
     return {n: {**old["methods"][n], "reused_from": path} for n in names.split(",")}
 
 
@@ -415,7 +421,7 @@ def main(argv=None) -> int:
         out = json.loads(args.json.read_text())
         methods = {ALIASES.get(n, n): m for n, m in out["methods"].items()}  # files from before the renames
         if not all("agnostic" in m for m in methods.values()):
-            sys.exit(
+            raise EcruError(
                 f"{args.json} predates the task-agnostic protocol (no 'agnostic' blocks); run the benchmark again"
             )
         print_table(methods)
@@ -435,7 +441,7 @@ def main(argv=None) -> int:
     names = [ALIASES.get(n, n) for n in names]
     unknown = set(names) - set(METHODS)
     if unknown:
-        sys.exit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+        raise EcruError(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
     kw, start = {**stream_kwargs(args), "split": args.split}, time.perf_counter()
     args.reused = reused(args.reuse, kw, run_pairs(args))
     names = [n for n in names if n not in args.reused]
@@ -497,4 +503,4 @@ def write_json(args, kw: dict, batch: int, start: float, per_method: dict, *, pa
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

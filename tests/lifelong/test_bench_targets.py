@@ -2,6 +2,7 @@
 
 import pytest
 
+from ecru.errors import EcruError
 from tests.bench_scripts import load_bench_script
 
 
@@ -78,9 +79,9 @@ def test_a_reused_baseline_is_reported_but_never_meets_a_target(bench, tmp_path)
     assert bench.reused(f"{old}:zscl", stream, pairs) == {"zscl": {"runs": [], "reused_from": str(old)}}
     assert bench.reused(None, stream, pairs) == {}
     for spec, why in ((f"{old}:lwf", "no results"), (f"{tmp_path}/nope.json:zscl", "cannot read")):
-        with pytest.raises(SystemExit, match=why):
+        with pytest.raises(EcruError, match=why):
             bench.reused(spec, stream, pairs)
-    with pytest.raises(SystemExit, match="another stream"):
+    with pytest.raises(EcruError, match="another stream"):
         bench.reused(f"{old}:zscl", {**stream, "tasks": 3}, pairs)
 
 
@@ -103,7 +104,7 @@ def test_combine_joins_one_process_per_run_and_checks_targets_over_all(bench, tm
     t = out["targets"]
     assert t["cpu_over_zscl_cpu"]["runs"] == [0.25] * 3 and t["cpu_over_zscl_cpu"]["met"]
     assert t["agnostic_last_minus_zscl"]["mean"] == 5.0
-    with pytest.raises(SystemExit, match="repeat"):
+    with pytest.raises(EcruError, match="repeat"):
         bench.combine([paths[0], paths[0]])
     apart = []  # one run's methods measured in two processes: joined as one result
     for name in ("routed-lora", "zscl"):
@@ -115,12 +116,12 @@ def test_combine_joins_one_process_per_run_and_checks_targets_over_all(bench, tm
     assert joined["targets"]["agnostic_last_minus_zscl"]["mean"] == 5.0
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"config": config | {"lr": 2e-5}, "methods": {}}))
-    with pytest.raises(SystemExit, match="differs"):
+    with pytest.raises(EcruError, match="differs"):
         bench.combine([paths[0], other])
-    with pytest.raises(SystemExit, match="cannot read"):
+    with pytest.raises(EcruError, match="cannot read"):
         bench.combine([tmp_path / "nope.json"])
     (tmp_path / "list.json").write_text("[]")
-    with pytest.raises(SystemExit, match="not a result"):
+    with pytest.raises(EcruError, match="not a result"):
         bench.combine([tmp_path / "list.json"])
 
 
