@@ -41,13 +41,19 @@ def test_learned_texts_answered_and_untaught_domains_abstained(store):
     preds = store.predict([t for t, _ in test], abstain=True)
     right = torch.tensor([p.label == label for p, (_, label) in zip(preds, test, strict=True)])
     answered = torch.tensor([p.label is not None for p in preds])
-    assert right.double().mean().item() >= 0.90
+    first10 = torch.tensor([r in set(_rows(d, "test", 10)) for d in TAUGHT for r in _rows(d, "test", TEST)])
     scores = torch.tensor([p.score for p in preds], dtype=torch.float64)
     accuracy = right[answered].double().mean().item()
+    ece = expected_calibration_error(scores[answered], right[answered])
+    # what docs/lifelong.md reports (`pytest -s` shows it)
+    print(f"answered right {right.double().mean():.3f} (first 10 per intent {right[first10].double().mean():.3f}), "
+          f"mean score {scores[answered].mean():.3f}, accuracy {accuracy:.3f}, ECE {ece:.3f}")  # fmt: skip
+    assert right.double().mean().item() >= 0.90
     assert abs(scores[answered].mean().item() - accuracy) <= 0.10
-    assert expected_calibration_error(scores[answered], right[answered]) <= 0.10
+    assert ece <= 0.10
     for domain in UNTAUGHT:
         other = store.predict([t for t, _ in _rows(domain, "test", TEST)], abstain=True)
+        print(f"{domain} abstained {sum(p.label is None for p in other) / len(other):.3f}")
         assert sum(p.label is None for p in other) / len(other) >= 0.80, domain
         assert {p.reason for p in other if p.label is None} == {UNCLAIMED}
 
