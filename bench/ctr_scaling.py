@@ -37,7 +37,7 @@ from ecru.cowclip import RECIPES, scaled_recipe
 from ecru.ctr import CTRData, SyntheticConfig, TrainConfig, generate, train
 from ecru.ctr.synthetic import realised_oracle
 from ecru.errors import EcruError
-from ecru.io import atomic_write_text, load_tensors, save_tensors
+from ecru.io import atomic_write_json, atomic_write_text, load_tensors, save_tensors
 
 BOTH_MODES = ("cowclip", "tempered")  # the other baselines run in the faithful mode only
 
@@ -135,7 +135,7 @@ def tta_worker(args: argparse.Namespace) -> int:
     res = train(cfg, tr, te)
     if not dist.is_initialized() or dist.get_rank() == 0:
         out = {"steps": res.steps, "final_auc": res.auc, "train_s": res.wall_s, "curve": res.curve}
-        Path(args.out).write_text(json.dumps({**out, "eval_every_steps": cfg.eval_every}))
+        atomic_write_json(args.out, {**out, "eval_every_steps": cfg.eval_every})
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -463,7 +463,7 @@ def summarize(path: Path, plot_path: Path | None, note: str | None) -> int:
     out["targets"] = targets(out["runs"], out["timing_1k"], base, large[0])
     if note:
         out["note"] = note
-    path.write_text(json.dumps(out, indent=2))
+    atomic_write_json(path, out)
     full = out["command"].split().count("--full") > 0
     plot(
         out["runs"],

@@ -36,6 +36,7 @@ import torch
 from ecru.cliargs import run_main
 from ecru.demo.plots import new_figure, save
 from ecru.errors import EcruError
+from ecru.io import atomic_write_json
 from ecru.lifelong.evaluate import OOS_RECALL
 from ecru.lifelong.experiment import Experiment
 from ecru.lifelong.methods import ALIASES, METHODS, ROUTED, RoutedConfig, TrainConfig
@@ -431,7 +432,7 @@ def main(argv=None) -> int:
     if args.combine:
         out = combine(args.combine)
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+        atomic_write_json(args.json, out)
         print_table(out["methods"])
         print_targets(out["targets"])
         print("wrote", args.json, *plot_all(out["methods"], args.json))
@@ -498,7 +499,7 @@ def write_json(args, kw: dict, batch: int, start: float, per_method: dict, *, pa
               "full": bool(args.full), "cpu_s_process": time.process_time()}  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
     out = {"config": config, "targets": check_targets(methods, full=bool(args.full)), "methods": methods}
-    args.json.write_text(json.dumps(out, indent=1))
+    atomic_write_json(args.json, out)
     return out
 
 

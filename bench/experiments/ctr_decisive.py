@@ -40,6 +40,7 @@ import torch
 from ecru.cowclip import Recipe, cowclip_recipe
 from ecru.ctr import SyntheticConfig, TrainConfig, generate, train
 from ecru.ctr.synthetic import realised_oracle
+from ecru.io import atomic_write_json
 
 
 @dataclass(frozen=True)
@@ -282,9 +283,7 @@ def write(out: Path, args_line: str, setting: Setting, runs: list[dict], oracle:
         "platform": platform.platform(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    tmp.replace(out)
+    atomic_write_json(out, result)
     if summary.get("reference") and len(summary) > 1:
         plot(summary, runs, out.with_suffix(".png"), f"DeepFM, faithful, s = {setting.large // setting.base}")
     return result

@@ -12,7 +12,6 @@ that the benchmark does not report (the default 10,11,12), then check the winner
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 
 from ecru.cowclip import Recipe, scaled_recipe
 from ecru.ctr import SyntheticConfig, TrainConfig, generate, train
+from ecru.io import atomic_write_json
 
 BENCH = Path(__file__).resolve().parents[1]  # bench/: the product benchmark this study builds on
 if str(BENCH) not in sys.path:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - start,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    atomic_write_json(args.json, out)
     return 0
 
 

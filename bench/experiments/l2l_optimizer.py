@@ -15,13 +15,14 @@ warns when an Adam/AdamW factory leaves it off).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from ecru.io import atomic_write_json
 
 BYTES_PER_PARAM = 28  # AdamW: read p, g, m, v; write p, m, v (fp32)
 IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
@@ -116,7 +117,7 @@ def main(argv=None) -> None:
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+        atomic_write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ecru.datasets import humanize_intent, load_clinc
+from ecru.io import atomic_write_json
 from ecru.lifelong.calibration import expected_calibration_error
 from ecru.lifelong.methods import TrainConfig, make_method
 from ecru.lifelong.stream import StreamConfig, build_clinc_stream
@@ -84,8 +85,8 @@ def main(argv=None) -> int:
               f"oos_val recall {row['oos_val_recall_other_half']:5.1f}  "
               + " ".join(f"ece@{s:g} {row[f'ece_scale_{s:g}']:.3f}" for s in SCALES))  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "mean_last": last,
-                                     "mean": mean, "runs": runs}, indent=1))  # fmt: skip
+    atomic_write_json(args.json, {"command": " ".join(["python", *sys.argv]), "mean_last": last, "mean": mean,
+                                  "runs": runs})  # fmt: skip
     return 0
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from ecru.datasets import humanize_intent
+from ecru.io import atomic_write_json
 from ecru.lifelong import StreamConfig, TrainConfig, build_clinc_stream, make_method
 from ecru.lifelong.evaluate import encode_sorted
 from ecru.lifelong.methods import ROUTED
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                       "wall_s": time.perf_counter() - start},
            "router_shares_percent": shares, "one_task_accuracy": adapters}  # fmt: skip
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    atomic_write_json(args.json, out)
     print(f"wrote {args.json}")
 
 

@@ -14,13 +14,13 @@ the method's own scores (`scores` in the cache): the rules here are the code's, 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 from sklearn.metrics import roc_auc_score
 
+from ecru.io import atomic_write_json
 from ecru.lifelong.methods.base import TrainConfig
 from ecru.lifelong.methods.registry import ROUTED
 from ecru.lifelong.methods.routed import OFFSET
@@ -430,7 +430,7 @@ def main(argv=None) -> int:
             print(f"  AUROC {probe}: " + ", ".join(f"{k} {v:.3f}" for k, v in a.items()))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+        atomic_write_json(args.json, out)
         print(f"wrote {args.json}")
     return 0
 

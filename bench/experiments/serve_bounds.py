@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ecru.io import atomic_write_json
+
 
 def load_trace(args) -> tuple[list[int], list[int], str]:
     """(prompt_lens, output_lens, source) from a bench run's JSON, a trace JSONL or a labels file (tokenised
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
         result["config"]["wall_s"] = time.perf_counter() - t0
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_json(path, result)
     plot(result, rhos, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 

@@ -20,6 +20,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from ecru.io import atomic_write_json
+
 
 def replay(setup: dict, reservations: dict[str, list[float]], cost) -> dict[str, dict[str, float]]:
     """x fcfs throughput, x cb mean latency and preemptions of cb-kv per reservation rule (and of cb)."""
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    atomic_write_json(args.json, out)
     print("wrote", args.json)
 
 

@@ -15,6 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from ecru.io import atomic_write_json
 from ecru.serve.labels import read_labels
 
 
@@ -55,7 +56,7 @@ def main(argv=None) -> None:
     }
     print(json.dumps(out, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        atomic_write_json(args.json, out)
 
 
 if __name__ == "__main__":

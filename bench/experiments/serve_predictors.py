@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ecru.io import atomic_write_json
+
 PREFIX_TOKENS = (16, 32)
 
 
@@ -292,7 +294,7 @@ def cap_study(args) -> None:
                 f"{'held-out, constant ' + str(c):>34}: sim x fcfs "
                 + " ".join(f"{k} {v:.2f}" for k, v in x.items())
             )
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    atomic_write_json(args.json, out)
     print(f"wrote {args.json}")
 
 
@@ -336,7 +338,7 @@ def learning_curve(args) -> None:
                     aucs.append(roc_auc_score(lengths[idx] >= cap, p))
             out[name][n] = {"auc": float(np.mean(aucs)), "auc_sd": float(np.std(aucs))}
             print(f"{name:>34} n={n:>4}: cap-hit AUC {np.mean(aucs):.3f} +- {np.std(aucs):.3f}", flush=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    atomic_write_json(args.json, out)
     print(f"wrote {args.json}")
 
 
@@ -418,7 +420,7 @@ def main() -> None:
         )
     results["oracle_sim_x_fcfs"] = sim.run(true, "oracle").samples_per_s / sim.base
     print(f"oracle sim x fcfs {results['oracle_sim_x_fcfs']:.2f}")
-    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_json(args.json, results)
     print(f"wrote {args.json}")
 
 

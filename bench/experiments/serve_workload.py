@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+from ecru.io import atomic_write_json
 from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
 from ecru.serve.cost import measure_cost_model
 from ecru.serve.labels import TEMPERATURES, LengthLabel, label_prompts
@@ -160,7 +160,7 @@ def main(argv=None) -> None:
         },
     }
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        atomic_write_json(args.json, out)
 
 
 if __name__ == "__main__":
