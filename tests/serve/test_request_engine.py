@@ -214,6 +214,16 @@ def test_cb_kv_refuses_a_request_its_budget_cannot_hold(model, gen):
         engine.add_request(list(range(3, 93)), GREEDY)  # 90 + 24 > 112
 
 
+def test_a_key_or_request_id_in_use_is_refused_and_leaves_nothing_behind(model, gen):
+    engine = make_engine(model, gen)
+    engine.add_request([5, 6, 7], GREEDY, key=3, request_id="a")
+    with pytest.raises(ValueError, match="request key 3 is already in use"):
+        engine.add_request([5, 6], GREEDY, key=3, request_id="b")
+    with pytest.raises(ValueError, match="request id 'a' is already running"):
+        engine.add_request([5, 6], GREEDY, request_id="a")
+    assert len(engine.requests) == len(engine.scheduler.seqs) == 1
+
+
 def test_offline_cb_kv_with_padded_accounting_stays_within_its_budget(model, prompts, reference, gen):
     from ecru.serve import FCFSQueue, generate_continuous
 

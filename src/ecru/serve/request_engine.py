@@ -234,8 +234,6 @@ class RequestEngine:
         if reserve is not None and self.runner.state_predictor is not None:
             raise ValueError("reserve is a cb-kv reservation: not with prefill on arrival (state_predictor)")
         seq = next(self._seq) if key is None else key
-        if seq in self.requests:
-            raise ValueError(f"request key {seq} is already in use")
         request_id = request_id if request_id is not None else f"req-{seq}"
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -243,7 +241,8 @@ class RequestEngine:
         req = Request(request_id, list(prompt), params, seq, listener)
         req.generator = None if params.greedy else torch.Generator().manual_seed(seed)
         req.stream = TextStream(self.detok, params.stop) if self.detok is not None else None
-        # predicted before the request is registered: a predictor that raises leaves no request behind
+        # predicted before the request is registered (the scheduler refuses a key in use): a predictor that raises
+        # leaves no request behind
         predicted = None
         if self.runner.state_predictor is None:  # with it: prefilled, predicted and queued by a coming step
             predicted = self.predict(req.prompt, params) if reserve is None else reserve
