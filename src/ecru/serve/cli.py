@@ -15,6 +15,7 @@ from ecru.cliargs import (
     add_config_flags,
     config_from_args,
     existing_file,
+    non_negative_float,
     non_negative_int,
     number_in,
     positive_float,
@@ -166,14 +167,29 @@ def _configure_api_run(sub) -> None:
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    """`SamplingParams`' flags (its docstrings as help), every line seeded 0 by default."""
-    from ecru.serve.sampling import SamplingParams
-
-    seed = {"type": non_negative_int, "default": 0, "help": "every line's sampling seed (a rerun repeats it)"}
-    names = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty")
-    add_config_flags(p, SamplingParams, only=names, top_p={"type": positive_float}, top_k={"type": non_negative_int},
-                     seed=seed, presence_penalty={"type": PENALTY}, frequency_penalty={"type": PENALTY})  # fmt: skip
+    p.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="0 (the default): greedy; OpenAI's range is 0..2",
+    )
+    p.add_argument("--top-p", type=positive_float, default=1.0, help="nucleus sampling mass, (0, 1]")
+    p.add_argument(
+        "--top-k", type=non_negative_int, default=0, help="keep the k likeliest tokens (0, the default: off)"
+    )
+    p.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="sampling seed of every line, default 0 (the same answer on a rerun)",
+    )
     p.add_argument("--stop", action="append", default=None, help="a stop string (repeat for up to 4)")
+    p.add_argument(
+        "--presence-penalty", type=PENALTY, default=0.0, help="OpenAI's presence penalty, -2..2 (default 0)"
+    )
+    p.add_argument(
+        "--frequency-penalty", type=PENALTY, default=0.0, help="OpenAI's frequency penalty, -2..2 (default 0)"
+    )
 
 
 def _configure_simulate(sub) -> None:
