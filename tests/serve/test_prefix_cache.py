@@ -150,11 +150,11 @@ def test_prefix_caching_survives_preemption_with_generates_tokens(model, gen, sh
 def test_offline_measurement_loop_runs_without_prefix_caching(model, gen, shared, monkeypatch):
     from ecru.serve.queues import FCFSQueue
     from ecru.serve.runner import generate_continuous
-    from ecru.serve.scheduler import ContinuousConfig
+    from ecru.serve.scheduler import EngineConfig
 
     # the static baselines and the simulator it is compared with have no prefix caching
     monkeypatch.setattr(PrefixStore, "lookup", lambda *args: pytest.fail("the prefix cache was used"))
     prompts, reference = shared
-    config = ContinuousConfig(max_batch_size=4, max_new_tokens=MAX_NEW, refill_min=2)
+    config = EngineConfig(max_batch_size=4, max_new_tokens=MAX_NEW, refill_min=2)
     result = generate_continuous(model, prompts, queue=FCFSQueue(), gen=gen, config=config)
     assert result.tokens == reference

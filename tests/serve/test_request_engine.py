@@ -86,10 +86,10 @@ def test_listener_streams_and_cancel_frees_the_row(model, prompts, gen):
     other = engine.add_request(prompts[1], GREEDY)
     waiting = engine.add_request(prompts[2], GREEDY)
     engine.step()
-    assert engine.num_running == 2 and engine.num_waiting == 1
+    assert len(engine.scheduler.running) == 2 and engine.scheduler.num_waiting == 1
     assert engine.abort(long.request_id) and long.finish_reason == "abort" and seen[-1].finished
     engine.step()  # the cancelled row left: the waiting request took it
-    assert engine.num_running + len([r for r in (other, waiting) if r.finished]) == 2
+    assert len(engine.scheduler.running) + len([r for r in (other, waiting) if r.finished]) == 2
     assert long.seq not in engine.runner.run.ids and waiting.status.value != "waiting"
     while engine.has_unfinished():
         engine.step()
@@ -208,33 +208,27 @@ def test_cb_kv_measured_kv_peak_never_exceeds_its_budget(model, prompts, referen
         assert engine.stats.preemptions > 0
 
 
-def test_reserved_accounting_overshoots_the_padded_cache_it_budgets(model, prompts, gen):
-    """What the padded accounting fixes: reservations counted as a paged cache holds them (prompt plus
-    reserved answer) admit more than this engine's left-padded cache then holds within the budget."""
-    from dataclasses import replace
-
-    config = EngineConfig(
-        policy="cb-kv", max_new_tokens=24, max_batch_size=4, refill_min=2, kv_prompt_tokens=4
-    )
-    limits = replace(config.continuous(), kv_accounting="reserved")
-    engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
-                           config=config, limits=limits)  # fmt: skip
-    engine.predict = lambda prompt, params: 6.0
-    engine.generate(prompts, GREEDY)
-    assert engine.stats.peak_kv_tokens > limits.kv_budget
-
-
 def test_cb_kv_refuses_a_request_its_budget_cannot_hold(model, gen):
     engine = make_engine(model, gen, policy="cb-kv", kv_prompt_tokens=4)
     with pytest.raises(ValueError, match="KV-cache budget of 112"):
         engine.add_request(list(range(3, 93)), GREEDY)  # 90 + 24 > 112
 
 
+def test_a_key_or_request_id_in_use_is_refused_and_leaves_nothing_behind(model, gen):
+    engine = make_engine(model, gen)
+    engine.add_request([5, 6, 7], GREEDY, key=3, request_id="a")
+    with pytest.raises(ValueError, match="request key 3 is already in use"):
+        engine.add_request([5, 6], GREEDY, key=3, request_id="b")
+    with pytest.raises(ValueError, match="request id 'a' is already running"):
+        engine.add_request([5, 6], GREEDY, request_id="a")
+    assert len(engine.requests) == len(engine.scheduler.seqs) == 1
+
+
 def test_offline_cb_kv_with_padded_accounting_stays_within_its_budget(model, prompts, reference, gen):
-    from ecru.serve import FCFSQueue, generate_continuous, kv_budget_config
+    from ecru.serve import FCFSQueue, generate_continuous
 
     lens = [len(p) for p in prompts]
-    config = kv_budget_config(2, 24, lens, refill_min=1, accounting="padded")  # 2 x (24 + 11) = 70
+    config = EngineConfig("cb-kv", 2, 24, 1, kv_prompt_tokens=max(lens))  # 2 x (24 + 11) = 70
     run = generate_continuous(model, prompts, queue=FCFSQueue(), gen=gen, config=config, reserve=[3.0] * 24)
     assert run.tokens == reference and run.preemptions > 0
     assert 0 < run.peak_kv_tokens <= config.kv_budget == 70

@@ -142,16 +142,18 @@ def test_cli_simulate_writes_json(tmp_path, policy):
     if policy in ("cb", "cb-sjf"):  # refill at 4 free rows never triggers with 2 rows: each pair runs alone
         assert out["padded_slots"] == USEFUL and out["batches"] == 3
     if policy == "cb-kv":  # the memory of 2 cap-length rows (padding counted), shared by the reservations
-        from ecru.serve import ContinuousConfig, FCFSQueue, kv_budget_config, simulate_continuous
+        from ecru.serve import EngineConfig, FCFSQueue, simulate_continuous
 
-        config = kv_budget_config(2, 10, [10] * len(ROWS), accounting="padded")
+        config = EngineConfig("cb-kv", max_batch_size=2, max_new_tokens=10, kv_prompt_tokens=10)
         ref, _ = simulate_continuous(TRACE, queue=FCFSQueue(), config=config, reserve=[p for _, p in ROWS])
         assert (out["padded_slots"], out["batches"], out["failures"]) == (
             ref.padded_slots,
             ref.batches,
             ref.failures,
         )
-        cb, _ = simulate_continuous(TRACE, queue=FCFSQueue(), config=ContinuousConfig(2, 10))
+        cb, _ = simulate_continuous(
+            TRACE, queue=FCFSQueue(), config=EngineConfig(max_batch_size=2, max_new_tokens=10)
+        )
         assert (ref.batch_steps, cb.batch_steps) == (11, 15)  # more rows decode together in the same memory
 
 
@@ -283,11 +285,11 @@ def test_scaled_cost_model_scales_time():
 
 
 def test_continuous_hand_computed():
-    from ecru.serve import ContinuousConfig, FCFSQueue, simulate_continuous
+    from ecru.serve import EngineConfig, FCFSQueue, simulate_continuous
 
     # 2 rows, refill when 1 is free; lengths 3, 1, 4, 2 (cap 10), all arriving at step 0.
     trace = [TraceRequest(5, n) for n in (3, 1, 4, 2)]
-    config = ContinuousConfig(max_batch_size=2, max_new_tokens=10, refill_min=1)
+    config = EngineConfig(max_batch_size=2, max_new_tokens=10, refill_min=1)
     r, order = simulate_continuous(trace, queue=FCFSQueue(), config=config)
     # prefill [0,1]: 1 done at once; decode 1 row (step 1: 0 has 2); admit [2]; step 2: 0 done, 2 has 2;
     # admit [3]; step 3: 2 has 3, 3 done; step 4: 2 done
@@ -297,11 +299,11 @@ def test_continuous_hand_computed():
 
 
 def test_continuous_latency_counts_from_arrival():
-    from ecru.serve import ContinuousConfig, FCFSQueue, simulate_continuous
+    from ecru.serve import EngineConfig, FCFSQueue, simulate_continuous
 
     cost = CostModel(1.0, 0.0, 0.0, 0.0, 0.0)  # 1 s per decode step, prefill free
     trace = [TraceRequest(1, 3), TraceRequest(1, 2)]
-    config = ContinuousConfig(max_batch_size=1, max_new_tokens=10, refill_min=1)
+    config = EngineConfig(max_batch_size=1, max_new_tokens=10, refill_min=1)
     r, _ = simulate_continuous(trace, queue=FCFSQueue(), config=config, cost=cost, arrivals=[0, 1])
     # request 0: 2 decode steps (finishes at 2 s); request 1 arrives at step 1 (1 s), runs 1 step after
     assert r.time_s == 3.0 and r.mean_latency_s == ((2 - 0) + (3 - 1)) / 2
@@ -310,11 +312,11 @@ def test_continuous_latency_counts_from_arrival():
 @pytest.mark.parametrize("policy", ["cb", "cb-sjf", "cb-ljf"])
 @pytest.mark.parametrize("refill_min", [1, 3])
 def test_continuous_simulator_equals_the_real_loop(model, prompts, reference, gen, policy, refill_min):
-    from ecru.serve import ContinuousConfig, generate_continuous, make_queue, simulate_continuous
+    from ecru.serve import EngineConfig, generate_continuous, make_queue, simulate_continuous
 
     true = [len(r) for r in reference]
     predicted = [(t * 7) % 13 for t in true]  # a poor predictor: the order still has to match
-    config = ContinuousConfig(max_batch_size=4, max_new_tokens=24, refill_min=refill_min)
+    config = EngineConfig(max_batch_size=4, max_new_tokens=24, refill_min=refill_min)
     arrivals = [2 * (i // 3) for i in range(len(prompts))]
 
     def queue():
@@ -328,11 +330,11 @@ def test_continuous_simulator_equals_the_real_loop(model, prompts, reference, ge
 
 
 def test_longest_first_admission_shortens_the_drain():
-    from ecru.serve import ContinuousConfig, make_queue, simulate_continuous
+    from ecru.serve import EngineConfig, make_queue, simulate_continuous
 
     # 2 rows; FCFS admits the 10-token answer last and it runs alone; longest-first starts it at once
     trace = [TraceRequest(1, n) for n in (2, 2, 2, 2, 10)]
-    config = ContinuousConfig(max_batch_size=2, max_new_tokens=16, refill_min=1)
+    config = EngineConfig(max_batch_size=2, max_new_tokens=16, refill_min=1)
     fcfs, _ = simulate_continuous(trace, queue=make_queue("cb"), config=config)
     ljf, order = simulate_continuous(
         trace, queue=make_queue("cb-ljf", [t.output_len for t in trace]), config=config
@@ -342,32 +344,37 @@ def test_longest_first_admission_shortens_the_drain():
 
 
 def test_kv_budget_admission_and_preemption_hand_computed():
-    from ecru.serve import ContinuousConfig, FCFSQueue, simulate_continuous
+    from ecru.serve import EngineConfig, FCFSQueue, simulate_continuous
 
-    # budget 20 KV tokens, prompts of 2, each request reserves 2 answer tokens; true lengths 6, 2, 3 (cap 10)
+    # budget 1 x (10 + 10) = 20 KV tokens over 4 rows, prompts of 2, each request reserves 2 answer tokens;
+    # true lengths 6, 2, 3 (cap 10)
     trace = [TraceRequest(2, n) for n in (6, 2, 3)]
-    config = ContinuousConfig(max_batch_size=4, max_new_tokens=10, refill_min=1, kv_budget=20)
+    config = EngineConfig("cb-kv", max_batch_size=1, max_new_tokens=10, refill_min=1, kv_prompt_tokens=10)
+    assert (config.kv_budget, config.max_rows) == (20, 4)
     r, order = simulate_continuous(trace, queue=FCFSQueue(), config=config, reserve=[2, 2, 2])
-    # all three fit (3 x 4 = 12). Decode 1: 1 is done; 0 and 2 reach their 2 reserved tokens and grow to the
-    # cap: 12 + 12 > 20, so the newest (2) is preempted. 2 now needs 2 + 10 and waits while 0 (12) runs
-    # alone 4 more steps; then 2 runs from scratch: prefill and 2 decode steps.
+    # all three fit (3 rows x (2 + 1) = 9 padded positions). Decode 1: 1 is done; 0 and 2 reach their 2
+    # reserved tokens and grow to the cap: 2 rows x (3 cached + 8 steps) = 22 > 20, so the newest (2) is
+    # preempted. 2 now reserves the cap and waits while 0 (3 + 8 = 11) runs alone 4 more steps; then 2
+    # runs from scratch: prefill and 2 decode steps.
     assert order == [0, 1, 2, 2]
     assert (r.batches, r.batch_steps, r.failures) == (2, 1 + 4 + 2, 1)
     assert (r.padded_slots, r.useful_tokens) == (3 + 3 + 4 + 1 + 2, 6 + 2 + 3)
     # without a budget nothing is preempted: 3 rows, 5 decode steps
     free, _ = simulate_continuous(
-        trace, queue=FCFSQueue(), config=ContinuousConfig(4, 10, 1), reserve=[2] * 3
+        trace,
+        queue=FCFSQueue(),
+        config=EngineConfig(max_batch_size=4, max_new_tokens=10, refill_min=1),
+        reserve=[2] * 3,
     )
     assert (free.failures, free.batch_steps, free.padded_slots) == (0, 5, 11)
 
 
-@pytest.mark.parametrize("accounting", ["reserved", "padded"])
-def test_kv_budget_simulator_equals_the_real_loop(model, prompts, reference, gen, accounting):
-    from ecru.serve import FCFSQueue, generate_continuous, kv_budget_config, simulate_continuous
+def test_kv_budget_simulator_equals_the_real_loop(model, prompts, reference, gen):
+    from ecru.serve import EngineConfig, FCFSQueue, generate_continuous, simulate_continuous
 
     true = [len(r) for r in reference]
     predicted = [max(1, (t * 7) % 13) for t in true]  # poor: many rows outgrow their reservation
-    config = kv_budget_config(4, 24, [len(p) for p in prompts], refill_min=2, accounting=accounting)
+    config = EngineConfig("cb-kv", 4, 24, 2, kv_prompt_tokens=max(len(p) for p in prompts))
     arrivals = [2 * (i // 3) for i in range(len(prompts))]
     run = generate_continuous(
         model, prompts, queue=FCFSQueue(), gen=gen, config=config, arrivals=arrivals, reserve=predicted

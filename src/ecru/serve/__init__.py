@@ -84,10 +84,8 @@ _EXPORTS = {
     ),
     "ecru.serve.sampling": ("SamplingParams",),
     "ecru.serve.scheduler": (
-        "ContinuousConfig",
         "EngineConfig",
         "Scheduler",
-        "kv_budget_config",
     ),
     "ecru.serve.self_predict": (
         "PiAPredictor",

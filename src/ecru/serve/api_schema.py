@@ -5,7 +5,7 @@ with a 400 that names them rather than ignored."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ecru.serve.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -80,15 +80,13 @@ class _Sampling(_Strict):
     frequency_penalty: float | None = None
     stream: bool = False
     stream_options: dict | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
         named = [k for k in NOT_SERVED if (self.model_extra or {}).get(k) not in (None, [], {})]
         if named:
             raise APIError(400, f"not supported here: {', '.join(named)}; remove them", param=named[0])
-        if not 1 <= self.n <= MAX_N:
-            raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
             check_text(s, "stop")
 
@@ -127,7 +125,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -135,8 +133,6 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, "messages is empty: give at least one message", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -151,7 +147,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str]
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -160,8 +156,6 @@ class CompletionRequest(_Sampling):
         if not self.text:
             raise APIError(400, "prompt is empty", param="prompt")
         check_text(self.text, "prompt")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
-            raise APIError(400, f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]", param="logprobs")
         if self.echo or self.suffix:
             raise APIError(400, "echo and suffix are not supported", param="echo" if self.echo else "suffix")
 

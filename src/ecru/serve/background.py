@@ -75,11 +75,11 @@ class EngineThread:
             self._record()
 
     def _record(self) -> None:
-        e = self.engine
+        e, sched = self.engine, self.engine.scheduler
         self.snapshot = {
-            "waiting": e.num_waiting,
-            "running": e.num_running,
-            "rows": e.max_rows,
+            "waiting": sched.num_waiting,
+            "running": len(sched.running),
+            "rows": sched.config.max_rows,
             "steps": e.stats.steps,
             "preemptions": e.stats.preemptions,
             "prefix_hit_tokens": e.stats.prefix_hit_tokens,

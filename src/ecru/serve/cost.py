@@ -15,7 +15,8 @@ included.
 from __future__ import annotations
 
 import json
-import time
+import statistics
+import timeit
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, astuple, dataclass
@@ -79,13 +80,7 @@ class CostModel:
     """Where the numbers come from (machine, model)."""
 
     def __post_init__(self):
-        values = (
-            self.step_base,
-            self.step_per_row,
-            self.step_per_row_ctx,
-            self.prefill_base,
-            self.prefill_per_token,
-        )
+        values = astuple(self)[:5]
         if any(v < 0 for v in values):
             raise ValueError(f"cost model coefficients must be >= 0, got {values}")
 
@@ -142,12 +137,8 @@ SMOLLM2_CPU = CostModel(0.096, 0.005, 1.66e-5, 0.17, 0.004, source="SmolLM2-135M
 
 
 def _time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    """The median seconds of `reps` calls of `fn` (the upper one of an even count)."""
+    return statistics.median_high(timeit.repeat(fn, number=1, repeat=reps))
 
 
 def fit_cost_model(work: Sequence[StepWork], seconds: Sequence[float], *, source: str) -> CostModel:

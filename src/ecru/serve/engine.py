@@ -63,11 +63,6 @@ class BatchResult:
         """Slots that produced a real token (EOS included)."""
         return sum(len(t) for t in self.tokens)
 
-    @property
-    def padding(self) -> int:
-        """Slots computed for rows that had already finished."""
-        return self.slots - self.useful
-
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(input_ids, attention_mask)` [B, T], prompts right-aligned so every row's next token is at T."""

@@ -6,7 +6,7 @@ preemption; the policies are described there) and `ModelRunner` runs each plan o
 the simulators drive the same scheduler with `simulator.SimulatedRunner`. `RequestEngine` is the front end:
 requests (sampling, caps, stop strings, streams, cancellation) and their predicted lengths, by default each
 request's own `max_tokens` (`predict`). cb-kv's budget is enforced on the cache the runner really holds
-(`EngineStats.peak_kv_tokens` never exceeds it; `ContinuousConfig.kv_accounting="padded"`).
+(`EngineStats.peak_kv_tokens` never exceeds it; `scheduler.Admitter`).
 cb-srpt re-predicts with a `RemainingPredictor` (a fitted `remaining.RemainingProbe`) from the last hidden
 state the decode step computes anyway. Prefill on arrival (`state_predictor`, e.g. a fitted
 `ProbePredictor`): a request's prompt is prefilled when it arrives, its length predicted from that forward's
@@ -47,7 +47,6 @@ from ecru.serve.queues import RequestQueue
 from ecru.serve.sampling import SamplingParams, next_token_ids, token_logprobs
 from ecru.serve.scheduler import (
     PREFILL_OVERHEAD_TOKENS,
-    ContinuousConfig,
     EngineConfig,
     Outcome,
     Scheduler,
@@ -175,12 +174,11 @@ class RequestEngine:
         context_len: int | None = None,
         predict: PredictLength | None = None,
         queue: RequestQueue | None = None,
-        limits: ContinuousConfig | None = None,
         discard_preempted: bool = False,
         state_predictor: StatePredictor | None = None,
         remaining: RemainingPredictor | None = None,
     ):
-        """`queue` and `limits` replace the ones `config` implies (offline measurements bring their own);
+        """`queue` replaces the one `config` implies (offline measurements bring their own);
         `discard_preempted`: a preempted request restarts from its prompt (its tokens are recomputed, as
         the simulator models) instead of keeping them; only for requests that stream nothing.
         `state_predictor`: prefill on arrival, lengths predicted from the prefill's states (not `predict`).
@@ -189,7 +187,7 @@ class RequestEngine:
             raise ValueError("give either predict or state_predictor: with prefill on arrival the state "
                              "predictor predicts every length")  # fmt: skip
         self.config = config or EngineConfig()
-        self.scheduler = Scheduler(self.config, queue=queue, limits=limits, discard_preempted=discard_preempted,
+        self.scheduler = Scheduler(self.config, queue=queue, discard_preempted=discard_preempted,
                                    srpt=remaining is not None, on_arrival=state_predictor is not None)  # fmt: skip
         self.requests: dict[int, Request] = {}  # unfinished, by seq
         context_len = context_len or getattr(model.config, "max_position_embeddings", None) or 2048
@@ -197,6 +195,7 @@ class RequestEngine:
                                   context_len=context_len, prefix_cache=self.config.prefix_cache,
                                   requests=self.requests, finish=self._finish, state_predictor=state_predictor,
                                   remaining=remaining)  # fmt: skip
+        self.stats = self.runner.stats
         self._check_layers()
         self.detok = Decoder(tokenizer) if tokenizer is not None else None
         self.predict = predict or (lambda prompt, params: float(params.max_tokens))
@@ -215,10 +214,6 @@ class RequestEngine:
         if self.runner.remaining is not None and self.config.preempt_mode == "keep":
             raise ValueError("preempt_mode keep needs a model whose layers all attend to the whole context (a "
                              "kept KV would be cut to a sliding window): use preempt_mode recompute")  # fmt: skip
-
-    @property
-    def stats(self) -> EngineStats:
-        return self.runner.stats
 
     # ---- front-end API -------------------------------------------------------------------------------
     def add_request(
@@ -239,8 +234,6 @@ class RequestEngine:
         if reserve is not None and self.runner.state_predictor is not None:
             raise ValueError("reserve is a cb-kv reservation: not with prefill on arrival (state_predictor)")
         seq = next(self._seq) if key is None else key
-        if seq in self.requests:
-            raise ValueError(f"request key {seq} is already in use")
         request_id = request_id if request_id is not None else f"req-{seq}"
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -248,7 +241,8 @@ class RequestEngine:
         req = Request(request_id, list(prompt), params, seq, listener)
         req.generator = None if params.greedy else torch.Generator().manual_seed(seed)
         req.stream = TextStream(self.detok, params.stop) if self.detok is not None else None
-        # predicted before the request is registered: a predictor that raises leaves no request behind
+        # predicted before the request is registered (the scheduler refuses a key in use): a predictor that raises
+        # leaves no request behind
         predicted = None
         if self.runner.state_predictor is None:  # with it: prefilled, predicted and queued by a coming step
             predicted = self.predict(req.prompt, params) if reserve is None else reserve
@@ -260,22 +254,21 @@ class RequestEngine:
         """Why a request cannot be served (ValueError), before it is queued."""
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
-        limits = self.scheduler.limits
-        if params.max_tokens > limits.max_new_tokens:
+        config = self.config
+        if params.max_tokens > config.max_new_tokens:
             raise ValueError(
-                f"max_tokens {params.max_tokens} is above this server's cap of {limits.max_new_tokens}"
+                f"max_tokens {params.max_tokens} is above this server's cap of {config.max_new_tokens}"
             )
         if len(prompt) + params.max_tokens > self.runner.context_len:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.runner.context_len} tokens; shorten the prompt or lower max_tokens"
             )
-        if limits.kv_budget is not None and limits.kv_accounting == "padded":
-            if len(prompt) + params.max_tokens > limits.kv_budget:
-                raise ValueError(
-                    f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV-cache "
-                    f"budget of {limits.kv_budget} tokens; shorten the prompt or lower max_tokens"
-                )
+        if config.kv_budget is not None and len(prompt) + params.max_tokens > config.kv_budget:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV-cache "
+                f"budget of {config.kv_budget} tokens; shorten the prompt or lower max_tokens"
+            )
         if params.stop and self.detok is None:
             raise ValueError("stop strings need a tokenizer: give the engine one")
 
@@ -295,18 +288,6 @@ class RequestEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
-
-    @property
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
-
-    @property
-    def num_running(self) -> int:
-        return len(self.runner.run.ids)
-
-    @property
-    def max_rows(self) -> int:
-        return self.scheduler.max_rows
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]):
         """Serve `prompts` to completion (offline use); the finished requests in input order."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ecru.serve.engine import GenerationConfig, generate_static, resume_static
 from ecru.serve.names import CONTINUOUS_POLICIES, DEFAULT_AGING, ENGINE_POLICY, POLICIES
@@ -15,7 +15,7 @@ from ecru.serve.policies import PlanConfig, plan_batches, run_plan
 from ecru.serve.queues import RequestQueue, make_queue
 from ecru.serve.request_engine import RequestEngine
 from ecru.serve.sampling import SamplingParams
-from ecru.serve.scheduler import ContinuousConfig, EngineConfig, run_in_steps
+from ecru.serve.scheduler import EngineConfig, run_in_steps
 
 
 @dataclass
@@ -161,18 +161,18 @@ def generate_continuous(
     *,
     queue: RequestQueue,
     gen: GenerationConfig,
-    config: ContinuousConfig,
+    config: EngineConfig,
     arrivals: Sequence[int] | None = None,
     reserve: Sequence[float] | None = None,
 ) -> ContinuousResult:
     """Serve every prompt on the request engine; request i joins `queue` at decode step `arrivals[i]` (all
-    at 0 by default). With `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the
+    at 0 by default). Under cb-kv's `config.kv_budget`, requests reserve `reserve[i]` answer tokens (default: the
     cap; see `Admitter`); a preempted request restarts from its prompt, as the simulator models it."""
     if reserve is not None and len(reserve) != len(prompts):
         raise ValueError(f"reserve has {len(reserve)} entries for {len(prompts)} prompts")
     # no prefix caching: the static baselines and the simulator this front end is compared with have none
     engine = RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id,
-                           config=EngineConfig(prefix_cache=0), context_len=10**9, queue=queue, limits=config,
+                           config=replace(config, prefix_cache=0), context_len=10**9, queue=queue,
                            discard_preempted=True)  # fmt: skip
     sched = engine.scheduler
     sched.admission_log = []
@@ -203,11 +203,11 @@ def reservations(policy: str, predicted: Sequence[float] | None) -> Sequence[flo
 
 def continuous_config(
     policy: str, plan: PlanConfig, prompt_lens: Sequence[int], *, refill_min: int = 4
-) -> ContinuousConfig:
-    """`EngineConfig.continuous` of an offline run: rows of `plan.batch_size` (cb, cb-sjf, cb-ljf); for cb-kv
-    the KV memory those rows hold reserving the cap at the longest prompt, counted on the cache really held."""
+) -> EngineConfig:
+    """The `EngineConfig` of an offline run: rows of `plan.batch_size` (cb, cb-sjf, cb-ljf); for cb-kv the KV
+    memory those rows hold reserving the cap at the longest prompt, counted on the cache really held."""
     return EngineConfig(ENGINE_POLICY[policy], plan.batch_size, plan.max_new_tokens, refill_min,
-                        kv_prompt_tokens=max([1, *prompt_lens])).continuous()  # fmt: skip
+                        kv_prompt_tokens=max([1, *prompt_lens]))  # fmt: skip
 
 
 def run_policy(

@@ -11,7 +11,7 @@ by the runner:
    length, and waits queued with its KV kept (at most `arrival_kv_requests` waiting requests keep KV:
    beyond, the longest-predicted one's is released and it is prefilled again at admission);
 2. admission (`EngineConfig.policy`: cb, cb-sjf, cb-srpt, cb-kv; an `Admitter` over a waiting queue, within
-   `ContinuousConfig`'s limits): requests with kept KV rejoin without a forward, the others are
+   `EngineConfig`'s limits): requests with kept KV rejoin without a forward, the others are
    prefilled (prompt plus the tokens a preempted request kept);
 3. one decode step for every running row; then cb-kv's budget preempts the newest rows
    (`Admitter.preempt`) and cb-srpt swaps just re-predicted rows for waiting requests predicted shorter
@@ -32,56 +32,6 @@ from typing import Protocol
 
 from ecru.serve.names import DEFAULT_AGING, ENGINE_POLICIES, FCFS_SLACK, PREEMPT_MODES, SJF_POLICIES
 from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
-
-KV_ACCOUNTING = ("reserved", "padded")
-
-
-@dataclass(frozen=True)
-class ContinuousConfig:
-    """Continuous-batching limits."""
-
-    max_batch_size: int = 16
-    """Rows decoded together at most."""
-    max_new_tokens: int = 256
-    """Cap on generated tokens per request."""
-    refill_min: int = 4
-    """Admit only when at least this many rows are free (or the batch is empty or nothing else waits):
-    prefilling several prompts in one forward is cheaper than one at a time."""
-    kv_budget: int | None = None
-    """KV-cache tokens the running requests may hold, counted as `kv_accounting` says. None: only
-    `max_batch_size` limits the batch. See `Admitter`."""
-    kv_accounting: str = "reserved"
-    """How `kv_budget` is counted. "reserved": each request's prompt plus the answer tokens reserved for
-    it, as a paged cache would hold them (what the simulator models). "padded": what this engine's
-    left-padded cache really holds, rows x the widest row (`EngineStats.peak_kv_tokens`, padding
-    included), over the reservations' whole future; the measured peak never exceeds the budget."""
-
-    def __post_init__(self):
-        if min(self.max_batch_size, self.max_new_tokens, self.refill_min) < 1:
-            raise ValueError("max_batch_size, max_new_tokens and refill_min must all be >= 1")
-        if self.kv_budget is not None and self.kv_budget < 1:
-            raise ValueError(f"kv_budget must be >= 1 token (or None), got {self.kv_budget}")
-        if self.kv_accounting not in KV_ACCOUNTING:
-            raise ValueError(
-                f"kv_accounting must be one of {', '.join(KV_ACCOUNTING)}, got {self.kv_accounting!r}"
-            )
-
-
-def kv_budget_config(
-    batch_size: int,
-    max_new_tokens: int,
-    prompt_lens: Sequence[int],
-    *,
-    refill_min: int = 4,
-    row_factor: int = 4,
-    accounting: str = "reserved",
-) -> ContinuousConfig:
-    """`cb-kv`'s limits: the KV tokens `batch_size` requests hold when each reserves the cap (at the longest
-    prompt), the memory `cb` runs in, and up to `row_factor` times as many rows when reservations are
-    smaller; counted as `accounting` says (`ContinuousConfig.kv_accounting`)."""
-    budget = batch_size * (max_new_tokens + max(prompt_lens))
-    return ContinuousConfig(batch_size * row_factor, max_new_tokens, refill_min, kv_budget=budget,
-                            kv_accounting=accounting)  # fmt: skip
 
 
 def padded_peak(cached: Sequence[int], steps: Sequence[int]) -> int:
@@ -106,27 +56,21 @@ class Admitter:
 
     Waiting requests come from `queue` (its policy decides the order), except requests taken out of it
     and not admitted, or preempted: they wait in `held` and go first. A request is admitted with
-    `Seq.reserve` answer tokens reserved (its predicted length, clipped to 1..its cap) if its prompt plus that reservation fits what the running requests leave of
-    `kv_budget`; the first row of an empty batch always runs. When a running request has generated as many
-    tokens as it reserved, its reservation grows to the cap; if the reservations then overflow the
-    budget, the newest requests are preempted (their tokens discarded, recomputed from scratch when
-    admitted again, as vLLM's recompute preemption does, then reserving the cap) until they fit. Greedy
-    outputs are unchanged.
-    Units: a reservation of r counts r answer tokens, although the last token never enters the cache; the
-    budget counts the cap per row the same way. So a row reaching r tokens unfinished grows to the cap even
-    when it will end at token r + 1 (which prompt + r would hold): one token of slack per row, on both
-    sides. Predictions are rounded down. With `kv_budget_config`'s
-    extra rows, `refill_min` rarely holds admission back (free rows abound): memory decides when
-    requests join, often one prompt per prefill.
+    `Seq.reserve` answer tokens reserved (its predicted length, clipped to 1..its cap) if the cache this
+    engine really holds stays within `EngineConfig.kv_budget` (`padded_peak`: rows x widest row over the
+    reservations' whole future, and the prefill's new cache next to the running one, with the answer
+    tokens each request holds, `Seq.generated`: a preempted request may keep its tokens and be prefilled
+    with them); the first row of an empty batch always runs. When a running request has generated as
+    many tokens as it reserved, its reservation grows to the cap; if the batch then outgrows the budget,
+    the newest requests are preempted (their tokens discarded, recomputed from scratch when admitted
+    again, as vLLM's recompute preemption does, then reserving the cap) until it fits. Greedy outputs are
+    unchanged. Predictions are rounded down. With cb-kv's extra rows (`EngineConfig.kv_row_factor`),
+    `refill_min` rarely holds admission back (free rows abound): memory decides when requests join,
+    often one prompt per prefill.
     The real loop and the simulator share this object, so they decide alike.
-
-    With `kv_accounting="padded"` the budget is checked on the cache this engine really holds
-    (`padded_peak`: rows x widest row over the reservations' whole future, and the prefill's new cache
-    next to the running one), with the answer tokens each request holds (`Seq.generated`: a preempted
-    request may keep its tokens and be prefilled with them).
     """
 
-    def __init__(self, queue: RequestQueue, config: ContinuousConfig, seqs: Mapping[int, Seq]):
+    def __init__(self, queue: RequestQueue, config: EngineConfig, seqs: Mapping[int, Seq]):
         self.queue, self.held, self.config, self.seqs = queue, deque(), config, seqs
         self.reserved: dict[int, int] = {}
         """Answer tokens each running request reserves now."""
@@ -143,36 +87,26 @@ class Admitter:
     def __len__(self) -> int:
         return len(self.queue) + len(self.held)
 
-    def _left(self) -> float:
-        if self.config.kv_budget is None:
-            return float("inf")
-        return self.config.kv_budget - sum(self.seqs[i].prompt_len + r for i, r in self.reserved.items())
-
     def admit(self, n: int, *, now: int) -> list[int]:
         """Up to `n` requests that fit the budget, in order (reserved as they are returned); `now`: the
         decode step (the queue's clock)."""
-        picked, left = [], self._left()
+        picked: list[int] = []
         running = list(self.reserved)
         while len(picked) < n and len(self):
             i = self.held.popleft() if self.held else self.queue.pop(now=now)
             if i not in self.seqs:
                 continue  # forgotten while it waited (a cancelled request)
-            need = self.seqs[i].prompt_len + self.seqs[i].reserve
-            fits = self._fits_padded(running, [*picked, i]) if self._padded else need <= left
-            if not fits and (picked or self.reserved):
+            if not self._fits(running, [*picked, i]) and (picked or self.reserved):
                 self.held.appendleft(i)
                 break
             picked.append(i)
-            left -= need
             self.reserved[i] = self.seqs[i].reserve
         return picked
 
-    @property
-    def _padded(self) -> bool:
-        return self.config.kv_budget is not None and self.config.kv_accounting == "padded"
-
-    def _fits_padded(self, running: Sequence[int], new: Sequence[int] = ()) -> bool:
+    def _fits(self, running: Sequence[int], new: Sequence[int] = ()) -> bool:
         """Whether `running` rows and `new` ones prefilled now stay within the budget, as really held."""
+        if self.config.kv_budget is None:
+            return True
         seqs = self.seqs
         # a running row's newest token is not cached yet; a new row is prefilled (prompt and kept tokens), then
         # samples one token
@@ -192,15 +126,14 @@ class Admitter:
 
     def preempt(self, running: Sequence[int]) -> list[int]:
         """After a decode step (`running`: oldest first): grow exhausted reservations to the cap, then preempt
-        the newest requests until the reservations fit the budget. Returns the preempted ones; they wait
-        first in line, in their admission order."""
+        the newest requests until the batch fits the budget. Returns the preempted ones; they wait first in
+        line, in their admission order."""
         for i in running:
             if self.seqs[i].generated >= self.reserved[i]:
                 self.reserved[i] = self.cap(i)
         out, left = [], list(running)
         for i in reversed(running):
-            fits = self._fits_padded(left) if self._padded else self._left() >= 0
-            if fits or len(self.reserved) == 1:
+            if self._fits(left) or len(self.reserved) == 1:
                 break
             left.remove(i)
             del self.reserved[i]
@@ -240,7 +173,7 @@ def arrival_groups(lengths: Sequence[int], max_rows: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Batching limits and the admission policy."""
+    """Batching limits and the admission policy: the engine's and every simulator's."""
 
     policy: str = "cb"
     """Admission: cb (first come first served), cb-sjf (shortest predicted first, aged), cb-srpt (cb-sjf,
@@ -318,12 +251,19 @@ class EngineConfig:
             return self.aging
         return DEFAULT_AGING if self.deadline is None else 0.0
 
-    def continuous(self) -> ContinuousConfig:
-        """The admitter's limits."""
+    @property
+    def max_rows(self) -> int:
+        """Rows decoded together at most: `max_batch_size`, times `kv_row_factor` under cb-kv."""
+        return self.max_batch_size * (self.kv_row_factor if self.policy == "cb-kv" else 1)
+
+    @property
+    def kv_budget(self) -> int | None:
+        """cb-kv: the KV-cache tokens the running requests may hold (`Admitter`), max_batch_size x
+        (max_new_tokens + kv_prompt_tokens), the memory cb runs in; None (other policies): only
+        `max_rows` limits the batch."""
         if self.policy != "cb-kv":
-            return ContinuousConfig(self.max_batch_size, self.max_new_tokens, self.refill_min)
-        return kv_budget_config(self.max_batch_size, self.max_new_tokens, [self.kv_prompt_tokens],
-                                refill_min=self.refill_min, row_factor=self.kv_row_factor, accounting="padded")  # fmt: skip
+            return None
+        return self.max_batch_size * (self.max_new_tokens + self.kv_prompt_tokens)
 
 
 @dataclass
@@ -390,12 +330,11 @@ class Scheduler:
         config: EngineConfig,
         *,
         queue: RequestQueue | None = None,
-        limits: ContinuousConfig | None = None,
         discard_preempted: bool = False,
         srpt: bool = False,
         on_arrival: bool = False,
     ):
-        """`queue` and `limits` replace the ones `config` implies (offline measurements bring their own);
+        """`queue` replaces the one `config` implies (offline measurements bring their own);
         `discard_preempted`: a preempted request restarts from its prompt; `srpt`: cb-srpt's re-prediction
         (the runner predicts remaining lengths); `on_arrival`: prefill on arrival (the runner predicts each
         length from that prefill)."""
@@ -405,8 +344,7 @@ class Scheduler:
         self._predicted: dict[int, float] = {}
         if queue is None:
             queue = self._sjf_queue() if config.policy in SJF_POLICIES else FCFSQueue()
-        limits = limits or config.continuous()
-        self.admitter = Admitter(queue, limits, self.seqs)
+        self.admitter = Admitter(queue, config, self.seqs)
         self.running: list[int] = []
         self.arrived: dict[int, None] = {}  # arrived, not yet prefilled (prefill on arrival), in order
         self.kept: dict[int, tuple[int, float]] = {}  # waiting with KV kept: (positions, predicted), in order
@@ -421,8 +359,7 @@ class Scheduler:
         self._check()
 
     def _check(self) -> None:
-        limits = self.admitter.config
-        if self.on_arrival and limits.kv_budget is not None:
+        if self.on_arrival and self.config.kv_budget is not None:
             raise ValueError("prefill on arrival (state_predictor) does not support a KV budget (cb-kv): "
                              "use policy cb or cb-sjf")  # fmt: skip
         if self.srpt != (self.config.policy == "cb-srpt"):
@@ -430,19 +367,10 @@ class Scheduler:
                              "RemainingProbe), and only it takes one")  # fmt: skip
         if not self.srpt:
             return
-        if not isinstance(self.admitter.queue, SJFQueue) or limits.kv_budget is not None:
-            raise ValueError("cb-srpt preempts by priority in an SJFQueue, without a KV budget: give no queue "
-                             "and no limits with a kv_budget")  # fmt: skip
+        if not isinstance(self.admitter.queue, SJFQueue):
+            raise ValueError("cb-srpt preempts by priority in an SJFQueue: give no queue")
         if self.discard_preempted:
             raise ValueError("cb-srpt's preempted rows keep their tokens: discard_preempted is for cb-kv")
-
-    @property
-    def limits(self) -> ContinuousConfig:
-        return self.admitter.config
-
-    @property
-    def max_rows(self) -> int:
-        return self.limits.max_batch_size
 
     @property
     def num_waiting(self) -> int:
@@ -515,7 +443,9 @@ class Scheduler:
         """Whether the arrived (unprefilled) requests are prefilled now: `refill_min` of them have arrived, or
         the batch could take them now (the running rows and the prefilled waiting requests leave room)."""
         arrived = len(self.arrived)
-        return arrived > 0 and (arrived >= self.limits.refill_min or len(self.seqs) - arrived < self.max_rows)
+        return arrived > 0 and (
+            arrived >= self.config.refill_min or len(self.seqs) - arrived < self.config.max_rows
+        )
 
     def _prefill_arrivals(self, runner: Runner) -> list[int]:
         """Prefill on arrival; the requests still running wait queued, in arrival order, with their KV."""
@@ -523,7 +453,7 @@ class Scheduler:
         self.arrived.clear()
         lengths = [self.seqs[k].prompt_len for k in arrived]
         out = runner.prefill_arrivals(
-            [[arrived[i] for i in g] for g in arrival_groups(lengths, self.max_rows)]
+            [[arrived[i] for i in g] for g in arrival_groups(lengths, self.config.max_rows)]
         )
         finished = []
         for key in arrived:
@@ -541,9 +471,9 @@ class Scheduler:
 
     def _schedule(self) -> tuple[list[int], list[int]]:
         """The admitted requests: those whose KV is kept, then those to prefill."""
-        free, waiting = self.max_rows - len(self.running), len(self.admitter)
+        free, waiting = self.config.max_rows - len(self.running), len(self.admitter)
         # none join unless `refill_min` rows are free (or fewer requests are left, or the batch is empty)
-        due = free >= min(self.limits.refill_min, waiting + self.upcoming) or not self.running
+        due = free >= min(self.config.refill_min, waiting + self.upcoming) or not self.running
         n = min(free, waiting) if free > 0 and due else 0
         if self._swapped:  # rows cb-srpt freed for shorter requests are refilled at once
             n, self._swapped = min(free, len(self.admitter)), False
@@ -609,13 +539,13 @@ class Scheduler:
         one, at most `refill_min`. Rows admitted past their FCFS deadline stay, and so do rows that would be
         past it as soon as they waited again (the deadline would readmit them at once)."""
         queue, cfg = self.admitter.queue, self.config
-        if len(self.running) < self.max_rows or not len(queue):
+        if len(self.running) < self.config.max_rows or not len(queue):
             return
         left = {k: self.seqs[k].predicted - self.seqs[k].generated for k in repredicted}
         key = {k: left[k] - cfg.aging_per_step * queue.waited(k) for k in repredicted}
         stay = queue.past_deadline | {k for k in repredicted if queue.would_be_overdue(queue.waited(k))}
         victims = sorted((k for k in repredicted if k not in stay), key=key.get, reverse=True)
-        waiting = queue.smallest(self.limits.refill_min, now=self.steps)
+        waiting = queue.smallest(self.config.refill_min, now=self.steps)
         out = [v for v, w in zip(victims, waiting, strict=False) if key[v] - w > cfg.preempt_margin]
         if not out:
             return

@@ -49,7 +49,7 @@ from ecru.serve.cost import SMOLLM2_CPU, CostModel
 from ecru.serve.names import ENGINE_POLICY, ONLINE_POLICIES, SJF_POLICIES
 from ecru.serve.policies import Batch, PlanConfig, plan_batches, run_plan
 from ecru.serve.queues import RequestQueue
-from ecru.serve.scheduler import ContinuousConfig, EngineConfig, Outcome, Scheduler, run_in_steps
+from ecru.serve.scheduler import EngineConfig, Outcome, Scheduler, run_in_steps
 
 
 @dataclass(frozen=True)
@@ -301,7 +301,7 @@ def simulate_continuous(
     trace: Sequence[TraceRequest],
     *,
     queue: RequestQueue,
-    config: ContinuousConfig,
+    config: EngineConfig,
     cost: CostModel = SMOLLM2_CPU,
     arrivals: Sequence[int] | None = None,
     predict_s: float = 0.0,
@@ -315,14 +315,13 @@ def simulate_continuous(
     prefilled together (one token each) and join the batch; every decode step gives each running row
     one token; a row leaves when it has min(output_len, max_new_tokens) tokens. Time: one prefill per
     admission, cost.step_time(rows, widest row) per decode step. Latency: finish minus arrival clock.
-    With `config.kv_budget`, the same `Admitter` reserves `reserve[i]` answer tokens per request and
-    preempts as the real loop does (either `kv_accounting`); a preempted request's tokens are computed again (slots count both
+    Under cb-kv's `config.kv_budget`, the same `Admitter` reserves `reserve[i]` answer tokens per request
+    and preempts as the real loop does; a preempted request's tokens are computed again (slots count both
     attempts) and `failures` counts preemptions.
     """
     n, cap = len(trace), config.max_new_tokens
     target = [max(1, min(r.output_len, cap)) for r in trace]
-    sched = Scheduler(EngineConfig(max_batch_size=config.max_batch_size, max_new_tokens=cap, prefix_cache=0),
-                      queue=queue, limits=config, discard_preempted=True)  # fmt: skip
+    sched = Scheduler(config, queue=queue, discard_preempted=True)
     sched.admission_log = []
     runner = SimulatedRunner([r.prompt_len for r in trace], target, cost=cost, start_s=predict_s)
     arrived_at = [0.0] * n
