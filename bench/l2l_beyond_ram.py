@@ -53,8 +53,7 @@ from ecru.cliargs import (
     prepare_out_file,
     run_main,
 )
-from ecru.errors import EcruError
-from ecru.io import atomic_write_text
+from ecru.io import atomic_write_text, merge_json, read_json_object
 
 SHAPE = {
     "hidden_size": 2560,
@@ -111,7 +110,7 @@ def main(argv=None) -> None:
         prepare_out_file(args.json, flag="--json")
     if args.mode == "lora-in-place":
         if args.json:
-            old_json(args.json)  # a file to merge into that cannot be read: refused before any work
+            read_json_object(args.json)  # a file to merge into that cannot be read: refused before any work
         return lora_in_place(args)
     args.layers, args.steps, args.tokens = args.layers or 26, args.steps or 3, args.tokens or 128
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -351,25 +350,6 @@ def lora_in_place(args) -> None:
     }
     if args.json:
         merge_json(args.json, "lora_in_place", result)
-
-
-def merge_json(path: Path, key: str, value: dict) -> None:
-    """`path`'s JSON object with `key` set to `value` (the other modes' keys kept)."""
-    data = old_json(path)
-    data[key] = value
-    atomic_write_text(path, json.dumps(data, indent=1))
-
-
-def old_json(path: Path) -> dict:
-    """`path`'s JSON object ({} if there is no file); one line if the file is not one."""
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EcruError(
-            f"--json {path}: not a JSON file ({exc}); give another path or move it away"
-        ) from None
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ from ecru.io import (
     inside,
     load_state,
     load_tensors,
+    merge_json,
     save_state,
     to_json_tree,
     verify_manifest,
@@ -144,6 +146,23 @@ def test_a_live_holder_is_refused_or_waited_for_and_a_dead_ones_lock_is_recovere
         proc.wait()
     with FolderLock(tmp_path, wait=2):
         pass
+
+
+def test_merge_json_keeps_other_keys_lands_concurrent_writers_and_refuses_a_non_object(tmp_path):
+    path = tmp_path / "results" / "r.json"
+    script = (
+        "import sys; from ecru.io import merge_json; merge_json(sys.argv[1], sys.argv[2], {'k': sys.argv[2]})"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(path), f"run{i}"]) for i in range(4)]
+    assert [p.wait() for p in procs] == [0] * 4
+    merge_json(path, "run0", [1])  # replaces its own key only
+    assert json.loads(path.read_text()) == {"run0": [1], **{f"run{i}": {"k": f"run{i}"} for i in (1, 2, 3)}}
+    path.write_text("[1, 2]")
+    with pytest.raises(EcruError, match="not a JSON object"):
+        merge_json(path, "x", 1)
+    path.write_bytes(b"\xff")
+    with pytest.raises(EcruError, match="not a JSON file"):
+        merge_json(path, "x", 1)
 
 
 def test_no_unsafe_load_or_second_atomic_writer_in_src():

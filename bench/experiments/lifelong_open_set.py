@@ -1,7 +1,7 @@
 """`routed-lora`'s open-set test, measured on the full configuration from the frozen embeddings alone.
 
-    python bench/experiments/lifelong_open_set.py --split val --json bench/results/lifelong_open_set_full_val.json    # choice
-    python bench/experiments/lifelong_open_set.py --split test --json bench/results/lifelong_open_set_full_test.json  # report
+    python bench/experiments/lifelong_open_set.py --split val --json bench/results/lifelong_open_set_full.json   # choice
+    python bench/experiments/lifelong_open_set.py --split test --json bench/results/lifelong_open_set_full.json  # report
 
 Whether a text belongs to a learned task at all (the router's reject test), and how close an unlearned name
 must come to overrule the route (`RoutedConfig.margin`), decide two of issue 17's targets, the Banking77
@@ -21,7 +21,6 @@ the share of learned texts that stay in their own task's labels there (an upper 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ecru.io import atomic_write_text
+from ecru.io import merge_json
 from ecru.lifelong.evaluate import Evaluator
 from ecru.lifelong.methods import ROUTED
 from ecru.lifelong.router import FROZEN, LDARouter
@@ -167,7 +166,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--split", choices=["val", "test"], default="val", help="evaluation split (choose on val)")
     p.add_argument("--runs", default="0:0,1:1,2:2", help="(seed:order) pairs, as bench/lifelong.py --full")
-    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--json", type=Path, default=None, help="write the results here, under the split's key")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     pairs = [tuple(int(x) for x in r.split(":")) for r in args.runs.split(",")]
@@ -193,8 +192,8 @@ def main(argv=None) -> int:
             )
         )
     if args.json:
-        atomic_write_text(args.json, json.dumps(out, indent=1))
-        print(f"wrote {args.json}")
+        merge_json(args.json, args.split, out)
+        print(f"wrote {args.json} ({args.split!r})")
     return 0
 
 

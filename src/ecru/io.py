@@ -104,6 +104,30 @@ def atomic_write_json(path: str | os.PathLike, data: Any, *, fsync: bool = True)
     return atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n", fsync=fsync)
 
 
+def read_json_object(path: str | os.PathLike) -> dict:
+    """`path`'s JSON object ({} if there is no file); an `EcruError` of one line if it is not one."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EcruError(f"{path}: not a JSON file ({exc}); give another path or move it away") from None
+    if not isinstance(data, dict):
+        raise EcruError(f"{path}: not a JSON object; give another path or move it away")
+    return data
+
+
+def merge_json(path: str | os.PathLike, key: str, value: Any) -> Path:
+    """Set `key` of the JSON object in `path` to `value`, the other keys kept (one result file filled by several
+    runs), atomically and under the folder's lock, so that two runs writing their keys at once both land."""
+    path = Path(path)
+    with FolderLock(path.parent, what="results folder", wait=60.0):
+        data = read_json_object(path)
+        data[key] = value
+        return atomic_write_json(path, data)
+
+
 @contextlib.contextmanager
 def atomic_folder(target: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty temporary folder beside `target`; fill it inside the block. On success its files are
