@@ -261,7 +261,7 @@ def print_open_set(methods: dict) -> None:
         return
     keys = ("oos_recall", "oos_precision", "in_scope_accuracy", "in_scope_accuracy_no_abstention", "ece")
     print(f"\nout-of-scope (CLINC oos_test after the last task; threshold: the {OOS_RECALL:.0%} quantile of "
-          "oos_val grades, every method: routed-lora's claim score, the others' probability)")  # fmt: skip
+          "oos_val grades, every method: routed-lora's open-set grade, the others' probability)")  # fmt: skip
     print(f"{'method':<30}" + "".join(f"{k[:14]:>16}" for k in keys))
     for name, o in rows.items():
         print(f"{name:<30}" + "".join(f"{o[k]:>16.3f}" if k == "ece" else f"{o[k]:>16.1f}" for k in keys))

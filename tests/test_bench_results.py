@@ -5,6 +5,8 @@ import re
 import tokenize
 from pathlib import Path
 
+from ecru.io import LOCK_FILE
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 MAX_FILES = 80
@@ -21,7 +23,10 @@ def _citing_texts() -> str:
 
 
 def _result_files() -> list[str]:
-    return sorted(p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*") if p.is_file())
+    """Every file but the lock `ecru.io.merge_json` leaves (git ignores it)."""
+    return sorted(
+        p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*") if p.is_file() and p.name != LOCK_FILE
+    )
 
 
 def _is_cited(name: str, text: str) -> bool:

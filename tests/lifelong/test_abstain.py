@@ -119,3 +119,9 @@ def test_abstention_is_the_claim_score_below_the_slack_and_probabilities_are_eac
     )
     reference = torch.softmax(scale.double()[:, None] * scores, dim=-1)
     torch.testing.assert_close(enc.probabilities(texts, names), reference, rtol=0, atol=1e-12)
+    # the benchmark's open-set grade: the claim in cosine plus OPEN_SET_PROB_WEIGHT x ln p of the answer
+    from ecru.lifelong.methods.routed import OPEN_SET_PROB_WEIGHT
+
+    conf = reference.max(-1).values
+    expected = enc.claim_scores(texts, standardise=False) + OPEN_SET_PROB_WEIGHT * conf.log()
+    torch.testing.assert_close(enc.open_set_grades(texts, conf), expected, rtol=0, atol=1e-12)

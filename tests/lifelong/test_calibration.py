@@ -128,13 +128,17 @@ def test_claim_margin_is_the_best_tasks_standardised_prototype_score(kind):
     queries = _two_tasks(router)
     margin = router.claim_margin(queries)
     # reference: each task's own leave-one-out scores give its mean and sd; the best standardised score wins
-    z = []
+    z, centred = [], []
     for t, (emb, labels) in enumerate(_two_task_data()[0]):
         own = loo_prototype_scores(emb, labels, 2).double()
         cosine = (queries.double() @ router.prototypes[t].double().T).max(-1).values
         z.append((cosine - own.mean()) / own.std())
+        centred.append(cosine - own.mean())
     torch.testing.assert_close(margin, torch.stack(z, -1).max(-1).values, rtol=0, atol=1e-6)
     assert 0 < (margin >= -2).sum() < len(queries)  # the check is not vacuous
+    # unstandardised: the best task's score minus its own texts' mean (not the same task as the z's, in general)
+    plain = router.claim_margin(queries, standardise=False)
+    torch.testing.assert_close(plain, torch.stack(centred, -1).max(-1).values, rtol=0, atol=1e-6)
 
 
 def test_admit_pools_the_held_out_scores_into_the_claim_statistics():

@@ -92,7 +92,7 @@ class TaskRouter(Protocol):
 
     def admit(self, task: int, emb: torch.Tensor, *, quantile: float) -> None: ...
 
-    def claim_margin(self, emb: torch.Tensor) -> torch.Tensor: ...
+    def claim_margin(self, emb: torch.Tensor, *, standardise: bool = True) -> torch.Tensor: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -178,17 +178,19 @@ class _Routing:
             stats = (self.claim_counts[task], self.claim_means[task], self.claim_sds[task])
             self.claim_counts[task], self.claim_means[task], self.claim_sds[task] = pooled_stats(*stats, own)
 
-    def claim_margin(self, emb: torch.Tensor) -> torch.Tensor:
+    def claim_margin(self, emb: torch.Tensor, *, standardise: bool = True) -> torch.Tensor:
         """[Q] how strongly the learned tasks claim each frozen embedding: the largest over tasks of its score
         standardised by the task's own texts' scores, (score - mean) / sd (graded, so a caller can set its own
         threshold; standardised, so that one threshold means the same for a task of 40 texts and of 300).
+        `standardise=False`: score - mean, in the scores' units (for a threshold set on examples instead).
         Needs a learned task."""
         scores = self.scores(emb, range(len(self))).double()
         mean, sd = (
             torch.tensor(self.claim_means, dtype=scores.dtype),
             torch.tensor(self.claim_sds, dtype=scores.dtype),
         )
-        return ((scores - mean) / sd.clamp(min=1e-6)).max(-1).values
+        centred = scores - mean
+        return (centred / sd.clamp(min=1e-6) if standardise else centred).max(-1).values
 
     def __call__(
         self, emb: torch.Tensor, *, tasks: Sequence[int] | None = None, open_set: bool = True

@@ -1,0 +1,247 @@
+"""Which in-scope grade `routed-lora` should give CLINC's out-of-scope benchmark on the FULL stream.
+
+    OMP_NUM_THREADS=1 python bench/experiments/lifelong_oos_grade.py --split val --runs 0:0 --json bench/results/lifelong_oos_grade.json   # frozen grades: choice
+    OMP_NUM_THREADS=1 python bench/experiments/lifelong_oos_grade.py --split test --runs 0:0 --json bench/results/lifelong_oos_grade.json  # report
+    OMP_NUM_THREADS=1 python bench/experiments/lifelong_oos_grade.py --split val --adapters DIR_VAL     # train routed-lora (~25 min)
+    OMP_NUM_THREADS=1 python bench/experiments/lifelong_oos_grade.py --split val --features DIR_VAL --json bench/results/lifelong_oos_grade.json
+    (and the same two with --split test)
+
+`bench/lifelong.py`'s open-set rule abstains on a text whose grade is at most the `OOS_RECALL` quantile of
+`oos_val`'s grades. For routed-lora the grade is the router's claim (`claim_margin`), which reads the frozen
+embeddings only, so which texts are abstained is exact here without training any adapter, in minutes instead
+of the hours a full run takes: the router the method builds after the 10 tasks (`LDARouter` with the preset's
+tests, every training text; the benchmark holds none out) scores the in-scope texts of every task and
+CLINC's out-of-scope texts. Each candidate grade, from the same frozen statistics:
+- `claim`: the router's claim (the best task's prototype cosine standardised by its own texts' scores);
+- `mahalanobis`: minus the squared Mahalanobis distance to the nearest learned class under the pooled shrunk
+  covariance LDA keeps (Lee et al., 2018);
+- `prototype`: the best class prototype's cosine; `knn-k`: the cosine to the k-th nearest training text.
+On val, `oos_val` is split in halves: one sets the threshold, the other's recall is reported (and the
+reverse, averaged). On test, all of `oos_val` sets it and `oos_test` is measured, as in the benchmark. The
+in-scope cost is the share of in-scope texts abstained (an upper bound of the accuracy the rule costs: an
+abstained text that was answered wrong costs nothing; the adapters decide which ones those are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lifelong_open_set import FULL, Frozen, stream_embeddings  # this folder is on sys.path
+
+from ecru.cliargs import run_main
+from ecru.datasets import load_clinc
+from ecru.io import merge_json
+from ecru.lifelong.evaluate import OOS_RECALL, Evaluator
+from ecru.lifelong.methods import ROUTED
+from ecru.lifelong.router import LDARouter, shrunk_covariance
+from ecru.lifelong.stream import StreamConfig, build_clinc_stream
+
+QUANTILES = (0.7, 0.75, 0.8, 0.85, 0.9)
+_P = ROUTED["routed-lora"]
+
+
+def grades(router: LDARouter, train: torch.Tensor, emb: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each candidate grade [Q] of the frozen embeddings `emb` [Q, D] (higher = more in scope)."""
+    emb64 = emb.double()
+    weight, bias, _ = router.head()
+    cov = shrunk_covariance(sum(s.double() for s in router.scatters), sum(router.counts), sum(router.fourths))
+    quad = ((emb64 @ torch.linalg.inv(cov)) * emb64).sum(-1)
+    logits = emb64 @ weight.double().T + bias.double()
+    protos = torch.cat(router.prototypes).double()
+    sims = emb64 @ train.double().T
+    top = sims.topk(10, dim=-1).values
+    scores = router.scores(emb, range(len(router))).double()
+    mean, sd = torch.tensor(router.claim_means).double(), torch.tensor(router.claim_sds).double()
+    return {
+        "claim": router.claim_margin(emb).double(),
+        "centred": (scores - mean).max(-1).values,
+        "pooled-z": ((scores - mean) / sd.mean()).max(-1).values,
+        "mahalanobis": 2 * logits.max(-1).values - quad,
+        "prototype": (emb64 @ protos.T).max(-1).values,
+        "knn-1": top[:, 0],
+        "knn-5": top[:, 4],
+        "knn-10": top[:, 9],
+    }
+
+
+def auroc(inside: torch.Tensor, outside: torch.Tensor) -> float:
+    """P(an in-scope text grades above an out-of-scope one), ties counted half."""
+    diff = inside[:, None] - outside[None, :]
+    return ((diff > 0).double().mean() + 0.5 * (diff == 0).double().mean()).item()
+
+
+def rule(grade_in: torch.Tensor, fit: torch.Tensor, measure: torch.Tensor, q: float) -> tuple[float, float]:
+    """(out-of-scope recall on `measure`, in-scope abstained share), both percent, with the threshold at the
+    `q` quantile of the `fit` out-of-scope grades."""
+    threshold = torch.quantile(fit, q)
+    return 100 * (measure <= threshold).double().mean().item(), 100 * (
+        grade_in <= threshold
+    ).double().mean().item()
+
+
+def run(frozen: Frozen, split: str, seed: int, order: int, oos_val: list[str], oos_test: list[str]) -> dict:
+    stream = build_clinc_stream(StreamConfig(**FULL, split=split, seed=seed, order=order))
+    ev = Evaluator(stream)
+    emb = stream_embeddings(frozen, stream, ev)
+    router = LDARouter(percentile=_P.percentile, rmd_percentile=_P.rmd_percentile)
+    for train, labels in zip(emb["train"], emb["labels"], strict=True):
+        router.add_task(train, labels=labels)
+    inside = emb["eval"][: ev.spans[-1]]
+    outside = frozen(oos_val + oos_test)
+    g = grades(router, torch.cat(emb["train"]), torch.cat([inside, outside]))
+    n, v = len(inside), len(oos_val)
+    out = {}
+    for name, grade in g.items():
+        gi, gv, gt = grade[:n], grade[n : n + v], grade[n + v :]
+        row = {"auroc_val": auroc(gi, gv), "auroc_test": auroc(gi, gt)}
+        for q in QUANTILES:
+            if split == "val":
+                perm = torch.randperm(v, generator=torch.Generator().manual_seed(seed))
+                a, b = gv[perm[: v // 2]], gv[perm[v // 2 :]]
+                (r1, c1), (r2, c2) = rule(gi, a, b, q), rule(gi, b, a, q)
+                row[f"q{q:g}"] = {"recall": (r1 + r2) / 2, "abstained": (c1 + c2) / 2}
+            else:
+                recall, cost = rule(gi, gv, gt, q)
+                row[f"q{q:g}"] = {"recall": recall, "abstained": cost}
+        out[name] = row
+    return out
+
+
+def adapter_features(split: str, seed: int, order: int, folder: Path) -> Path:
+    """Train routed-lora on the benchmark's full stream (its training settings, resumable from `folder`) and
+    write, for the in-scope texts, `oos_val` and `oos_test`, the answer's probability, whether it is right and
+    the frozen grades, to `folder`/features.safetensors (what `--combine` reads)."""
+    from safetensors.torch import save_file
+
+    from ecru.lifelong.evaluate import confidences
+    from ecru.lifelong.experiment import Experiment
+    from ecru.lifelong.methods import TrainConfig
+
+    bench = dict(FULL, reference_size=2000)
+    train = TrainConfig(batch_size=32, seed=seed)
+    exp = Experiment(StreamConfig(**bench, split=split, seed=seed, order=order), open_set_scale=train.scale)
+    method = exp.make("routed-lora", train)
+    exp.run(method, checkpoint_dir=folder / "checkpoint")
+    ev, clinc = exp.evaluator, load_clinc()
+    n = ev.spans[-1]
+    texts = ev.texts[:n] + [e.text for e in clinc["oos_val"]] + [e.text for e in clinc["oos_test"]]
+    names = list(dict.fromkeys(x for task in ev.task_names for x in task))
+    enc = method.encoder()
+    best, conf, claim = confidences(enc, texts, names, scale=train.scale)
+    right = torch.tensor([names[b] == g for b, g in zip(best[:n].tolist(), ev.gold[:n], strict=True)])
+    router, frozen = method.router, enc.frozen(texts)
+    scores = router.scores(frozen, range(len(router))).double()
+    out = folder / "features.safetensors"
+    save_file({"conf": conf.double(), "claim": claim.double(), "prototype": scores.max(-1).values,
+               "centred": (scores - torch.tensor(router.claim_means).double()).max(-1).values,
+               "right": right.long()}, str(out), metadata={"in_scope": str(n), "oos_val": str(len(clinc["oos_val"]))})  # fmt: skip
+    return out
+
+
+WEIGHTS = (0.0, 0.5, 1.0, 2.0, 4.0)
+"""w in the combined grades `claim + w ln p` (p: the answer's probability): sd units per nat."""
+
+
+def combined(folder: Path, split: str, seed: int) -> dict:
+    """Per combined grade and quantile: out-of-scope recall, in-scope accuracy (abstentions wrong) and its
+    cost against Last, from `adapter_features`' file in `folder` (val: `oos_val` halves, as `run`)."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "features.safetensors"), "pt") as f:
+        feats, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    n, v = int(meta["in_scope"]), int(meta["oos_val"])
+    right, last = feats["right"].bool(), 100 * feats["right"].double().mean().item()
+    out = {"last": last, "grades": {}}
+    for base in ("claim", "centred"):
+        unit = 1.0 if base == "claim" else 0.02
+        for w in WEIGHTS:
+            grade = feats[base] + w * unit * feats["conf"].clamp(min=1e-12).log()
+            gi, gv, gt = grade[:n], grade[n : n + v], grade[n + v :]
+            row = {"auroc_val": auroc(gi, gv), "auroc_test": auroc(gi, gt)}
+            for q in QUANTILES:
+                if split == "val":
+                    perm = torch.randperm(v, generator=torch.Generator().manual_seed(seed))
+                    pairs = [
+                        (gv[perm[: v // 2]], gv[perm[v // 2 :]]),
+                        (gv[perm[v // 2 :]], gv[perm[: v // 2]]),
+                    ]
+                else:
+                    pairs = [(gv, gt)]
+                cells = []
+                for fit, measure in pairs:
+                    threshold = torch.quantile(fit, q)
+                    kept = gi > threshold
+                    cells.append((100 * (measure <= threshold).double().mean().item(),
+                                  100 * (right & kept).double().mean().item()))  # fmt: skip
+                recall, acc = (sum(c[i] for c in cells) / len(cells) for i in (0, 1))
+                row[f"q{q:g}"] = {"recall": recall, "in_scope_accuracy": acc, "cost": last - acc}
+            if split == "test":  # a bound, not a rule: the threshold set on oos_test itself at 70% recall
+                row["cost_at_test_recall_70"] = (
+                    last - 100 * (right & (gi > torch.quantile(gt, 0.7))).double().mean().item()
+                )
+            out["grades"][f"{base} + {w:g} ln p"] = row
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--split", choices=["val", "test"], default="val", help="evaluation split (choose on val)")
+    p.add_argument("--runs", default="0:0,1:1,2:2", help="(seed:order) pairs, as bench/lifelong.py --full")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--adapters", type=Path, default=None, metavar="DIR",
+                   help="instead: train routed-lora on the first run's stream and write its features to DIR")  # fmt: skip
+    p.add_argument("--features", type=Path, default=None, metavar="DIR",
+                   help="instead: the combined grades from DIR's features (written by --adapters)")  # fmt: skip
+    args = p.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.features is not None:
+        seed = int(args.runs.split(",")[0].split(":")[0])
+        res = combined(args.features, args.split, seed)
+        print(f"last {res['last']:.2f}")
+        for name, row in res["grades"].items():
+            cells = "  ".join(
+                f"q{q:g} {row[f'q{q:g}']['recall']:5.1f}/{row[f'q{q:g}']['cost']:4.2f}" for q in QUANTILES
+            )
+            print(f"{name:<18} auroc val {row['auroc_val']:.4f} test {row['auroc_test']:.4f}  {cells}")
+        if args.json:
+            merge_json(args.json, f"adapters_{args.split}", {"runs": args.runs, **res})
+        return 0
+    if args.adapters is not None:
+        seed, order = (int(x) for x in args.runs.split(",")[0].split(":"))
+        print(f"wrote {adapter_features(args.split, seed, order, args.adapters)}")
+        return 0
+    clinc = load_clinc()
+    oos_val, oos_test = [e.text for e in clinc["oos_val"]], [e.text for e in clinc["oos_test"]]
+    frozen, runs = Frozen(), []
+    for pair in args.runs.split(","):
+        seed, order = (int(x) for x in pair.split(":"))
+        runs.append(run(frozen, args.split, seed, order, oos_val, oos_test))
+    mean = {
+        name: {
+            key: (
+                sum(r[name][key] for r in runs) / len(runs)
+                if key.startswith("auroc")
+                else {m: sum(r[name][key][m] for r in runs) / len(runs) for m in ("recall", "abstained")}
+            )
+            for key in runs[0][name]
+        }
+        for name in runs[0]
+    }
+    for name, row in mean.items():
+        cells = "  ".join(
+            f"q{q:g} {row[f'q{q:g}']['recall']:5.1f}/{row[f'q{q:g}']['abstained']:4.1f}" for q in QUANTILES
+        )
+        print(f"{name:<12} auroc val {row['auroc_val']:.4f} test {row['auroc_test']:.4f}  {cells}")
+    if args.json:
+        merge_json(args.json, f"frozen_{args.split}", {"runs": args.runs, "stream": FULL,
+                                                     "benchmark_quantile": OOS_RECALL, "mean": mean, "per_run": runs})  # fmt: skip
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
