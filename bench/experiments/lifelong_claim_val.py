@@ -27,7 +27,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from lifelong_admit_val import PAIRS, SHAPES, UNTAUGHT, rows  # the same stores (this folder is on sys.path)
+from lifelong_admit_val import (  # the same stores (this folder is on sys.path)
+    PAIRS,
+    SHAPES,
+    UNTAUGHT,
+    rows,
+    teach,
+)
 from safetensors.torch import load_file, save_file
 
 from ecru.datasets import load_clinc
@@ -48,10 +54,7 @@ from ecru.lifelong.userdata import label_name
 def cache_store(clinc, pair, intents: int, texts: int, folder: Path, split: str) -> dict[str, torch.Tensor]:
     """One store's cached tensors: per task t `kept{t}`/`kept_y{t}`/`held{t}`/`held_y{t}`, and `val`/`val_task`/
     `right`/`score` for the learned intents' validation texts."""
-    store = KnowledgeStore(folder)
-    taught = {d: rows(clinc, d, "train", intents, texts) for d in pair}
-    for d, examples in taught.items():
-        store.learn(d, examples, epochs=3)
+    store, taught = teach(clinc, pair, intents, texts, folder)
     method = store.method()
     enc = method.encoder()
     out: dict[str, torch.Tensor] = {}

@@ -54,12 +54,11 @@ def grades(router: LDARouter, train: torch.Tensor, emb: torch.Tensor) -> dict[st
     protos = torch.cat(router.prototypes).double()
     sims = emb64 @ train.double().T
     top = sims.topk(10, dim=-1).values
-    scores = router.scores(emb, range(len(router))).double()
-    mean, sd = torch.tensor(router.claim_means).double(), torch.tensor(router.claim_sds).double()
+    centred = router.claim_margin(emb, standardise=False).double()
     return {
         "claim": router.claim_margin(emb).double(),
-        "centred": (scores - mean).max(-1).values,
-        "pooled-z": ((scores - mean) / sd.mean()).max(-1).values,
+        "centred": centred,
+        "pooled-z": centred / torch.tensor(router.claim_sds).double().mean(),
         "mahalanobis": 2 * logits.max(-1).values - quad,
         "prototype": (emb64 @ protos.T).max(-1).values,
         "knn-1": top[:, 0],
@@ -114,7 +113,7 @@ def run(frozen: Frozen, split: str, seed: int, order: int, oos_val: list[str], o
 def adapter_features(split: str, seed: int, order: int, folder: Path) -> Path:
     """Train routed-lora on the benchmark's full stream (its training settings, resumable from `folder`) and
     write, for the in-scope texts, `oos_val` and `oos_test`, the answer's probability, whether it is right and
-    the frozen grades, to `folder`/features.safetensors (what `--combine` reads)."""
+    the claim (standardised and centred), to `folder`/features.safetensors (what `--features` reads)."""
     from safetensors.torch import save_file
 
     from ecru.lifelong.evaluate import confidences
@@ -131,19 +130,18 @@ def adapter_features(split: str, seed: int, order: int, folder: Path) -> Path:
     texts = ev.texts[:n] + [e.text for e in clinc["oos_val"]] + [e.text for e in clinc["oos_test"]]
     names = list(dict.fromkeys(x for task in ev.task_names for x in task))
     enc = method.encoder()
-    best, conf, claim = confidences(enc, texts, names, scale=train.scale)
+    best, conf, _ = confidences(enc, texts, names, scale=train.scale)
     right = torch.tensor([names[b] == g for b, g in zip(best[:n].tolist(), ev.gold[:n], strict=True)])
-    router, frozen = method.router, enc.frozen(texts)
-    scores = router.scores(frozen, range(len(router))).double()
     out = folder / "features.safetensors"
-    save_file({"conf": conf.double(), "claim": claim.double(), "prototype": scores.max(-1).values,
-               "centred": (scores - torch.tensor(router.claim_means).double()).max(-1).values,
-               "right": right.long()}, str(out), metadata={"in_scope": str(n), "oos_val": str(len(clinc["oos_val"]))})  # fmt: skip
+    save_file({"conf": conf.double(), "claim": enc.claim_scores(texts),
+               "centred": enc.claim_scores(texts, standardise=False), "right": right.long()},
+              str(out), metadata={"in_scope": str(n), "oos_val": str(len(clinc["oos_val"]))})  # fmt: skip
     return out
 
 
 WEIGHTS = (0.0, 0.5, 1.0, 2.0, 4.0)
-"""w in the combined grades `claim + w ln p` (p: the answer's probability): sd units per nat."""
+"""w in the combined grades `claim + w ln p` (p: the answer's probability), in sd per nat; for the centred claim
+w x 0.02 cosine per nat (the grade's name gives the weight it used)."""
 
 
 def combined(folder: Path, split: str, seed: int) -> dict:
@@ -183,7 +181,7 @@ def combined(folder: Path, split: str, seed: int) -> dict:
                 row["cost_at_test_recall_70"] = (
                     last - 100 * (right & (gi > torch.quantile(gt, 0.7))).double().mean().item()
                 )
-            out["grades"][f"{base} + {w:g} ln p"] = row
+            out["grades"][f"{base} + {w * unit:g} ln p"] = row
     return out
 
 
