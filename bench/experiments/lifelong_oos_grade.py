@@ -34,6 +34,7 @@ from lifelong_open_set import FULL, Frozen, stream_embeddings  # this folder is 
 
 from ecru.cliargs import run_main
 from ecru.datasets import load_clinc
+from ecru.errors import EcruError
 from ecru.io import merge_json
 from ecru.lifelong.evaluate import OOS_RECALL, Evaluator
 from ecru.lifelong.methods import ROUTED
@@ -149,7 +150,12 @@ def combined(folder: Path, split: str, seed: int) -> dict:
     cost against Last, from `adapter_features`' file in `folder` (val: `oos_val` halves, as `run`)."""
     from safetensors import safe_open
 
-    with safe_open(str(folder / "features.safetensors"), "pt") as f:
+    path = folder / "features.safetensors"
+    if not path.is_file():
+        raise EcruError(
+            f"--features {folder}: no features.safetensors there; write it first with --adapters {folder}"
+        )
+    with safe_open(str(path), "pt") as f:
         feats, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     n, v = int(meta["in_scope"]), int(meta["oos_val"])
     right, last = feats["right"].bool(), 100 * feats["right"].double().mean().item()
