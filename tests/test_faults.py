@@ -51,3 +51,21 @@ def test_l2l_train_killed_at_many_instants_is_finished_by_resume(tmp_path, store
     assert got["losses"] == want["losses"] and got["steps"] == 8
     a, b = load_file(straight / "hf" / "model.safetensors"), load_file(out / "hf" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_kill_between_the_checkpoint_and_state_json_loses_no_loss(tmp_path):
+    """The RAM tier's checkpoint commits the losses with the weights: resuming after a kill that left state.json
+    a step behind (the checkpoint written, state.json and the export not) reports every loss, none NaN."""
+    import shutil
+
+    straight = tmp_path / "straight"
+    subprocess.run(_cmd(straight, "--store", "ram"), env=_env(), check=True, capture_output=True)
+    out = tmp_path / "killed"
+    shutil.copytree(straight, out)
+    state = json.loads((out / "state.json").read_text())
+    (out / "state.json").write_text(json.dumps({**state, "losses": state["losses"][:-1]}))
+    shutil.rmtree(out / "hf"), (out / "metrics.json").unlink()
+    done = subprocess.run(_cmd(out, "--store", "ram", "--resume"), env=_env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = json.loads((straight / "metrics.json").read_text())["losses"]
+    assert json.loads((out / "metrics.json").read_text())["losses"] == want

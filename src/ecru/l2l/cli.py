@@ -351,6 +351,7 @@ def run_train(args: argparse.Namespace) -> int:
     model = with_lora(args, model)
     model.train()
     engine = _engine(args, out, model, resume=state is not None)
+    state = _committed(args, out, state)
     losses = (state or {}).get("losses", [])[: engine.steps]
     evals = [e for e in (state or {}).get("eval", []) if e["step"] <= engine.steps]
     # the disk tier commits a step before state.json records its loss: a kill between them loses only that
@@ -366,6 +367,17 @@ def run_train(args: argparse.Namespace) -> int:
         engine.close()
     _report(result, out)
     return 0
+
+
+def _committed(args, out: Path, state: dict | None) -> dict | None:
+    """`state` with the losses and evaluations the RAM tier's checkpoint committed with its weights (a kill
+    after the checkpoint and before state.json leaves state.json a step behind); the disk tier's as is."""
+    from ecru.l2l.checkpoint import read_meta
+
+    meta = read_meta(out / CHECKPOINT) if args.store == "ram" and state is not None else None
+    if not meta or "losses" not in meta:
+        return state
+    return {**state, "losses": meta["losses"], "eval": meta["eval"]}
 
 
 def _evaluate(args, engine, tokenizer) -> dict:
@@ -416,7 +428,7 @@ def _checkpoint(args, engine, out: Path, losses: list[float], evals: list[dict])
     from ecru.io import atomic_write_json
 
     if args.store == "ram":  # the disk tier committed this step in its store already
-        engine.save(out / CHECKPOINT)
+        engine.save(out / CHECKPOINT, meta={"losses": losses, "eval": evals})
     keys = ("micro_batch_size", "steps", *RESULT_ARGS)
     atomic_write_json(
         out / STATE,
