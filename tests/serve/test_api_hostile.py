@@ -16,7 +16,7 @@ from ecru.serve.models import ServedModel
 from ecru.serve.openai_api import APIConfig
 from ecru.serve.request_engine import EngineConfig
 from ecru.serve.sampling import SamplingParams
-from ecru.serve.server import BackgroundServer
+from tests.serve.helpers import BackgroundServer
 
 CAP = 256
 KEY = "sekret-key"

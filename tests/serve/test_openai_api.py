@@ -14,7 +14,7 @@ import pytest
 from ecru.serve.models import ServedModel
 from ecru.serve.request_engine import EngineConfig
 from ecru.serve.sampling import SamplingParams
-from ecru.serve.server import BackgroundServer
+from tests.serve.helpers import BackgroundServer
 
 CAP = 256  # the server's largest max_tokens (the tiny model's context is 512)
 

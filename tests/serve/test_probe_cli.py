@@ -271,7 +271,7 @@ def test_the_server_serves_cb_srpt_with_a_probe(probe_dir, chat_model_dir, monke
 
     from ecru.serve.models import ServedModel
     from ecru.serve.request_engine import EngineConfig
-    from ecru.serve.server import BackgroundServer
+    from tests.serve.helpers import BackgroundServer
 
     served = ServedModel.load(str(chat_model_dir))
     seen, texts = Repredictions(monkeypatch), {}
