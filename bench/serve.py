@@ -398,16 +398,7 @@ def format_bench(result: dict) -> str:
 
 def simulate_measured(result: dict, *, cost_path: str | Path | None) -> dict:
     """The simulator on the bench's own lengths: effective ratio and samples/s ratio per policy run."""
-    from ecru.serve import (
-        SMOLLM2_CPU,
-        CostModel,
-        PlanConfig,
-        TraceRequest,
-        make_queue,
-        simulate,
-        simulate_continuous,
-    )
-    from ecru.serve.runner import continuous_config, reservations
+    from ecru.serve import SMOLLM2_CPU, CostModel, PlanConfig, TraceRequest, simulate
 
     setup = result["setup"]
     cost = CostModel.load(cost_path) if cost_path else SMOLLM2_CPU
@@ -432,20 +423,8 @@ def simulate_measured(result: dict, *, cost_path: str | Path | None) -> dict:
         if policy not in result["policies"]:
             continue
         charged = predict_s if policy not in ("fcfs", "oracle", "cb") else 0.0
-        if policy.startswith("cb"):
-            predicted = setup["predicted_lengths"]
-            queue = make_queue(policy, predicted, aging=setup.get("aging", 0.5))
-            continuous = continuous_config(policy, config, setup["prompt_lens"])
-            sim, _ = simulate_continuous(
-                trace,
-                queue=queue,
-                config=continuous,
-                cost=cost,
-                predict_s=charged,
-                reserve=reservations(policy, predicted),
-            )
-        else:
-            sim = simulate(trace, policy=policy, config=config, cost=cost, predict_s=charged)
+        sim = simulate(trace, policy=policy, config=config, cost=cost, predict_s=charged,
+                       aging=setup.get("aging", 0.5))  # fmt: skip
         out[policy] = {
             "effective_token_ratio": sim.effective_token_ratio,
             "samples_per_s": sim.samples_per_s,

@@ -14,7 +14,7 @@ from ecru.serve import (
     run_policy,
     simulate,
 )
-from ecru.serve.runner import continuous_config
+from ecru.serve.policies import continuous_config
 
 PLAN = PlanConfig(batch_size=4, max_new_tokens=24)  # conftest's MAX_NEW
 

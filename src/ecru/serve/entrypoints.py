@@ -367,28 +367,8 @@ class ReplaySetup:
 
         cost = CostModel.load(self.cost_model) if self.cost_model else SMOLLM2_CPU
         trace = read_trace(self.trace)
-        if self.policy.startswith("cb"):
-            result = self._continuous(trace, cost)
-        else:
-            result = simulate(
-                trace, policy=self.policy, config=self.plan, cost=cost, predict_s=self.predict_s
-            )
+        with one_line():
+            result = simulate(trace, policy=self.policy, config=self.plan, cost=cost, predict_s=self.predict_s,
+                              aging=self.aging, refill_min=self.refill_min)  # fmt: skip
         return {**result.to_json(), "batch_size": self.batch_size, "max_new_tokens": self.max_new_tokens,
                 "resume_failures": self.resume_failures, "keep_kv": self.keep_kv, "cost_model": cost.source}  # fmt: skip
-
-    def _continuous(self, trace, cost):
-        from ecru.serve.queues import make_queue
-        from ecru.serve.runner import continuous_config, reservations
-        from ecru.serve.simulator import simulate_continuous
-
-        predicted = [r.predicted_len for r in trace]
-        if self.policy != "cb" and any(p is None for p in predicted):
-            raise EcruError(f"policy {self.policy!r} needs predicted_len on every trace line")
-        with one_line():  # the limits read only the plan's batch size and cap
-            config = continuous_config(
-                self.policy, self.plan, [r.prompt_len for r in trace], refill_min=self.refill_min
-            )
-            queue = make_queue(self.policy, predicted, aging=self.aging)
-        result, _ = simulate_continuous(trace, queue=queue, config=config, cost=cost, predict_s=self.predict_s,
-                                        policy=self.policy, reserve=reservations(self.policy, predicted))  # fmt: skip
-        return result

@@ -15,6 +15,10 @@ grow in proportion to how short they are.
 `fcr+vbs+bins` is the paper's whole recipe: predictions rounded up to 50-token bins, batches never mix
 bins and run at their bin's top as cap; a bin's leftover rows that would fill less than half of a batch
 at its size join the next bin up (run at the larger cap) instead of running as a small batch.
+
+The continuous policies run the same offline group on the engine's scheduler, under the `EngineConfig` a
+plan implies (`continuous_config`) with cb-kv's reservations (`reservations`): for real
+(`runner.run_policy`) and simulated (`simulator.simulate`) alike.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ecru.serve.names import STATIC_POLICIES
+from ecru.serve.names import ENGINE_POLICY, STATIC_POLICIES
+from ecru.serve.scheduler import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -202,3 +207,22 @@ def run_plan(plan: Sequence[Batch], runner: BatchRunner, config: PlanConfig) -> 
             queue = rerun_batches(failed, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
                                   generated=generated if config.resume else None)  # fmt: skip
     return failed
+
+
+def reservations(policy: str, predicted: Sequence[float] | None) -> Sequence[float] | None:
+    """The answer tokens each request reserves: its predicted length under `cb-kv`, none (the cap) under
+    the other continuous policies."""
+    if policy != "cb-kv":
+        return None
+    if predicted is None or any(p is None for p in predicted):
+        raise ValueError("cb-kv reserves KV memory by predicted length: give a prediction for every request")
+    return predicted
+
+
+def continuous_config(
+    policy: str, plan: PlanConfig, prompt_lens: Sequence[int], *, refill_min: int = 4
+) -> EngineConfig:
+    """The `EngineConfig` of an offline run: rows of `plan.batch_size` (cb, cb-sjf, cb-ljf); for cb-kv the KV
+    memory those rows hold reserving the cap at the longest prompt, counted on the cache really held."""
+    return EngineConfig(ENGINE_POLICY[policy], plan.batch_size, plan.max_new_tokens, refill_min,
+                        kv_prompt_tokens=max([1, *prompt_lens]))  # fmt: skip

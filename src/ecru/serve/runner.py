@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ecru.serve.engine import GenerationConfig, generate_static, resume_static
-from ecru.serve.names import CONTINUOUS_POLICIES, DEFAULT_AGING, ENGINE_POLICY, POLICIES
-from ecru.serve.policies import PlanConfig, plan_batches, run_plan
+from ecru.serve.names import CONTINUOUS_POLICIES, DEFAULT_AGING, POLICIES
+from ecru.serve.policies import PlanConfig, continuous_config, plan_batches, reservations, run_plan
 from ecru.serve.queues import RequestQueue, make_queue
 from ecru.serve.request_engine import RequestEngine
 from ecru.serve.sampling import SamplingParams
@@ -189,25 +189,6 @@ def generate_continuous(
     s = engine.stats
     return ContinuousResult([r.output for r in reqs], [r.finish_s - start for r in reqs], sched.steps, s.tokens,
                             s.prefills, sched.admission_log, s.preemptions, s.peak_kv_tokens)  # fmt: skip
-
-
-def reservations(policy: str, predicted: Sequence[float] | None) -> Sequence[float] | None:
-    """The answer tokens each request reserves: its predicted length under `cb-kv`, none (the cap) under
-    the other continuous policies."""
-    if policy != "cb-kv":
-        return None
-    if predicted is None or any(p is None for p in predicted):
-        raise ValueError("cb-kv reserves KV memory by predicted length: give a prediction for every request")
-    return predicted
-
-
-def continuous_config(
-    policy: str, plan: PlanConfig, prompt_lens: Sequence[int], *, refill_min: int = 4
-) -> EngineConfig:
-    """The `EngineConfig` of an offline run: rows of `plan.batch_size` (cb, cb-sjf, cb-ljf); for cb-kv the KV
-    memory those rows hold reserving the cap at the longest prompt, counted on the cache really held."""
-    return EngineConfig(ENGINE_POLICY[policy], plan.batch_size, plan.max_new_tokens, refill_min,
-                        kv_prompt_tokens=max([1, *prompt_lens]))  # fmt: skip
 
 
 def run_policy(

@@ -2,7 +2,7 @@
 Torch-free: a benchmark's tables come from here without loading a model.
 
 Offline traces, JSONL, one request per line: {"prompt_len": int, "output_len": int, "predicted_len": number}.
-Static policies (`simulate`): each batch runs min(cap, longest output_len in it) steps and computes
+Static policies (`simulate`, which also takes the continuous ones): each batch runs min(cap, longest output_len in it) steps and computes
 rows x steps token slots (first attempts and FCR reruns alike). A resumed rerun (`PlanConfig.resume`)
 prefills each row's prompt plus the tokens it had and runs until its longest row is done, each row
 stopping at its answer's end or its own budget, max_new_tokens in all; with `PlanConfig.keep_kv` it has no
@@ -46,9 +46,9 @@ import numpy as np
 from ecru.errors import EcruError
 from ecru.io import BadLine, read_jsonl
 from ecru.serve.cost import SMOLLM2_CPU, CostModel
-from ecru.serve.names import ENGINE_POLICY, ONLINE_POLICIES, SJF_POLICIES
-from ecru.serve.policies import Batch, PlanConfig, plan_batches, run_plan
-from ecru.serve.queues import RequestQueue
+from ecru.serve.names import CONTINUOUS_POLICIES, ENGINE_POLICY, ONLINE_POLICIES, POLICIES, SJF_POLICIES
+from ecru.serve.policies import Batch, PlanConfig, continuous_config, plan_batches, reservations, run_plan
+from ecru.serve.queues import DEFAULT_AGING, RequestQueue, make_queue
 from ecru.serve.scheduler import EngineConfig, Outcome, Scheduler, run_in_steps
 
 
@@ -259,14 +259,26 @@ def simulate(
     config: PlanConfig,
     cost: CostModel = SMOLLM2_CPU,
     predict_s: float = 0.0,
+    aging: float = DEFAULT_AGING,
+    refill_min: int = 4,
 ) -> SimResult:
-    """Execute `policy`'s plan (and FCR reruns) against the true lengths of `trace`."""
+    """Any policy of `POLICIES` against the true lengths of `trace`, as `runner.run_policy` runs it for real: a
+    static policy's plan (and FCR reruns), or a continuous one on the engine's scheduler (`simulate_continuous`
+    under `continuous_config`; `aging`: cb-sjf's and cb-ljf's, `refill_min`: every continuous policy's)."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if policy == "oracle":
         predicted = [r.output_len for r in trace]
     else:
         predicted = [r.predicted_len for r in trace]
-        if policy != "fcfs" and any(p is None for p in predicted):
+        if policy not in ("fcfs", "cb") and any(p is None for p in predicted):
             raise EcruError(f"policy {policy!r} needs predicted_len on every trace line")
+    if policy in CONTINUOUS_POLICIES:
+        engine = continuous_config(policy, config, [r.prompt_len for r in trace], refill_min=refill_min)
+        result, _ = simulate_continuous(trace, queue=make_queue(policy, predicted, aging=aging), config=engine,
+                                        cost=cost, predict_s=predict_s, policy=policy,
+                                        reserve=reservations(policy, predicted))  # fmt: skip
+        return result
     plan = plan_batches(policy, predicted=predicted, prompt_lens=[r.prompt_len for r in trace], config=config)
     runner = TraceBatches(trace, config, cost, start_s=predict_s)
     failures = run_plan(plan, runner, config)
