@@ -4,10 +4,10 @@ Torch-free: a benchmark's tables come from here without loading a model.
 Offline traces, JSONL, one request per line: {"prompt_len": int, "output_len": int, "predicted_len": number}.
 `simulate` replays any policy of `POLICIES`, as `runner.run_policy` runs it for real. Static policies: each
 batch runs min(cap, longest output_len in it) steps and computes rows x steps token slots (first attempts and
-FCR reruns alike). A resumed rerun (`PlanConfig.resume`) prefills each row's prompt plus the tokens it had
-and runs until its longest row is done, each row stopping at its answer's end or its own budget,
-max_new_tokens in all; with `PlanConfig.keep_kv` it has no prefill, only its decode steps. A request's useful tokens, min(output_len, max_new_tokens), count once, on
-the run that completes it.
+FCR reruns alike). A resumed rerun (`PlanConfig.resume`) prefills each row's prompt plus the tokens it had and
+runs until its longest row is done, each row stopping at its answer's end or its own budget, max_new_tokens in
+all; with `PlanConfig.keep_kv` it has no prefill, only its decode steps. A request's useful tokens,
+min(output_len, max_new_tokens), count once, on the run that completes it.
 Continuous batching (`simulate_continuous`): the engine's `Scheduler` on a `SimulatedRunner`, driven as
 `generate_continuous` drives the engine, so its admission order, decode steps, prefills and slots are the
 engine's by construction.
