@@ -20,6 +20,12 @@ On val, `oos_val` is split in halves: one sets the threshold, the other's recall
 reverse, averaged). On test, all of `oos_val` sets it and `oos_test` is measured, as in the benchmark. The
 in-scope cost is the share of in-scope texts abstained (an upper bound of the accuracy the rule costs: an
 abstained text that was answered wrong costs nothing; the adapters decide which ones those are).
+With `--adapters` (routed-lora trained, the benchmark's settings) the grades add the adapters' view: the
+claim plus w x ln p (the answer's probability), or plus w x a within-task score of the text's best task
+(`within_task`: the best blended score the product scores with, `best_within_task`; the adapter's cosine to
+the names alone; the adapted embedding's cosine to the adapter's class means). The grade is chosen by its
+AUROC against all of `oos_val` on the val split (threshold-free, every `oos_val` text), the weight too
+(`routed.OPEN_SET_WITHIN_WEIGHT`); the quantile rows show what a threshold costs.
 """
 
 from __future__ import annotations
@@ -113,8 +119,9 @@ def run(frozen: Frozen, split: str, seed: int, order: int, oos_val: list[str], o
 
 def adapter_features(split: str, seed: int, order: int, folder: Path) -> Path:
     """Train routed-lora on the benchmark's full stream (its training settings, resumable from `folder`) and
-    write, for the in-scope texts, `oos_val` and `oos_test`, the answer's probability, whether it is right and
-    the claim (standardised and centred), to `folder`/features.safetensors (what `--features` reads)."""
+    write, for the in-scope texts, `oos_val` and `oos_test`, the answer's probability, whether it is right, the
+    claim (standardised and centred) and `within_task`'s scores, to `folder`/features.safetensors (what
+    `--features` reads)."""
     from safetensors.torch import save_file
 
     from ecru.lifelong.evaluate import confidences
@@ -135,19 +142,83 @@ def adapter_features(split: str, seed: int, order: int, folder: Path) -> Path:
     right = torch.tensor([names[b] == g for b, g in zip(best[:n].tolist(), ev.gold[:n], strict=True)])
     out = folder / "features.safetensors"
     save_file({"conf": conf.double(), "claim": enc.claim_scores(texts),
-               "centred": enc.claim_scores(texts, standardise=False), "right": right.long()},
+               "centred": enc.claim_scores(texts, standardise=False), "right": right.long(),
+               **within_task(enc, texts)},
               str(out), metadata={"in_scope": str(n), "oos_val": str(len(clinc["oos_val"]))})  # fmt: skip
     return out
+
+
+@torch.no_grad()
+def within_task(enc, texts: list[str]) -> dict[str, torch.Tensor]:
+    """[Q] per text, in its best task (the router's choice without the open-set veto): the best within-task
+    score (`best_within_task`, the product's), the adapter's best cosine to the names alone and the adapted
+    embedding's best cosine to the task's adapter class means."""
+    m = enc.m
+    frozen = enc.frozen(texts)
+    routes = m.router(frozen, open_set=False)
+    out = {k: torch.empty(len(texts), dtype=torch.float64) for k in ("name_cos_max", "adapter_proto_max")}
+    for task in routes.unique().tolist():
+        rows = (routes == task).nonzero().flatten()
+        emb = enc._embed([texts[i] for i in rows.tolist()], task, batch_size=64)
+        out["name_cos_max"][rows] = (emb @ enc.encode_labels(m.names[task]).T).max(-1).values.double()
+        protos = m.adapter_prototypes[task][0].to(emb.dtype)  # the preset keeps them
+        out["adapter_proto_max"][rows] = (emb @ protos.T).max(-1).values.double()
+    return {"blend_max": enc.best_within_task(texts), **out}
 
 
 WEIGHTS = (0.0, 0.5, 1.0, 2.0, 4.0)
 """w in the combined grades `claim + w ln p` (p: the answer's probability), in sd per nat; for the centred claim
 w x 0.02 cosine per nat (the grade's name gives the weight it used)."""
+WITHIN = {"blend_max": (0.1, 0.2, 0.4, 0.8), "name_cos_max": (0.1, 0.2, 0.4, 0.8),
+          "adapter_proto_max": (0.1, 0.2, 0.4, 0.8)}  # fmt: skip
+"""Cosine of the centred claim per unit of each within-task feature (`within_task`) in its combined grades."""
+
+
+def candidates(feats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each combined grade [Q] (named by the weights it uses) from `adapter_features`' tensors."""
+    log_p = feats["conf"].clamp(min=1e-12).log()
+    out = {}
+    for base in ("claim", "centred"):
+        unit = 1.0 if base == "claim" else 0.02
+        for w in WEIGHTS:
+            out[f"{base} + {w * unit:g} ln p"] = feats[base] + w * unit * log_p
+    for name, weights in WITHIN.items():
+        if name not in feats or feats[name].isnan().any():
+            continue
+        out[name] = feats[name]
+        for w in weights:
+            out[f"centred + {w:g} {name}"] = feats["centred"] + w * feats[name]
+    return out
+
+
+def measure(grade: torch.Tensor, right: torch.Tensor, n: int, v: int, split: str, seed: int) -> dict:
+    """One grade's AUROCs and, per quantile, out-of-scope recall, in-scope accuracy (abstentions wrong) and its
+    cost against Last (val: `oos_val` halves, as `run`; test: all of `oos_val` sets, `oos_test` measures)."""
+    last = 100 * right.double().mean().item()
+    gi, gv, gt = grade[:n], grade[n : n + v], grade[n + v :]
+    row = {"auroc_val": auroc(gi, gv), "auroc_test": auroc(gi, gt)}
+    if split == "val":
+        perm = torch.randperm(v, generator=torch.Generator().manual_seed(seed))
+        a, b = gv[perm[: v // 2]], gv[perm[v // 2 :]]
+        pairs = [(a, b), (b, a)]
+    else:
+        pairs = [(gv, gt)]
+    for q in QUANTILES:
+        cells = []
+        for fit, held in pairs:
+            threshold = torch.quantile(fit, q)
+            cells.append((100 * (held <= threshold).double().mean().item(),
+                          100 * (right & (gi > threshold)).double().mean().item()))  # fmt: skip
+        recall, acc = (sum(c[i] for c in cells) / len(cells) for i in (0, 1))
+        row[f"q{q:g}"] = {"recall": recall, "in_scope_accuracy": acc, "cost": last - acc}
+    if split == "test":  # a bound, not a rule: the threshold set on oos_test itself at 70% recall
+        kept = right & (gi > torch.quantile(gt, 0.7))
+        row["cost_at_test_recall_70"] = last - 100 * kept.double().mean().item()
+    return row
 
 
 def combined(folder: Path, split: str, seed: int) -> dict:
-    """Per combined grade and quantile: out-of-scope recall, in-scope accuracy (abstentions wrong) and its
-    cost against Last, from `adapter_features`' file in `folder` (val: `oos_val` halves, as `run`)."""
+    """Per combined grade (`candidates`), `measure` from `adapter_features`' file in `folder`."""
     from safetensors import safe_open
 
     path = folder / "features.safetensors"
@@ -158,37 +229,10 @@ def combined(folder: Path, split: str, seed: int) -> dict:
     with safe_open(str(path), "pt") as f:
         feats, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
     n, v = int(meta["in_scope"]), int(meta["oos_val"])
-    right, last = feats["right"].bool(), 100 * feats["right"].double().mean().item()
-    out = {"last": last, "grades": {}}
-    for base in ("claim", "centred"):
-        unit = 1.0 if base == "claim" else 0.02
-        for w in WEIGHTS:
-            grade = feats[base] + w * unit * feats["conf"].clamp(min=1e-12).log()
-            gi, gv, gt = grade[:n], grade[n : n + v], grade[n + v :]
-            row = {"auroc_val": auroc(gi, gv), "auroc_test": auroc(gi, gt)}
-            for q in QUANTILES:
-                if split == "val":
-                    perm = torch.randperm(v, generator=torch.Generator().manual_seed(seed))
-                    pairs = [
-                        (gv[perm[: v // 2]], gv[perm[v // 2 :]]),
-                        (gv[perm[v // 2 :]], gv[perm[: v // 2]]),
-                    ]
-                else:
-                    pairs = [(gv, gt)]
-                cells = []
-                for fit, measure in pairs:
-                    threshold = torch.quantile(fit, q)
-                    kept = gi > threshold
-                    cells.append((100 * (measure <= threshold).double().mean().item(),
-                                  100 * (right & kept).double().mean().item()))  # fmt: skip
-                recall, acc = (sum(c[i] for c in cells) / len(cells) for i in (0, 1))
-                row[f"q{q:g}"] = {"recall": recall, "in_scope_accuracy": acc, "cost": last - acc}
-            if split == "test":  # a bound, not a rule: the threshold set on oos_test itself at 70% recall
-                row["cost_at_test_recall_70"] = (
-                    last - 100 * (right & (gi > torch.quantile(gt, 0.7))).double().mean().item()
-                )
-            out["grades"][f"{base} + {w * unit:g} ln p"] = row
-    return out
+    right = feats["right"].bool()
+    grades = candidates(feats)
+    return {"last": 100 * right.double().mean().item(),
+            "grades": {name: measure(g, right, n, v, split, seed) for name, g in grades.items()}}  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -119,9 +119,19 @@ def test_abstention_is_the_claim_score_below_the_slack_and_probabilities_are_eac
     )
     reference = torch.softmax(scale.double()[:, None] * scores, dim=-1)
     torch.testing.assert_close(enc.probabilities(texts, names), reference, rtol=0, atol=1e-12)
-    # the benchmark's open-set grade: the claim in cosine plus OPEN_SET_PROB_WEIGHT x ln p of the answer
-    from ecru.lifelong.methods.routed import OPEN_SET_PROB_WEIGHT
+    # the benchmark's open-set grade: the claim in cosine plus OPEN_SET_WITHIN_WEIGHT x the best score of the
+    # text's best task when that task is given (`for_task`: no gate, its own names only)
+    from ecru.lifelong.methods.routed import OPEN_SET_WITHIN_WEIGHT
 
-    conf = reference.max(-1).values
-    expected = enc.claim_scores(texts, standardise=False) + OPEN_SET_PROB_WEIGHT * conf.log()
-    torch.testing.assert_close(enc.open_set_grades(texts, conf), expected, rtol=0, atol=1e-12)
+    within = torch.tensor(
+        [
+            enc.for_task(r).scores([t], method.names[r]).max().item()
+            for t, r in zip(texts, routes.tolist(), strict=True)
+        ],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(enc.best_within_task(texts), within, rtol=0, atol=1e-6)
+    expected = enc.claim_scores(texts, standardise=False) + OPEN_SET_WITHIN_WEIGHT * enc.best_within_task(
+        texts
+    )
+    torch.testing.assert_close(enc.open_set_grades(texts), expected, rtol=0, atol=1e-12)

@@ -114,7 +114,7 @@ class ClaimingOracle(Oracle):
     def scores(self, texts, labels, *, batch_size=64):
         return torch.tensor([[float(n == self.gold.get(t)) for n in labels] for t in texts])
 
-    def open_set_grades(self, texts, probability):
+    def open_set_grades(self, texts):
         return torch.tensor([1.0 if t in self.gold else -1.0 for t in texts])
 
 
@@ -147,7 +147,7 @@ class GradingOracle(ClaimingOracle):
 
     grades = {"a": -0.5, "b": -0.4, "c": -0.3, "d": -0.2, "e": 2.0, "x": -1.0, "y": 0.5, "z": 3.0}
 
-    def open_set_grades(self, texts, probability):
+    def open_set_grades(self, texts):
         return torch.tensor([1.0 if t in self.gold else self.grades[t] for t in texts])
 
     def probabilities(self, texts, names):

@@ -152,10 +152,10 @@ class Evaluator:
 
 @runtime_checkable
 class Claimer(Protocol):
-    """An encoder that grades how strongly its learned tasks claim each text given its answer's `probability`
-    [Q] (`routed-lora`: `RoutedEncoder.open_set_grades`); for others the best label's probability is the grade."""
+    """An encoder that grades [Q] how strongly its learned tasks claim each text (`routed-lora`:
+    `RoutedEncoder.open_set_grades`); for others the best label's probability is the grade."""
 
-    def open_set_grades(self, texts: list[str], probability: torch.Tensor) -> torch.Tensor: ...
+    def open_set_grades(self, texts: list[str]) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -198,7 +198,7 @@ def confidences(encoder: Encoder, texts: list[str], names: list[str], *, scale: 
     else:
         prob = torch.softmax(scale * cosine_scores(encoder, texts, names).double(), dim=-1)
     conf, best = prob.max(-1)
-    grade = encoder.open_set_grades(texts, conf).double() if isinstance(encoder, Claimer) else conf
+    grade = encoder.open_set_grades(texts).double() if isinstance(encoder, Claimer) else conf
     return best, conf, grade
 
 
