@@ -11,6 +11,7 @@ import urllib.request
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from ecru.serve.models import ServedModel
 from ecru.serve.openai_api import APIConfig
@@ -90,10 +91,10 @@ def metrics(server) -> str:
 
 
 def count(text: str, endpoint: str, status: str) -> int:
-    found = re.search(
-        rf'ecru_requests_total{{endpoint="{re.escape(endpoint)}",status="{status}"}} (\d+)', text
-    )
-    return int(found.group(1)) if found else 0
+    """ecru_requests_total{endpoint, status} in the exposition, as a Prometheus parser reads it."""
+    labels = {"endpoint": endpoint, "status": status}
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return int(sum(s.value for s in families["ecru_requests"].samples if s.labels == labels))
 
 
 def test_a_disconnected_plain_client_frees_its_row_within_a_step(server):

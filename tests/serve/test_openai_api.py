@@ -67,6 +67,8 @@ def test_models_health_and_metrics(server, served):
                  "ecru_batch_occupancy", "ecru_request_latency_seconds_bucket", "ecru_time_to_first_token"):  # fmt: skip
         assert name in text
     assert 'ecru_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:  # what a scraper parses by
+        assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
 
 
 def test_chat_requests_reuse_the_templates_start_from_the_prefix_cache(server):

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ecru.serve.api_schema import APIError, ChatCompletionRequest, CompletionRequest
 from ecru.serve.background import EngineThread
-from ecru.serve.metrics import ServerMetrics
+from ecru.serve.metrics import CONTENT_TYPE, ServerMetrics
 from ecru.serve.models import ServedModel
 from ecru.serve.sampling import SamplingParams
 
@@ -146,7 +146,7 @@ class OpenAIServer:
         return {"status": "ok"}
 
     async def prometheus(self):
-        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     # ---- serving ------------------------------------------------------------------------------------
     def _check(self, body) -> None:
