@@ -4,7 +4,8 @@
     OMP_NUM_THREADS=1 python bench/experiments/lifelong_oos_grade.py --split test --runs 0:0 --json bench/results/lifelong_oos_grade.json  # report
     OMP_NUM_THREADS=1 python bench/experiments/lifelong_oos_grade.py --split val --adapters DIR_VAL     # train routed-lora (~25 min)
     OMP_NUM_THREADS=1 python bench/experiments/lifelong_oos_grade.py --split val --features DIR_VAL --json bench/results/lifelong_oos_grade.json
-    (and the same two with --split test)
+    (and the same two with --split test; DIR/checkpoint resumes: a copy of the benchmark's own
+    `--full --checkpoint-dir D` run, D/routed-lora-s0-o0, gives its features without training)
 
 `bench/lifelong.py`'s open-set rule abstains on a text whose grade is at most the `OOS_RECALL` quantile of
 `oos_val`'s grades. For routed-lora the grade is the router's claim (`claim_margin`), which reads the frozen
