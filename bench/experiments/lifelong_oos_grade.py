@@ -48,7 +48,7 @@ from ecru.lifelong.methods import ROUTED
 from ecru.lifelong.router import LDARouter, shrunk_covariance
 from ecru.lifelong.stream import StreamConfig, build_clinc_stream
 
-QUANTILES = (0.7, 0.75, 0.8, 0.85, 0.9)
+QUANTILES = (0.7, 0.75, 0.8, 0.82, 0.84, 0.86, 0.9)
 _P = ROUTED["routed-lora"]
 
 
@@ -218,6 +218,13 @@ def measure(grade: torch.Tensor, right: torch.Tensor, n: int, v: int, split: str
     return row
 
 
+def mean_over_runs(rows: list[dict]) -> dict:
+    """The elementwise mean of several runs' nested result dicts (same keys, numbers at the leaves)."""
+    if isinstance(rows[0], dict):
+        return {k: mean_over_runs([r[k] for r in rows]) for k in rows[0]}
+    return sum(rows) / len(rows)
+
+
 def combined(folder: Path, split: str, seed: int) -> dict:
     """Per combined grade (`candidates`), `measure` from `adapter_features`' file in `folder`."""
     from safetensors import safe_open
@@ -243,13 +250,19 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--adapters", type=Path, default=None, metavar="DIR",
                    help="instead: train routed-lora on the first run's stream and write its features to DIR")  # fmt: skip
-    p.add_argument("--features", type=Path, default=None, metavar="DIR",
-                   help="instead: the combined grades from DIR's features (written by --adapters)")  # fmt: skip
+    p.add_argument("--features", default=None, metavar="DIR[,DIR...]",
+                   help="instead: the combined grades from each DIR's features (written by --adapters), one DIR "
+                        "per --runs pair, averaged")  # fmt: skip
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.runs.split(",")]
     if args.features is not None:
-        seed = int(args.runs.split(",")[0].split(":")[0])
-        res = combined(args.features, args.split, seed)
+        folders = [Path(f) for f in str(args.features).split(",")]
+        if len(folders) != len(pairs):
+            raise EcruError(f"--features: {len(folders)} folders for {len(pairs)} --runs; give one per run")
+        res = mean_over_runs(
+            [combined(f, args.split, seed) for f, (seed, _) in zip(folders, pairs, strict=True)]
+        )
         print(f"last {res['last']:.2f}")
         for name, row in res["grades"].items():
             cells = "  ".join(
@@ -260,26 +273,15 @@ def main(argv=None) -> int:
             merge_json(args.json, f"adapters_{args.split}", {"runs": args.runs, **res})
         return 0
     if args.adapters is not None:
-        seed, order = (int(x) for x in args.runs.split(",")[0].split(":"))
-        print(f"wrote {adapter_features(args.split, seed, order, args.adapters)}")
+        if len(pairs) != 1:
+            raise EcruError(f"--adapters trains one run; give --runs SEED:ORDER, not {args.runs}")
+        print(f"wrote {adapter_features(args.split, *pairs[0], args.adapters)}")
         return 0
     clinc = load_clinc()
     oos_val, oos_test = [e.text for e in clinc["oos_val"]], [e.text for e in clinc["oos_test"]]
-    frozen, runs = Frozen(), []
-    for pair in args.runs.split(","):
-        seed, order = (int(x) for x in pair.split(":"))
-        runs.append(run(frozen, args.split, seed, order, oos_val, oos_test))
-    mean = {
-        name: {
-            key: (
-                sum(r[name][key] for r in runs) / len(runs)
-                if key.startswith("auroc")
-                else {m: sum(r[name][key][m] for r in runs) / len(runs) for m in ("recall", "abstained")}
-            )
-            for key in runs[0][name]
-        }
-        for name in runs[0]
-    }
+    frozen = Frozen()
+    runs = [run(frozen, args.split, seed, order, oos_val, oos_test) for seed, order in pairs]
+    mean = mean_over_runs(runs)
     for name, row in mean.items():
         cells = "  ".join(
             f"q{q:g} {row[f'q{q:g}']['recall']:5.1f}/{row[f'q{q:g}']['abstained']:4.1f}" for q in QUANTILES
