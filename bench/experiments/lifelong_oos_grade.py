@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default="0:0,1:1,2:2", help="(seed:order) pairs, as bench/lifelong.py --full")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--adapters", type=Path, default=None, metavar="DIR",
-                   help="instead: train routed-lora on the first run's stream and write its features to DIR")  # fmt: skip
+                   help="instead: train routed-lora on the stream of the one --runs pair and write its features to DIR")  # fmt: skip
     p.add_argument("--features", default=None, metavar="DIR[,DIR...]",
                    help="instead: the combined grades from each DIR's features (written by --adapters), one DIR "
                         "per --runs pair, averaged")  # fmt: skip
