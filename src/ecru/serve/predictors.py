@@ -172,7 +172,6 @@ class _RidgeOnFeatures:
     `lam=None` chooses the penalty among `LAMS` by 5-fold out-of-fold Spearman on the training rows
     (`ridge_cv`; the scores kept in `cv`)."""
 
-    name = "ridge"
     LAMS = (0.1, 0.3, 1.0, 3.0, 10.0)
 
     def __init__(self, *, lam: float | None = 1.0, cap: int = 256):
@@ -209,10 +208,7 @@ class MiniLMPredictor(_RidgeOnFeatures):
     """A proxy model: ridge regression on all-MiniLM-L6-v2 embeddings of the raw prompt."""
 
     name = "minilm"
-
-    def __init__(self, encoder=None, *, lam: float = 1.0, cap: int = 256):
-        super().__init__(lam=lam, cap=cap)
-        self._encoder = encoder
+    _encoder = None  # loaded on first use
 
     def features(self, prompts: Sequence[str]) -> torch.Tensor:
         if self._encoder is None:
