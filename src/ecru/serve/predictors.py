@@ -332,15 +332,12 @@ def fit_length_predictor(
     answers' `lengths`. Every `holdout`-th prompt is first held out to report how well predictions of
     unseen prompts rank and match (with the penalty chosen on the others, `held_out_lam`); the predictor
     returned is then fitted on all (its penalty chosen on all, `lam`)."""
-
-    test = set(range(0, len(prompts), holdout))
-    train = [i for i in range(len(prompts)) if i not in test]
+    train = [i for i in range(len(prompts)) if i % holdout]
     held = EmbeddingPredictor(served.model, served.tokenizer, cap=cap)
     held.fit_ids([prompts[i] for i in train], [lengths[i] for i in train])
-    pred = held.predict_ids([prompts[i] for i in sorted(test)])
-    true = [float(lengths[i]) for i in sorted(test)]
+    pred, true = held.predict_ids(prompts[::holdout]), [float(n) for n in lengths[::holdout]]
     full = EmbeddingPredictor(served.model, served.tokenizer, cap=cap, key=model_key(served.name))
     full.fit_ids(prompts, lengths)
-    report = {"prompts": len(prompts), "held_out_prompts": len(test), **length_metrics(pred, true),
+    report = {"prompts": len(prompts), "held_out_prompts": len(pred), **length_metrics(pred, true),
               "spearman": spearman(pred, true), "held_out_lam": held.lam, "lam": full.lam}  # fmt: skip
     return full, report

@@ -138,11 +138,11 @@ def fit_probe(served, prompts: Sequence[Sequence[int]], answers: Sequence[Sequen
     states, lengths = answer_states(served.model, prompts, answers), [len(a) for a in answers]
     if not any(lengths):
         raise ValueError("every greedy answer is empty (the model ended each at once): nothing to fit on")
-    test = set(range(0, len(prompts), holdout))
-    train = [i for i in range(len(prompts)) if i not in test]
+    train = [i for i in range(len(prompts)) if i % holdout]
     held = RemainingProbe(cap=cap).fit([states[i] for i in train], [lengths[i] for i in train])
+    test = range(0, len(prompts), holdout)
     pred, true = [], []
-    for i in sorted(test):
+    for i in test:
         t = torch.arange(every, max(every, lengths[i]), every)  # after every k tokens, while the answer runs
         pred += held.predict(states[i][t], t).tolist()
         true += (lengths[i] - t).tolist()
