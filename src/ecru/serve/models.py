@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 MODELS = ("smollm2", "tiny")
 
 
-def load_model(name: str, *, seed: int = 0):
+def load_model(name: str):
     """`(model, tokenizer)` in eval mode on the CPU: "smollm2", "tiny" (SmolLM2's tokenizer and chat
     template on a random 2-layer Llama) or the path of a local Hugging Face model folder."""
     if name not in MODELS:
@@ -28,7 +28,7 @@ def load_model(name: str, *, seed: int = 0):
 
     model, tokenizer = load_smollm2()
     if name == "tiny":
-        model = tiny_llama(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=seed)
+        model = tiny_llama(vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=0)
         model.config.pad_token_id = tokenizer.pad_token_id
         model.config.eos_token_id = tokenizer.eos_token_id
     return model.to(torch.float32).eval(), tokenizer
@@ -95,22 +95,17 @@ class ServedModel:
     def context_len(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", None) or 2048)
 
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
     def encode(self, prompt: str) -> list[int]:
         """A raw completion prompt's token ids (the tokenizer's special tokens, e.g. BOS, included)."""
         return list(self.tokenizer(prompt)["input_ids"])
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
         """Messages through the model's chat template, ready for the assistant's answer."""
-        if not self.has_chat_template:
+        from ecru.serve.prompts import chat_ids
+
+        if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.name} has no chat template: send a raw prompt to /v1/completions")
-        out = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(out["input_ids"])
+        return chat_ids(self.tokenizer, messages)
 
     def engine(
         self,

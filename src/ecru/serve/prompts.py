@@ -76,12 +76,14 @@ def load_prompts(source: str, *, n: int | None = None, split: str = "test", seed
     return texts
 
 
+def chat_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of chat messages through the tokenizer's chat template, ready for the assistant's answer."""
+    out = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(out["input_ids"])
+
+
 def encode_chat(tokenizer, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each text as one user turn in the model's chat template, ready for the answer."""
-    out = []
-    for text in texts:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )["input_ids"]
-        out.append(list(ids))
-    return out
+    """Token ids of each text as one user turn in the model's chat template."""
+    return [chat_ids(tokenizer, [{"role": "user", "content": text}]) for text in texts]
