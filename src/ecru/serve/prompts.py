@@ -25,13 +25,11 @@ def _bundled(name: str, split: str) -> list[str]:
 
         return [p.prompt for p in build_mixed_workload()[split]]
 
-    clinc = lambda: [e.text for e in load_clinc()[split]]  # noqa: E731
-    banking = lambda: [e.text for e in load_banking77()[split]]  # noqa: E731
-    if name == "clinc":
-        return clinc()
-    if name == "banking":
-        return banking()
-    return [t for pair in zip(clinc(), banking(), strict=False) for t in pair]  # mixed: interleaved
+    loaders = {"clinc": load_clinc, "banking": load_banking77}
+    if name in loaders:
+        return [e.text for e in loaders[name]()[split]]
+    clinc, banking = ([e.text for e in load()[split]] for load in loaders.values())
+    return [t for pair in zip(clinc, banking, strict=False) for t in pair]  # mixed: interleaved
 
 
 def check_source(source: str | Path) -> None:
