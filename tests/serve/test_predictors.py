@@ -44,6 +44,17 @@ def test_oracle_and_constant():
     assert ConstantPredictor(88).predict(["x", "y"]) == [88.0, 88.0]
 
 
+def test_minilm_predictor_is_ridge_on_its_encoders_embeddings():  # a stub encoder: no MiniLM load
+    from types import SimpleNamespace
+
+    from ecru.serve import MiniLMPredictor
+
+    p = MiniLMPredictor(lam=1e-6, cap=100)
+    p._encoder = SimpleNamespace(encode=lambda texts: torch.tensor([[float(len(t))] for t in texts]))
+    p.fit(["a", "abc", "abcdef"], [3.0, 7.0, 13.0])  # 2 x length + 1
+    assert p.predict(["ab", "x" * 80]) == pytest.approx([5.0, 100.0], abs=1e-3)  # the second clamped to cap
+
+
 def test_bucket_and_parse():
     assert [bucket_label(v, bucket=50, cap=256) for v in (1, 50, 51, 240, 256)] == [50, 50, 100, 250, 256]
     assert parse_length("About 150 tokens.", cap=256) == 150
