@@ -54,12 +54,6 @@ class FCFSQueue:
         return len(self._items)
 
 
-def past_fcfs_deadline(waited: float, backlog: float, *, rows: int, slack: float) -> bool:
-    """Whether a request that has waited `waited` decode steps is past its FCFS deadline: (1 + slack) x the
-    wait first come first served would now impose, `backlog` predicted tokens over `rows` decode rows."""
-    return waited >= (1 + slack) * backlog / rows
-
-
 class SJFQueue:
     """Shortest predicted job first, aged by `aging` tokens of priority per decode step waited.
 
@@ -123,11 +117,11 @@ class SJFQueue:
         return self._waited.get(index, 0)
 
     def would_be_overdue(self, waited: int) -> bool:
-        """Whether a request that has waited `waited` steps would be past its FCFS deadline if it waited now."""
-        backlog = self._waiting_tokens + self.running_tokens()
-        return self.fcfs_slack is not None and past_fcfs_deadline(
-            waited, backlog, rows=self.rows, slack=self.fcfs_slack
-        )
+        """Whether a request that has waited `waited` steps is past its FCFS deadline now: (1 + fcfs_slack) x the
+        predicted backlog over `rows` decode rows."""
+        if self.fcfs_slack is None:
+            return False
+        return waited >= (1 + self.fcfs_slack) * (self._waiting_tokens + self.running_tokens()) / self.rows
 
     def smallest(self, n: int, *, now: int) -> list[float]:
         """The `n` lowest priorities now (predicted length less aging x steps waited), lowest first."""
