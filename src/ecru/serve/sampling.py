@@ -70,14 +70,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-        self._check_stop()
-
-    def _check_stop(self) -> None:
-        stop = self.stop
-        if not isinstance(stop, tuple) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a tuple of non-empty strings, got {stop!r}")
-        if len(stop) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stop)}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(self.stop)}")
 
     @property
     def greedy(self) -> bool:
@@ -136,7 +132,7 @@ def next_token_ids(
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
     """The log-softmax of one row of raw logits [V] at `token`, and the `top` most likely (id, logprob)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = logp.topk(top) if top else (logp[:0], logp[:0].long())
+    values, ids = logp.topk(top)  # top 0: empty
     return float(logp[token]), [
         (int(i), float(v)) for v, i in zip(values.tolist(), ids.tolist(), strict=True)
     ]
