@@ -62,12 +62,8 @@ class TextStream:
         return self._release(self.decode(self.ids).rstrip("\ufffd"))
 
     def _stop_index(self, full: str) -> int | None:
-        hits = []
-        for s in self.stop:
-            i = full.find(s, max(0, len(self.text) - len(s) + 1))
-            if i >= 0:
-                hits.append(i)
-        return min(hits) if hits else None
+        hits = (full.find(s, max(0, len(self.text) - len(s) + 1)) for s in self.stop)
+        return min((i for i in hits if i >= 0), default=None)
 
     def _release(self, text: str) -> str:
         if len(text) <= len(self.text) or not text.startswith(self.text):
