@@ -86,11 +86,6 @@ def _chunks(order: Sequence[int], size: int) -> list[tuple[int, ...]]:
     return [tuple(order[i : i + size]) for i in range(0, len(order), size)]
 
 
-def sort_by_prediction(predicted: Sequence[float]) -> list[int]:
-    """Indices in ascending predicted length; ties keep arrival order (a stable sort)."""
-    return sorted(range(len(predicted)), key=lambda i: predicted[i])
-
-
 def predicted_cap(rows: Sequence[int], predicted: Sequence[float], max_new_tokens: int) -> int:
     """An FCR batch's cap: its largest prediction (rounded up), never above the global cap.
 
@@ -121,8 +116,9 @@ def bin_top(predicted: float, width: int, max_new_tokens: int) -> int:
     return min(max_new_tokens, max(width, width * math.ceil(predicted / width)))
 
 
-def binned_batches(order: Sequence[int], predicted, prompt_lens, config: PlanConfig) -> list[tuple[int, ...]]:
-    """VBS within bins of `config.bin_width` predicted tokens; small leftovers merge into the next bin."""
+def binned_batches(order: Sequence[int], predicted, prompt_lens, config: PlanConfig) -> list[Batch]:
+    """VBS within bins of `config.bin_width` predicted tokens, each batch capped at its rows' highest bin top;
+    small leftovers merge into the next bin."""
     tops = [bin_top(p, config.bin_width, config.max_new_tokens) for p in predicted]
     bins: dict[int, list[int]] = {}
     for r in order:
@@ -133,7 +129,7 @@ def binned_batches(order: Sequence[int], predicted, prompt_lens, config: PlanCon
         cut = vbs_batches(rows, {r: top for r in rows}, prompt_lens, config)
         full = len(cut[0])
         carry = list(cut.pop()) if top != max(bins) and len(cut[-1]) * 2 < full else []
-        batches += cut
+        batches += [Batch(group, max(tops[r] for r in group)) for group in cut]
     return batches
 
 
@@ -148,13 +144,11 @@ def plan_batches(
         return [Batch(rows, cap) for rows in _chunks(range(n), config.batch_size)]
     if predicted is None or len(predicted) != n:
         raise ValueError(f"policy {policy!r} needs one predicted length per request")
-    order = sort_by_prediction(predicted)
+    order = sorted(range(n), key=lambda i: predicted[i])  # stable: ties keep arrival order
     if policy in ("sorted", "oracle"):
         return [Batch(rows, cap) for rows in _chunks(order, config.batch_size)]
     if policy == "fcr+vbs+bins":
-        tops = [bin_top(p, config.bin_width, cap) for p in predicted]
-        groups = binned_batches(order, predicted, prompt_lens, config)
-        return [Batch(rows, max(tops[r] for r in rows)) for rows in groups]
+        return binned_batches(order, predicted, prompt_lens, config)
     groups = (
         _chunks(order, config.batch_size)
         if policy == "fcr"
