@@ -207,6 +207,10 @@ def test_fcfs_slack_rejected_where_nothing_is_predicted_shortest_first():
             run(_stream(), policy, config(fcfs_slack=0.1))
     with pytest.raises(ValueError, match="fcfs_slack"):
         EngineConfig(policy="cb-sjf", fcfs_slack=-0.1)
+    with pytest.raises(ValueError, match="fcfs_slack"):  # a config valid for cb-sjf, run as fcfs
+        simulate_online(
+            _stream(), policy="fcfs", config=EngineConfig(policy="cb-sjf", fcfs_slack=0.1), cost=UNIT
+        )
 
 
 def test_a_preempted_row_that_keeps_its_kv_rejoins_without_a_prefill():

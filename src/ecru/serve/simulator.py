@@ -35,7 +35,6 @@ done when it arrives; its KV (counted in `peak_kv_tokens`) waits with it and adm
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -445,11 +444,9 @@ def simulate_online(
     if min(predict_s, repredict_s) < 0 or (prefill_at_arrival and predict_s):
         raise ValueError("predict_s and repredict_s must be >= 0, and predict_s 0 with prefill_at_arrival "
                          "(the prediction is read from the prefill)")  # fmt: skip
+    engine = dataclasses.replace(config, policy=ENGINE_POLICY[policy])  # fcfs: cb's (no fcfs_slack)
     if policy == "fcfs":
-        if config.fcfs_slack not in (None, math.inf):
-            raise ValueError("fcfs_slack orders predicted-shortest-first admission: not for policy 'fcfs'")
-        return _simulate_static(trace, config, cost)
-    engine = dataclasses.replace(config, policy=ENGINE_POLICY[policy], prefix_cache=0)
+        return _simulate_static(trace, engine, cost)
     charge = predict_s if policy in SJF_POLICIES else 0.0
     return _simulate_continuous(trace, policy, engine, cost, charge, repredict_s, prefill_at_arrival)
 
