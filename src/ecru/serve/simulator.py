@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -478,16 +479,12 @@ def _simulate_static(trace: Sequence[OnlineRequest], config: EngineConfig, cost:
     plan = PlanConfig(batch_size=config.max_batch_size, max_new_tokens=cap)
     lengths = [TraceRequest(r.prompt_len, max(1, min(r.output_len, cap))) for r in trace]
     runner = TraceBatches(lengths, plan, cost, start_s=0.0)
-    order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
-    pos = 0
-    while pos < len(order):
-        runner.clock = max(runner.clock, trace[order[pos]].arrival_s)
+    waiting = deque(sorted(range(len(trace)), key=lambda i: trace[i].arrival_s))
+    while waiting:
+        runner.clock = max(runner.clock, trace[waiting[0]].arrival_s)
         rows = []
-        while (
-            pos < len(order) and len(rows) < plan.batch_size and trace[order[pos]].arrival_s <= runner.clock
-        ):
-            rows.append(order[pos])
-            pos += 1
+        while waiting and len(rows) < plan.batch_size and trace[waiting[0]].arrival_s <= runner.clock:
+            rows.append(waiting.popleft())
         run_plan([Batch(tuple(rows), cap)], runner, plan)
     finish = [runner.last_token[i] for i in range(len(trace))]
     tokens = sum(r.output_len for r in lengths)
@@ -497,8 +494,8 @@ def _simulate_static(trace: Sequence[OnlineRequest], config: EngineConfig, cost:
 def oracle(request: OnlineRequest, *, every: int, cap: int) -> OnlineRequest:
     """`request` with its true length as the prediction and its true remainder as every re-prediction."""
     n = max(1, min(request.output_len, request.cap(cap)))
-    return dataclasses.replace(request, predicted=float(n), remaining=tuple(float(n - j * every) for j in
-                                                                           range((n - 1) // every + 1)))  # fmt: skip
+    remaining = tuple(float(n - j * every) for j in range((n - 1) // every + 1))
+    return dataclasses.replace(request, predicted=float(n), remaining=remaining)
 
 
 def _simulate_continuous(
