@@ -82,14 +82,10 @@ def read_batch(path: Path, *, skip_invalid: bool, hint: str = SKIP_HINT) -> tupl
         if not raw.strip():
             continue
         try:
-            try:
-                text = decode_line(raw)
-            except ValueError as exc:
-                raise InvalidLine(str(exc)) from None
-            line = parse_line(text, number)
+            line = parse_line(decode_line(raw), number)
             if line.id in seen:
                 raise InvalidLine(f"id {json.dumps(line.id)} appears twice; ids must be unique")
-        except InvalidLine as exc:
+        except ValueError as exc:  # InvalidLine, or not UTF-8 (decode_line)
             if not skip_invalid:
                 raise EcruError(f"{path}:{number}: {exc}{hint}") from None
             skipped.append(f"{path}:{number}: {exc}")
