@@ -60,6 +60,8 @@ BAD_LINES = [
     ('{"messages": [{"role": "user"}]}', '"content"'),
     ('{"prompt": "x", "max_tokens": 0}', "max_tokens"),
     ('{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+    ('{"prompt": "x", "max_tokens": true}', "max_tokens"),
+    ('{"prompt": "x", "max_tokens": 2.0}', "max_tokens"),
     ('{"prompt": "x", "id": [1]}', '"id"'),
     ('{"prompt": "x", "id": 1}', "appears twice"),
     ('{"prompt": "' + "word " * 600 + '"}', "context"),

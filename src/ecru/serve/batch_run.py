@@ -61,8 +61,7 @@ def parse_line(text: str, number: int) -> BatchLine:
     line = BatchLine(number, row.get("id", number), max_tokens=row.get("max_tokens"))
     if isinstance(line.id, bool) or not isinstance(line.id, str | int):
         raise InvalidLine(f'"id" must be a string or an integer, got {json.dumps(line.id)}')
-    if line.max_tokens is not None and (not isinstance(line.max_tokens, int) or line.max_tokens < 1
-                                        or isinstance(line.max_tokens, bool)):  # fmt: skip
+    if line.max_tokens is not None and (type(line.max_tokens) is not int or line.max_tokens < 1):  # not bool
         raise InvalidLine(f'"max_tokens" must be an integer >= 1, got {json.dumps(line.max_tokens)}')
     if "messages" in row:
         return replace(line, messages=_check_messages(row["messages"]))
