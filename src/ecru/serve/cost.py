@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ecru.errors import EcruError
+from ecru.io import atomic_write_json
 
 if TYPE_CHECKING:  # torch only where a model is timed: the simulators import this module torch-free
     import torch
@@ -118,8 +119,6 @@ class CostModel:
         return CostModel(*values, source=source or f"{self.source} x {factor:.3g}")
 
     def save(self, path: str | Path) -> None:
-        from ecru.io import atomic_write_json
-
         atomic_write_json(path, asdict(self))
 
     @classmethod
