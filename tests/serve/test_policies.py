@@ -87,6 +87,14 @@ def test_kept_kv_reruns_prefill_nothing(model, prompts, reference, gen, monkeypa
         assert sum(prefilled) == len(prompts) + (0 if keep_kv else run.failures)
 
 
+@pytest.mark.parametrize(
+    "name", ["batch_size", "max_new_tokens", "token_budget", "max_batch_size", "bin_width"]
+)
+def test_plan_sizes_must_be_positive(name):
+    with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
+        PlanConfig(**{name: 0})
+
+
 def test_keep_kv_needs_resume():
     with pytest.raises(ValueError, match="resume=True"):
         PlanConfig(keep_kv=True)

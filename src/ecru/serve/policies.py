@@ -68,16 +68,10 @@ class PlanConfig:
     is beyond the batches' token budget."""
 
     def __post_init__(self):
-        if self.batch_size < 1 or self.max_new_tokens < 1:
-            raise ValueError(
-                f"batch_size and max_new_tokens must be >= 1, got {self.batch_size}, {self.max_new_tokens}"
-            )
-        if self.token_budget is not None and self.token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1 (or None for the default), got {self.token_budget}")
-        if self.bin_width < 1:
-            raise ValueError(f"bin_width must be >= 1, got {self.bin_width}")
-        if self.max_batch_size is not None and self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1 (or None), got {self.max_batch_size}")
+        for name in ("batch_size", "max_new_tokens", "token_budget", "max_batch_size", "bin_width"):
+            value = getattr(self, name)
+            if value is not None and value < 1:  # None: token_budget's default, max_batch_size's no limit
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.keep_kv and not self.resume:
             raise ValueError("keep_kv keeps the KV of resumed rows: set resume=True as well")
 
