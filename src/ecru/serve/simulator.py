@@ -7,10 +7,8 @@ batch runs min(cap, longest output_len in it) steps and computes rows x steps to
 FCR reruns alike). A resumed rerun (`PlanConfig.resume`) prefills each row's prompt plus the tokens it had and
 runs until its longest row is done, each row stopping at its answer's end or its own budget, max_new_tokens in
 all; with `PlanConfig.keep_kv` it has no prefill, only its decode steps. A request's useful tokens,
-min(output_len, max_new_tokens), count once, on the run that completes it.
-Continuous batching (`simulate_continuous`): the engine's `Scheduler` on a `SimulatedRunner`, driven as
-`generate_continuous` drives the engine, so its admission order, decode steps, prefills and slots are the
-engine's by construction.
+min(output_len, max_new_tokens), count once, on the run that completes it. Continuous batching
+(`simulate_continuous`) is driven as `generate_continuous` drives the engine.
 
 Online serving (`simulate_online`): requests arrive over time (seconds), a policy decides who runs.
 Policies (`ONLINE_POLICIES`):
@@ -25,11 +23,11 @@ Policies (`ONLINE_POLICIES`):
   by default under the FCFS deadline `names.FCFS_SLACK` (the shipped configuration);
 - `oracle-srpt`: `cb-srpt` on the true remaining lengths.
 
-Every continuous policy is the engine's own `Scheduler` (`scheduler.py`) driven by a `SimulatedRunner`, so
-admission, aging (tokens of priority per decode step waited), the FCFS deadline (`fcfs_slack`), preemption
-and kept KV are the engine's by construction. `oracle-srpt` is `cb-srpt` whose predictions are the true
-(remaining) lengths. With `prefill_at_arrival` the prompt-only prediction rides on the prompt's own prefill,
-done when it arrives; its KV (counted in `peak_kv_tokens`) waits with it and admission costs no forward.
+Every continuous policy, offline or online, is the engine's own `Scheduler` (`scheduler.py`) driven by a
+`SimulatedRunner`, so admission, aging, the FCFS deadline (`fcfs_slack`), preemption, kept KV, decode steps,
+prefills and slots are the engine's by construction. With `prefill_at_arrival` the prompt-only prediction
+rides on the prompt's own prefill, done when it arrives; its KV (counted in `peak_kv_tokens`) waits with it
+and admission costs no forward.
 """
 
 from __future__ import annotations
@@ -322,14 +320,11 @@ def simulate_continuous(
 ) -> tuple[SimResult, list[int]]:
     """Continuous batching over the true lengths of `trace`; returns the result and the admission order.
 
-    Mirrors `generate_continuous`: request i joins `queue` at decode step `arrivals[i]`; when at least
-    `refill_min` rows are free (or nothing else can come, or the batch is empty), waiting requests are
-    prefilled together (one token each) and join the batch; every decode step gives each running row
-    one token; a row leaves when it has min(output_len, max_new_tokens) tokens. Time: one prefill per
-    admission, cost.step_time(rows, widest row) per decode step. Latency: finish minus arrival clock.
-    Under cb-kv's `config.kv_budget`, the same `Admitter` reserves `reserve[i]` answer tokens per request
-    and preempts as the real loop does; a preempted request's tokens are computed again (slots count both
-    attempts) and `failures` counts preemptions.
+    Mirrors `generate_continuous`: request i joins `queue` at decode step `arrivals[i]` and leaves with
+    min(output_len, max_new_tokens) tokens (at least 1); admission, and under cb-kv's `config.kv_budget` the
+    reservation of `reserve[i]` answer tokens and preemption, are the `Scheduler`'s, the time the
+    `SimulatedRunner`'s. Latency: finish minus arrival clock. A preempted request's tokens are computed again
+    (slots count both attempts); `failures` counts preemptions.
     """
     n, cap = len(trace), config.max_new_tokens
     target = [max(1, min(r.output_len, cap)) for r in trace]
