@@ -23,13 +23,8 @@ class Decoder:
 
 def _held_tail(text: str, stop: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
+    held = (k for s in stop for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k]))
+    return max(held, default=0)
 
 
 class TextStream:
