@@ -192,7 +192,7 @@ def measure_cost_model(
                 mask1 = torch.ones(b, ctx + 1, dtype=torch.long)
                 tok = torch.randint(vocab, (b, 1))
 
-                def step(cache=cache, tok=tok, mask1=mask1, ctx=ctx):
+                def step(cache=cache, tok=tok, mask1=mask1):
                     forward(model, tok, mask1, cache)
                     cache.crop(-1)  # drop the step just cached: every repetition runs at context ctx
 
