@@ -64,7 +64,7 @@ class TraceRequest:
 
 @dataclass
 class SimResult:
-    """Accounting of one policy over one trace (names as in the JSON)."""
+    """Accounting of one policy over one trace (names as in the JSON); ratios and rates are derived."""
 
     policy: str
     requests: int
@@ -73,14 +73,22 @@ class SimResult:
     batch_steps: int
     padded_slots: int
     useful_tokens: int
-    effective_token_ratio: float
+    effective_token_ratio: float = field(init=False)
     failures: int
-    failure_ratio: float
-    avg_padded_length: float
+    failure_ratio: float = field(init=False)
+    avg_padded_length: float = field(init=False)
     time_s: float
-    samples_per_s: float
-    tokens_per_s: float
+    samples_per_s: float = field(init=False)
+    tokens_per_s: float = field(init=False)
     mean_latency_s: float
+
+    def __post_init__(self):
+        n, slots, useful, clock = self.requests, self.padded_slots, self.useful_tokens, self.time_s
+        self.effective_token_ratio = useful / slots if slots else 1.0
+        self.failure_ratio = self.failures / n
+        self.avg_padded_length = slots / n
+        self.samples_per_s = n / clock if clock else float("inf")
+        self.tokens_per_s = useful / clock if clock else float("inf")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -281,30 +289,10 @@ def simulate(
     runner = TraceBatches(trace, config, cost, start_s=predict_s)
     failures = run_plan(plan, runner, config)
     useful = sum(min(r.output_len, config.max_new_tokens) for r in trace)
-    return _result(policy, trace, runner.clock, runner.slots, useful, batches=runner.batches,
-                   rerun_batches=runner.reruns, batch_steps=runner.steps, failures=len(failures),
-                   latency=sum(runner.done_at.values()))  # fmt: skip
-
-
-def _result(policy, trace, clock, slots, useful, *, batches, rerun_batches, batch_steps, failures, latency):
-    n = len(trace)
-    return SimResult(
-        policy=policy,
-        requests=n,
-        batches=batches,
-        rerun_batches=rerun_batches,
-        batch_steps=batch_steps,
-        padded_slots=slots,
-        useful_tokens=useful,
-        effective_token_ratio=useful / slots if slots else 1.0,
-        failures=failures,
-        failure_ratio=failures / n,
-        avg_padded_length=slots / n,
-        time_s=clock,
-        samples_per_s=n / clock if clock else float("inf"),
-        tokens_per_s=useful / clock if clock else float("inf"),
-        mean_latency_s=latency / n,
-    )
+    return SimResult(policy, len(trace), batches=runner.batches, rerun_batches=runner.reruns,
+                     batch_steps=runner.steps, padded_slots=runner.slots, useful_tokens=useful,
+                     failures=len(failures), time_s=runner.clock,
+                     mean_latency_s=sum(runner.done_at.values()) / len(trace))  # fmt: skip
 
 
 def simulate_continuous(
@@ -341,8 +329,9 @@ def simulate_continuous(
         raise ValueError(f"reserve has {len(reserve)} entries for {n} prompts")
     run_in_steps(sched, [0] * n if arrivals is None else arrivals, add, lambda: sched.step(runner))
     latency = sum(f - a for f, a in zip(runner.finish, arrived_at, strict=True))
-    result = _result(policy, trace, runner.clock, runner.slots, sum(target), batches=runner.prefills,
-                     rerun_batches=0, batch_steps=sched.steps, failures=sched.preemptions, latency=latency)  # fmt: skip
+    result = SimResult(policy, n, batches=runner.prefills, rerun_batches=0, batch_steps=sched.steps,
+                       padded_slots=runner.slots, useful_tokens=sum(target), failures=sched.preemptions,
+                       time_s=runner.clock, mean_latency_s=latency / n)  # fmt: skip
     return result, sched.admission_log
 
 
