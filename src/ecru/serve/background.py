@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from ecru.serve.request_engine import Listener, Request, RequestEngine
+from ecru.serve.request_engine import Listener, RequestEngine
 from ecru.serve.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ class EngineThread:
 
     def __init__(self, engine: RequestEngine):
         self.engine = engine
-        self._inbox: list[tuple] = []
+        self._inbox: list[Callable[[], None]] = []
         self._wake = threading.Condition()
         self._closed = False
         self.error: str | None = None
@@ -38,11 +38,21 @@ class EngineThread:
     ) -> Future:
         """Queue a request; the future holds its `Request` once queued, or the ValueError refusing it."""
         added: Future = Future()
-        self._post(("add", list(prompt), params, request_id, listener, added))
+        prompt = list(prompt)  # the caller's list, copied now
+
+        def add() -> None:
+            try:
+                added.set_result(
+                    self.engine.add_request(prompt, params, request_id=request_id, listener=listener)
+                )
+            except ValueError as exc:
+                added.set_exception(exc)
+
+        self._post(add)
         return added
 
     def abort(self, request_id: str) -> None:
-        self._post(("abort", request_id))
+        self._post(lambda: self.engine.abort(request_id))
 
     def close(self, timeout: float = 10.0) -> None:
         with self._wake:
@@ -54,9 +64,10 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def _post(self, item: tuple) -> None:
+    def _post(self, action: Callable[[], None]) -> None:
+        """Run `action` on the engine thread, between steps."""
         with self._wake:
-            self._inbox.append(item)
+            self._inbox.append(action)
             self._wake.notify()
 
     def _loop(self) -> None:
@@ -68,8 +79,8 @@ class EngineThread:
                     self.engine.fail_all("abort")
                     return
                 inbox, self._inbox = self._inbox, []
-            for item in inbox:
-                self._apply(item)
+            for action in inbox:
+                action()
             if self.engine.has_unfinished():
                 self._step()
             self._record()
@@ -84,20 +95,6 @@ class EngineThread:
             "preemptions": e.stats.preemptions,
             "prefix_hit_tokens": e.stats.prefix_hit_tokens,
         }
-
-    def _apply(self, item: tuple) -> None:
-        if item[0] == "abort":
-            self.engine.abort(item[1])
-            return
-        _, prompt, params, request_id, listener, added = item
-        try:
-            request: Request = self.engine.add_request(
-                prompt, params, request_id=request_id, listener=listener
-            )
-        except ValueError as exc:
-            added.set_exception(exc)
-        else:
-            added.set_result(request)
 
     def _step(self) -> None:
         try:
