@@ -98,6 +98,19 @@ def test_bad_predicted_len_and_labels_are_one_line_errors_before_any_work(tmp_pa
     assert err.strip().startswith(f"ecru: error: {labels}:2:") and len(err.strip().splitlines()) == 1
 
 
+def test_simulate_prints_its_json_or_writes_it_to_a_file(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 3, "output_len": 4, "predicted_len": 4}\n')
+    assert main(["serve", "simulate", "--trace", str(trace)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["policy"] == "fcfs" and printed["useful_tokens"] == 4 and printed["batch_size"] == 16
+    assert main(["serve", "simulate", "--trace", str(trace), "--json", str(tmp_path / "o" / "r.json")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'o' / 'r.json'}"
+    assert json.loads((tmp_path / "o" / "r.json").read_text()) == printed
+    assert main(["serve", "simulate", "--trace", str(trace), "--json", str(tmp_path)]) == 2
+    assert "--json" in capsys.readouterr().err
+
+
 def test_output_folders_are_created_or_refused_before_work(tmp_path, capsys):
     out = tmp_path / "missing" / "dir" / "cost.json"
     assert main(["serve", "cost", "--model", "tiny", "--reps", "1", "--out", str(out)]) == 0
