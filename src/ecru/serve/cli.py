@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from ecru.cliargs import (
     add_config_flags,
@@ -20,6 +19,8 @@ from ecru.cliargs import (
     number_in,
     positive_float,
     positive_int,
+    prepare_out_dir,
+    prepare_out_file,
 )
 from ecru.serve.entrypoints import EngineSetup, ReplaySetup
 from ecru.serve.names import ENGINE_POLICIES
@@ -31,42 +32,22 @@ SLACK = number_in(float, "a number", lambda v: v >= 0, ">= 0 (inf: off)")
 API_KEY_ENV = "ECRU_API_KEY"
 
 
-def _write_json(data: dict, path: str | None) -> None:
-    from ecru.io import atomic_write_json
-
-    if path:
-        atomic_write_json(path, data)
-    print(json.dumps(data, indent=2) if not path else f"wrote {path}")
-
-
-def _out_file(path: str | None, flag: str = "--json") -> None:
-    """Check an output file's folder before any work (created if missing)."""
-    from ecru.cliargs import prepare_out_file
-
-    if path:
-        prepare_out_file(path, flag=flag)
-
-
-def _setup(args: argparse.Namespace) -> EngineSetup:
-    return config_from_args(EngineSetup, args)
-
-
 # ---- api, run and probe: the request engine ------------------------------------------------------------
 def _api(args: argparse.Namespace) -> int:
     from ecru.serve.entrypoints import serve_api
     from ecru.serve.openai_api import APIConfig
 
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    serve_api(_setup(args), config_from_args(APIConfig, args, api_key=key), host=args.host, port=args.port)
+    setup = config_from_args(EngineSetup, args)
+    serve_api(setup, config_from_args(APIConfig, args, api_key=key), host=args.host, port=args.port)
     return 0
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ecru.cliargs import prepare_out_file
     from ecru.serve.entrypoints import run_file
     from ecru.serve.sampling import SamplingParams
 
-    setup = _setup(args)
+    setup = config_from_args(EngineSetup, args)
     base = config_from_args(SamplingParams, args, max_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
     out = prepare_out_file(args.out)
     print(run_file(setup, base, src=args.input, out=out, skip_invalid=args.skip_invalid))
@@ -74,10 +55,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from ecru.cliargs import prepare_out_dir
     from ecru.serve.entrypoints import fit_probe_folder, probe_prompts
 
-    setup = _setup(args)
+    setup = config_from_args(EngineSetup, args)
     lines = probe_prompts(args.input)
     print(fit_probe_folder(setup, lines, src=args.input, out=prepare_out_dir(args.out)))
     return 0
@@ -85,16 +65,22 @@ def _probe(args: argparse.Namespace) -> int:
 
 # ---- simulate, label, cost: the scheduling measurements ----------------------------------------------
 def _simulate(args: argparse.Namespace) -> int:
+    from ecru.io import atomic_write_json
+
     setup = config_from_args(ReplaySetup, args)
-    _out_file(args.json)
-    _write_json(setup.run(), args.json)
+    if args.json:
+        prepare_out_file(args.json, flag="--json")
+    result = setup.run()
+    if args.json:
+        atomic_write_json(args.json, result)
+    print(f"wrote {args.json}" if args.json else json.dumps(result, indent=2))
     return 0
 
 
 def _label(args: argparse.Namespace) -> int:
     from ecru.serve.entrypoints import label_file
 
-    _out_file(args.out, "--out")
+    prepare_out_file(args.out)
     print(label_file(args.model, args.prompts, out=args.out, n=args.n, split=args.split, samples=args.samples,
                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size))  # fmt: skip
     return 0
@@ -103,7 +89,7 @@ def _label(args: argparse.Namespace) -> int:
 def _cost(args: argparse.Namespace) -> int:
     from ecru.serve.entrypoints import measure_cost
 
-    _out_file(args.out, "--out")
+    prepare_out_file(args.out)
     print(measure_cost(args.model, reps=args.reps, out=args.out))
     return 0
 
@@ -115,10 +101,6 @@ _ENGINE = {"policy": {"choices": ENGINE_POLICIES}, "prefix_cache": {"type": non_
 """`EngineSetup`'s flags that need more than their field (the policy names, 0 or inf allowed, a folder)."""
 MODELS = ("smollm2", "tiny")
 """The models `serve label` and `serve cost` take by name."""
-
-
-def _add_json(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", default=None, help="write the result here (default: print it)")
 
 
 # ---- the subcommands ---------------------------------------------------------------------------------
@@ -195,7 +177,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def _configure_simulate(sub) -> None:
     sim = sub.add_parser("simulate", help="replay a length trace through a policy (exact slot accounting)")
     add_config_flags(sim, ReplaySetup, policy={"choices": POLICY_NAMES})
-    _add_json(sim)
+    sim.add_argument("--json", default=None, help="write the result here (default: print it)")
     sim.set_defaults(func=_simulate)
 
 
@@ -261,13 +243,3 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _configure_simulate(sub)
     _configure_label(sub)
     _configure_cost(sub)
-
-
-def main(argv=None) -> int:  # pragma: no cover - convenience for `python -m ecru.serve.cli`
-    from ecru.cli import main as ecru_main
-
-    return ecru_main(["serve", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
