@@ -98,12 +98,7 @@ class OpenAIServer:
     def __init__(self, served: ServedModel, threads: EngineThread, *, default_max_tokens: int):
         self.served, self.threads, self.default_max_tokens = served, threads, default_max_tokens
         self.metrics = ServerMetrics(self._gauges, endpoints=ENDPOINTS)
-        self.app = FastAPI(title="ecru serve api", docs_url=None, redoc_url=None)
-        self._routes()
-
-    # ---- routes -------------------------------------------------------------------------------------
-    def _routes(self) -> None:
-        app = self.app
+        self.app = app = FastAPI(title="ecru serve api", docs_url=None, redoc_url=None)
         for kind in (APIError, RequestValidationError, HTTPException, Exception):
             app.add_exception_handler(kind, self._error)
         app.post("/v1/chat/completions")(self.chat)
@@ -113,6 +108,7 @@ class OpenAIServer:
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
 
+    # ---- routes -------------------------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, http: Request):
         self._check(body)
         messages = [m.to_template() for m in body.messages]
@@ -424,13 +420,10 @@ class APIGuard:
 
 
 def _replay(body: bytes, receive):
-    sent = False
+    """`receive` that hands the app the body already read, then reads on (the disconnect)."""
+    first = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def replayed():
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
+        return first.pop() if first else await receive()
 
     return replayed
