@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ecru.serve.models import ServedModel
     from ecru.serve.openai_api import APIConfig
     from ecru.serve.remaining import RemainingProbe
-    from ecru.serve.request_engine import EngineConfig, PredictLength, RequestEngine
+    from ecru.serve.request_engine import EngineConfig, RequestEngine
     from ecru.serve.sampling import SamplingParams
 
 MIN_PROBE_PROMPTS = 10
@@ -135,22 +135,18 @@ class EngineSetup:
 
     def attach(self, served: ServedModel, remaining: RemainingProbe | None) -> RequestEngine:
         """The engine of the loaded model with its predictors, each checked against it."""
+        from ecru.serve.predictors import EmbeddingPredictor
+
         if remaining is not None:
             _check_probe(f"--remaining-probe {self.remaining_probe}", remaining, served, self.max_new_tokens)
-        predict = self._load_length(served)
+        predict = None
+        if self.length_predictor is not None:
+            with one_line("--length-predictor "):
+                length = EmbeddingPredictor.load(self.length_predictor, served.model, served.tokenizer)
+            predict = length.engine_predict
         # the engine's own checks (e.g. kept KV on a sliding-window model)
         with one_line(f"--remaining-probe {self.remaining_probe}: "):
             return served.engine(self.engine_config, remaining=remaining, predict=predict)
-
-    def _load_length(self, served: ServedModel) -> PredictLength | None:
-        from ecru.serve.predictors import EmbeddingPredictor
-
-        if self.length_predictor is None:
-            return None
-        with one_line("--length-predictor "):
-            return EmbeddingPredictor.load(
-                self.length_predictor, served.model, served.tokenizer
-            ).engine_predict
 
 
 def _check_fit(where: str, fitted: str, key: str, model: str) -> None:
