@@ -147,6 +147,7 @@ def test_bad_requests_get_their_4xx_and_the_server_keeps_serving(server, change,
     err = info.value
     assert err.status_code == status
     assert set(err.body) == {"message", "type", "param", "code"} and err.body["message"]
+    assert err.body["type"] == "invalid_request_error"
     if param:
         assert err.body["param"].startswith(param)
     assert get(server, "/health")[0] == 200
