@@ -173,6 +173,21 @@ def test_metrics_stay_valid_prometheus_text(server, served, monkeypatch):
     assert count(text, "/v1/completions", "500") == 1
 
 
+def test_a_model_failure_is_a_500_and_the_engine_thread_carries_on(server, monkeypatch):
+    def broken():
+        raise RuntimeError("the model broke")
+
+    before = count(metrics(server), "/v1/completions", "500")
+    monkeypatch.setattr(server.threads.engine, "step", broken)
+    body = json.dumps({"model": server.name, "prompt": "x", "max_tokens": 4}).encode()
+    status, error = raw(server, "POST", "/v1/completions", body)
+    monkeypatch.undo()
+    assert status == 500 and is_openai_error(error) and error["error"]["type"] == "server_error"
+    assert error["error"]["message"].endswith("RuntimeError: the model broke")
+    assert count(metrics(server), "/v1/completions", "500") > before
+    assert server.client.completions.create(model=server.name, prompt="ok", max_tokens=2).choices[0].text
+
+
 def test_invalid_text_and_fields_are_openai_4xx(server):
     lone = b'"\\ud800 x"'  # valid JSON, not valid Unicode
     model = json.dumps(server.name).encode()
