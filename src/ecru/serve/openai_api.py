@@ -122,9 +122,8 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, http: Request):
         self._check(body)
-        return await self._serve(
-            body, await asyncio.to_thread(self.served.encode, body.text), "completion", http
-        )
+        prompt = await asyncio.to_thread(self.served.encode, body.text)
+        return await self._serve(body, prompt, "completion", http)
 
     async def models(self):
         return {"object": "list", "data": [self._card()]}
@@ -178,7 +177,7 @@ class OpenAIServer:
             stayed = await self._gather(choices, http)
         finally:
             choices.cancel()
-        self._record(choices.calls, kind=kind, status=self._status(choices.calls) if stayed else DISCONNECTED)
+        self._record(choices, stayed=stayed)
         if not stayed:
             return Response(status_code=int(DISCONNECTED))  # nobody reads it: the connection is gone
         return self._response(choices.calls, body)
@@ -217,9 +216,7 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
         finally:
             choices.cancel()
-            self._record(
-                calls, kind=choices.kind, status=self._status(calls) if choices.done else DISCONNECTED
-            )
+            self._record(choices, stayed=choices.done)
 
     # ---- bodies -------------------------------------------------------------------------------------
     def _response(self, calls: list[_Call], body) -> dict:
@@ -284,14 +281,13 @@ class OpenAIServer:
         p, c = len(calls[0].request.prompt), sum(len(call.request.output) for call in calls)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    @staticmethod
-    def _status(calls: list[_Call]) -> str:
-        return "500" if any(c.request.finish_reason == "error" for c in calls) else "200"
-
-    def _record(self, calls: list[_Call], *, kind: str, status: str) -> None:
-        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    def _record(self, choices: _Choices, *, stayed: bool) -> None:
+        """Count the HTTP request (499 if the client left first) and observe each of its calls."""
+        failed = any(c.request.finish_reason == "error" for c in choices.calls)
+        status = DISCONNECTED if not stayed else "500" if failed else "200"
+        path = "/v1/chat/completions" if choices.kind == "chat" else "/v1/completions"
         self.metrics.count_request(endpoint=path, status=status)
-        for call in calls:
+        for call in choices.calls:
             req = call.request
             end = req.finish_s or time.perf_counter()
             ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
