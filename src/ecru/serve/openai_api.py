@@ -177,7 +177,7 @@ class OpenAIServer:
             stayed = await self._gather(choices, http)
         finally:
             choices.cancel()
-        self._record(choices, stayed=stayed)
+        self._record(choices, stayed=stayed, streamed=False)
         if not stayed:
             return Response(status_code=int(DISCONNECTED))  # nobody reads it: the connection is gone
         return self._response(choices.calls, body)
@@ -216,7 +216,7 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
         finally:
             choices.cancel()
-            self._record(choices, stayed=choices.done)
+            self._record(choices, stayed=choices.done, streamed=True)
 
     # ---- bodies -------------------------------------------------------------------------------------
     def _response(self, calls: list[_Call], body) -> dict:
@@ -281,12 +281,14 @@ class OpenAIServer:
         p, c = len(calls[0].request.prompt), sum(len(call.request.output) for call in calls)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def _record(self, choices: _Choices, *, stayed: bool) -> None:
-        """Count the HTTP request (499 if the client left first) and observe each of its calls."""
+    def _record(self, choices: _Choices, *, stayed: bool, streamed: bool) -> None:
+        """Count the HTTP request (499 if the client left first) and observe each of its calls. A failed
+        call answered in one body is counted by the error handler, as the 500 it is answered with."""
         failed = any(c.request.finish_reason == "error" for c in choices.calls)
-        status = DISCONNECTED if not stayed else "500" if failed else "200"
-        path = "/v1/chat/completions" if choices.kind == "chat" else "/v1/completions"
-        self.metrics.count_request(endpoint=path, status=status)
+        if streamed or not stayed or not failed:
+            status = DISCONNECTED if not stayed else "500" if failed else "200"
+            path = "/v1/chat/completions" if choices.kind == "chat" else "/v1/completions"
+            self.metrics.count_request(endpoint=path, status=status)
         for call in choices.calls:
             req = call.request
             end = req.finish_s or time.perf_counter()
