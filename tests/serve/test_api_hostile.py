@@ -32,7 +32,9 @@ def served(chat_model_dir):
 @pytest.fixture(scope="module")
 def server(served):
     config = EngineConfig(max_new_tokens=CAP, max_batch_size=8, refill_min=1)
-    background = BackgroundServer(served, config, api=APIConfig(api_key=KEY, max_body_bytes=LIMIT))
+    background = BackgroundServer(
+        served, config, api=APIConfig(api_key=KEY, max_body_bytes=LIMIT, body_timeout_s=1.0)
+    )
     with background as url:
         background.client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         background.name = served.name
@@ -146,6 +148,65 @@ def test_health_answers_while_a_long_prompt_is_tokenised(server):
     assert len(waits) >= 3 and max(waits) < 0.5, waits  # polled while it was tokenised
 
 
+def test_health_answers_while_a_large_invalid_body_is_refused(server):
+    start = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ['
+    body = start + b"1," * ((LIMIT - len(start) - 3) // 2) + b"1]}"  # ~1M invalid items, within the limit
+    answer = {}
+    big = threading.Thread(target=lambda: answer.update(r=raw(server, "POST", "/v1/chat/completions", body)))
+    big.start()
+    waits = []
+    while big.is_alive():
+        start_s = time.perf_counter()
+        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+            assert r.status == 200
+        waits.append(time.perf_counter() - start_s)
+        time.sleep(0.01)
+    big.join()
+    status, error = answer["r"]  # its first error only (a list stops at its first invalid item)
+    assert status == 400 and is_openai_error(error) and error["error"]["param"].startswith("stop")
+    assert waits and max(waits) < 0.5, waits
+
+
+def test_a_stalled_body_is_408_and_frees_its_connection(server):
+    with socket.create_connection((server.host, server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 80\r\n\r\n{\"model\":")  # fmt: skip
+        start = time.perf_counter()
+        data = _read_all(s)
+    assert data.startswith(b"HTTP/1.1 408") and time.perf_counter() - start < 10
+    error = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    assert is_openai_error(error) and error["error"]["code"] == "body_timeout"
+
+
+def test_odd_paths_and_methods_for_load_balancers(server):
+    status, body = raw(server, "POST", "/v1/chat/completions/", chat_body(server, max_tokens=2))
+    assert status == 404 and is_openai_error(body)  # no 307 to a Host-built URL
+    assert raw(server, "GET", "/metrics/", key=None)[0] == 404
+    with socket.create_connection((server.host, server.port), timeout=30) as s:
+        s.sendall(b"HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert _read_all(s).startswith(b"HTTP/1.1 200")
+
+
+def test_a_seed_out_of_a_generators_range_is_a_400(server):
+    for seed in (2**64, -(2**63) - 1):
+        status, body = raw(server, "POST", "/v1/chat/completions", chat_body(server, seed=seed, max_tokens=2))
+        assert status == 400 and is_openai_error(body) and body["error"]["param"] == "seed"
+
+
+def test_n_choices_join_the_batch_together(server):
+    engine = server.threads.engine
+    before = engine.stats.prefills
+    answer = server.client.completions.create(model=server.name, prompt="count", max_tokens=2, n=8)
+    assert len(answer.choices) == 8
+    assert engine.stats.prefills - before <= 2  # one admission (two if the engine stepped between submits)
+
+
+@pytest.mark.parametrize("key", ["", " k", "clé", "a\tb"])
+def test_an_api_key_an_http_header_cannot_carry_is_refused(key):
+    with pytest.raises(ValueError, match="printable ASCII"):
+        APIConfig(api_key=key)
+
+
 EXPOSITION = re.compile(
     r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[a-zA-Z_]\w*="(?:[^"\\\n]|\\[\\"n])*"(,[a-zA-Z_]\w*="(?:[^"\\\n]|\\[\\"n])*")*\})?'
     r" (-?[0-9.]+(e[+-]?[0-9]+)?|[+-]Inf|NaN)$"
@@ -171,6 +232,13 @@ def test_metrics_stay_valid_prometheus_text(server, served, monkeypatch):
         assert line.startswith("# HELP ") or line.startswith("# TYPE ") or EXPOSITION.match(line), line
     assert count(text, "other", "404") >= 52 and "foo" not in text
     assert count(text, "/v1/completions", "500") == 1
+    before = {path: count(text, path, "200") for path in ("/health", "/v1/models", "/metrics")}
+    for path in ("/health", "/v1/models", f"/v1/models/{served.name}"):
+        assert raw(server, "GET", path)[0] == 200
+    after = metrics(server)  # this scrape counts once it is answered
+    assert count(after, "/health", "200") == before["/health"] + 1
+    assert count(after, "/v1/models", "200") == before["/v1/models"] + 2  # the list and a model's card
+    assert count(after, "/metrics", "200") == before["/metrics"] + 1
 
 
 def test_a_model_failure_is_a_500_and_the_engine_thread_carries_on(server, monkeypatch):

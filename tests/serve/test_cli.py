@@ -119,7 +119,7 @@ def test_output_folders_are_created_or_refused_before_work(tmp_path, capsys):
     assert "is a folder" in capsys.readouterr().err
 
 
-def test_api_and_run_refuse_bad_arguments_in_one_line(tmp_path, capsys):
+def test_api_and_run_refuse_bad_arguments_in_one_line(tmp_path, capsys, monkeypatch):
     import socket
 
     with socket.socket() as busy:
@@ -138,6 +138,10 @@ def test_api_and_run_refuse_bad_arguments_in_one_line(tmp_path, capsys):
         assert "Traceback" not in capsys.readouterr().err
     assert main(["serve", "api", "--model", "tiny", "--api-key", " padded "]) == 2  # before the model loads
     assert capsys.readouterr().err.count("\n") == 1
+    monkeypatch.setenv("ECRU_API_KEY", "")  # set but empty: not silently open
+    assert main(["serve", "api", "--model", "tiny"]) == 2
+    assert "ECRU_API_KEY is set but empty" in capsys.readouterr().err
+    monkeypatch.delenv("ECRU_API_KEY")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
     with pytest.raises(SystemExit):

@@ -5,12 +5,18 @@ with a 400 that names them rather than ignored."""
 
 from __future__ import annotations
 
+from typing import Annotated, TypeVar
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from ecru.serve.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per request
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' logprobs
+# a list stops at its first invalid item: a 1 MiB body of bad items would otherwise make ~500k errors, seconds of
+# work on the event loop (only the first is answered)
+_T = TypeVar("_T")
+_List = Annotated[list[_T], Field(fail_fast=True)]
 NOT_SERVED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format",
               "logit_bias", "best_of", "audio", "modalities", "prediction")  # fmt: skip
 
@@ -48,7 +54,7 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | _List[TextPart] | None = None
 
     def to_template(self) -> dict:
         content = self.content
@@ -71,8 +77,8 @@ class _Sampling(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what a torch.Generator takes
+    stop: str | _List[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool = False
@@ -119,7 +125,7 @@ class _Sampling(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage]
+    messages: _List[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -141,7 +147,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: str | _List[str]
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)

@@ -22,6 +22,7 @@ from ecru.cliargs import (
     prepare_out_dir,
     prepare_out_file,
 )
+from ecru.errors import EcruError
 from ecru.serve.entrypoints import EngineSetup, ReplaySetup
 from ecru.serve.names import ENGINE_POLICIES
 from ecru.serve.names import POLICIES as POLICY_NAMES
@@ -37,7 +38,9 @@ def _api(args: argparse.Namespace) -> int:
     from ecru.serve.entrypoints import serve_api
     from ecru.serve.openai_api import APIConfig
 
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key == "" and args.api_key is None:
+        raise EcruError(f"{API_KEY_ENV} is set but empty: unset it to serve without a key, or give a key")
     setup = config_from_args(EngineSetup, args)
     serve_api(setup, config_from_args(APIConfig, args, api_key=key), host=args.host, port=args.port)
     return 0

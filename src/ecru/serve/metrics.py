@@ -47,6 +47,8 @@ class ServerMetrics:
         )
 
     def count_request(self, *, endpoint: str, status: str) -> None:
+        if endpoint.startswith("/v1/models/"):  # a model's card
+            endpoint = "/v1/models"
         self.requests.labels(endpoint if endpoint in self.endpoints else "other", status).inc()
 
     def observe(self, *, prompt_tokens: int, generation_tokens: int, ttft_s: float | None, latency_s: float):

@@ -17,6 +17,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -54,8 +55,11 @@ class _Call:
         except RuntimeError:  # the event loop is gone (server shutting down)
             pass
 
-    async def start(self, prompt: list[int], params: SamplingParams) -> None:
-        added = self.threads.submit(prompt, params, request_id=self.id, listener=self.listener)
+    def submit(self, prompt: list[int], params: SamplingParams) -> Future:
+        """Queue the engine request (it joins at the engine's next step; `started` awaits it)."""
+        return self.threads.submit(prompt, params, request_id=self.id, listener=self.listener)
+
+    async def started(self, added: Future) -> None:
         try:
             self.request = await asyncio.wrap_future(added)
         except ValueError as exc:
@@ -98,14 +102,17 @@ class OpenAIServer:
     def __init__(self, served: ServedModel, threads: EngineThread, *, default_max_tokens: int):
         self.served, self.threads, self.default_max_tokens = served, threads, default_max_tokens
         self.metrics = ServerMetrics(self._gauges, endpoints=ENDPOINTS)
-        self.app = app = FastAPI(title="ecru serve api", docs_url=None, redoc_url=None)
+        # no redirect of a trailing slash (a 307 without an OpenAI body): such a path is a 404
+        self.app = app = FastAPI(
+            title="ecru serve api", docs_url=None, redoc_url=None, redirect_slashes=False
+        )
         for kind in (APIError, RequestValidationError, HTTPException, Exception):
             app.add_exception_handler(kind, self._error)
         app.post("/v1/chat/completions")(self.chat)
         app.post("/v1/completions")(self.completions)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.model_card)
-        app.get("/health")(self.health)
+        app.api_route("/health", methods=["GET", "HEAD"])(self.health)  # load balancers probe with either
         app.get("/metrics")(self.prometheus)
 
     # ---- routes -------------------------------------------------------------------------------------
@@ -126,21 +133,26 @@ class OpenAIServer:
         return await self._serve(body, prompt, "completion", http)
 
     async def models(self):
+        self.metrics.count_request(endpoint="/v1/models", status="200")
         return {"object": "list", "data": [self._card()]}
 
     async def model_card(self, model_id: str):
         self._check_model(model_id)
+        self.metrics.count_request(endpoint="/v1/models", status="200")
         return self._card()
 
     def _card(self) -> dict:
         return {"id": self.served.name, "object": "model", "created": 0, "owned_by": "ecru"}
 
     async def health(self):
-        if not self.threads.alive:
+        alive = self.threads.alive
+        self.metrics.count_request(endpoint="/health", status="200" if alive else "503")
+        if not alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
     async def prometheus(self):
+        self.metrics.count_request(endpoint="/metrics", status="200")
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     # ---- serving ------------------------------------------------------------------------------------
@@ -165,9 +177,12 @@ class OpenAIServer:
 
     async def _serve(self, body, prompt: list[int], kind: str, http: Request):
         choices = _Choices(self.threads, kind, body.n)  # each choice its own engine request
-        try:
-            for i, call in enumerate(choices.calls):
-                await call.start(prompt, self._params(body, prompt, i))
+        try:  # all n queued before the engine's next step, so they join together
+            added = [
+                call.submit(prompt, self._params(body, prompt, i)) for i, call in enumerate(choices.calls)
+            ]
+            for call, future in zip(choices.calls, added, strict=True):
+                await call.started(future)
         except BaseException:
             choices.cancel()
             raise
@@ -320,7 +335,8 @@ def _as_api_error(exc: Exception) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return APIError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None)
     if isinstance(exc, HTTPException):
@@ -360,10 +376,16 @@ class APIConfig:
     """Bearer token every /v1 route requires (None: open); /health and /metrics stay open."""
     max_body_bytes: int = 2**20
     """Largest request body accepted; a larger one is answered 413."""
+    body_timeout_s: float = 30.0
+    """Seconds a request body may stall between its parts; then 408 (a half-sent body holds no connection)."""
 
     def __post_init__(self):
-        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
-            raise ValueError("the API key must be non-empty, without surrounding spaces")
+        key = self.api_key
+        if key is not None and (not key or key != key.strip() or not (key.isascii() and key.isprintable())):
+            raise ValueError("the API key must be non-empty printable ASCII (an HTTP header carries it), "
+                             "without surrounding spaces")  # fmt: skip
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
 
@@ -407,7 +429,11 @@ class APIGuard:
             return b"", too_big
         chunks, size, more = [], 0, True
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.config.body_timeout_s)
+            except TimeoutError:
+                return b"", APIError(408, f"the request body stalled for {self.config.body_timeout_s:g} s; "
+                                     "send it whole", code="body_timeout")  # fmt: skip
             if message["type"] != "http.request":
                 break
             chunks.append(message.get("body", b""))

@@ -21,13 +21,19 @@ def build(served: ServedModel, engine: RequestEngine, *, api: APIConfig | None =
     return threads, create_app(served, threads, default_max_tokens=engine.config.max_new_tokens, api=api)
 
 
+DRAIN_S = 60.0
+"""Ctrl-C waits at most this long for the requests in flight (a client that stops reading cannot hold the
+server); then they are cancelled."""
+
+
 def serve_forever(
     served: ServedModel, engine: RequestEngine, *, host: str, port: int, api: APIConfig | None = None
 ) -> None:
     """Run until Ctrl-C: uvicorn stops accepting, drains the requests in flight, then re-raises the
     signal (KeyboardInterrupt: the CLI exits 130)."""
     threads, app = build(served, engine, api=api)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=DRAIN_S)
+    server = _Server(config)
     try:  # not uvicorn.run, which swallows the KeyboardInterrupt its server re-raises after draining
         server.run()
     finally:
