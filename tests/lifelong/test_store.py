@@ -424,3 +424,129 @@ def test_two_concurrent_learns_on_one_new_store_keep_both_tasks(tmp_path, data):
     assert sorted(t["task"] for t in tasks) == ["banking", "travel"]
     folders = sorted(p.name for p in (store / "tasks").iterdir())
     assert len(folders) == 2  # no orphan, no leftover
+
+
+def test_a_linked_tasks_folder_is_refused_and_nothing_outside_is_deleted(store, tmp_path):
+    copy, victim = tmp_path / "copy", tmp_path / "victim"
+    shutil.copytree(store.path, copy)
+    (victim / "project").mkdir(parents=True)
+    (victim / "project" / "file.txt").write_text("mine")
+    for task in (copy / "tasks").iterdir():
+        shutil.move(task, victim / task.name)
+    (copy / "tasks").rmdir()
+    (copy / "tasks").symlink_to(victim)
+    with pytest.raises(EcruError, match="symbolic link"):
+        KnowledgeStore(copy).forget(store.tasks()[-1]["task"])
+    assert (victim / "project" / "file.txt").read_text() == "mine"
+
+
+def test_outputs_inside_the_store_are_refused(store, tmp_path, data, capsys):
+    copy = tmp_path / "copy"
+    shutil.copytree(store.path, copy)
+    before = _digest(copy)
+    runs = [
+        [
+            "predict",
+            "--store",
+            str(copy),
+            "--data",
+            str(data["banking_test"]),
+            "--out",
+            str(copy / "store.json"),
+        ],
+        ["tasks", "--store", str(copy), "--json", str(copy / "store.json")],
+        ["export", "--store", str(copy), "--out", str(copy)],
+        ["export", "--store", str(copy), "--out", str(copy / "tasks" / "x")],
+    ]
+    for run in runs:
+        assert main(["lifelong", *run]) == 2
+        assert "is inside the store" in capsys.readouterr().err
+    assert _digest(copy) == before
+
+
+def test_export_never_overwrites_and_names_each_task_apart(store, tmp_path, data):
+    copy = tmp_path / "copy"
+    shutil.copytree(store.path, copy)
+    KnowledgeStore(copy).learn(
+        "banking!", read_records(data["travel"], labels=True), epochs=1
+    )  # slug: banking
+    mine = tmp_path / "mine"
+    (mine / "banking").mkdir(parents=True)
+    (mine / "banking" / "notes.txt").write_text("mine")
+    with pytest.raises(EcruError, match="not empty"):
+        KnowledgeStore(copy).export(mine)
+    assert (mine / "banking" / "notes.txt").read_text() == "mine"
+    written = KnowledgeStore(copy).export(tmp_path / "exp")
+    assert [p.name for p in written] == ["banking", "travel", "banking-2"]
+    entries = json.loads((tmp_path / "exp" / "export.json").read_text())["tasks"]
+    assert [(e["task"], e["folder"]) for e in entries] == [("banking", "banking"), ("travel", "travel"),
+                                                          ("banking!", "banking-2")]  # fmt: skip
+    with pytest.raises(EcruError, match="not a knowledge store"):  # an export is not mistaken for a store
+        KnowledgeStore(tmp_path / "exp")
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: [m],
+        lambda m: m.update(tasks="oops"),
+        lambda m: m["tasks"][0].update(labels=5),
+        lambda m: m["tasks"][0].pop("folder"),
+        lambda m: m.pop("model"),
+        lambda m: m["tasks"][0].update(names=m["tasks"][0]["names"][:1]),
+        lambda m: m["config"].update(r="eight"),
+    ],
+)
+def test_a_hand_edited_store_json_is_one_line(store, tmp_path, data, capsys, edit):
+    copy = tmp_path / "copy"
+    shutil.copytree(store.path, copy)
+    manifest = json.loads((copy / "store.json").read_text())
+    manifest = edit(manifest) or manifest
+    (copy / "store.json").write_text(json.dumps(manifest))
+    out = tmp_path / "p.jsonl"
+    runs = [["predict", "--store", str(copy), "--data", str(data["banking_test"]), "--out", str(out)]]
+    if "config" in json.dumps(manifest) and "eight" not in json.dumps(manifest):  # listing reads no config
+        runs.append(["tasks", "--store", str(copy)])
+    for run in runs:
+        assert main(["lifelong", *run]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("ecru: error:") and err.count("\n") == 1, err
+
+
+def test_a_router_of_the_wrong_shape_is_one_line(store, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "copy"
+    shutil.copytree(store.path, copy)
+    router = next((copy / "tasks").glob("*/router.safetensors"))
+    (router.parent / "manifest.json").unlink()  # a store from before manifests: nothing checks the bytes
+    tensors = load_file(router)
+    tensors["prototypes"] = tensors["prototypes"][:, :10].contiguous()
+    save_file(tensors, router)
+    with pytest.raises(EcruError, match="no prototypes for its"):
+        KnowledgeStore(copy).predict(["hello"])
+
+
+def test_a_reader_meeting_a_commit_reads_the_new_tasks(store, tmp_path, data):
+    copy = tmp_path / "copy"
+    shutil.copytree(store.path, copy)
+    reader = KnowledgeStore(copy)  # has read store.json
+    KnowledgeStore(copy).learn(
+        "banking", read_records(data["banking"], labels=True), epochs=1
+    )  # old folder gone
+    assert reader.predict(["I lost my card"])[0].label is not None
+
+
+def test_a_store_below_a_file_is_refused_before_training(tmp_path, data):
+    (tmp_path / "afile").write_text("hi")
+    with pytest.raises(EcruError, match="is a file, not a folder"):
+        KnowledgeStore(tmp_path / "afile" / "sub")
+
+
+def test_duplicate_spellings_of_a_candidate_label_are_one(store, tmp_path, data, capsys):
+    out = tmp_path / "p.jsonl"
+    labels = "freeze_account,freeze account,routing"
+    run = ["predict", "--store", str(store.path), "--data", str(data["banking_test"]), "--out", str(out)]
+    assert main(["lifelong", *run, "--labels", labels]) == 0
+    assert main(["lifelong", *run[:-1], str(tmp_path / "q.jsonl"), "--labels", "freeze_account,routing"]) == 0
+    assert out.read_text() == (tmp_path / "q.jsonl").read_text()

@@ -99,6 +99,18 @@ def _existing_store(path: str):
     return KnowledgeStore(path)
 
 
+def _outside(store, path: str, flag: str) -> str:
+    """`path`, refused if it lies in the store (an output there would overwrite what the store holds)."""
+    from pathlib import Path
+
+    from ecru.errors import EcruError
+
+    root, target = store.path.resolve(), Path(path).expanduser().resolve()
+    if target == root or root in target.parents:
+        raise EcruError(f"{flag} {path} is inside the store {store.path}; write it elsewhere")
+    return path
+
+
 def _learn(args: argparse.Namespace) -> int:
     from ecru.lifelong.store import KnowledgeStore
     from ecru.lifelong.userdata import read_records
@@ -123,14 +135,19 @@ def _candidates(args: argparse.Namespace) -> list[str] | None:
         return None
     if not labels:
         raise EcruError("--labels/--labels-file: no label given")
-    return labels
+    from ecru.lifelong.userdata import label_name
+
+    one = {}  # one candidate per label name (`freeze_account` and `freeze account` are one), as first written
+    for label in labels:
+        one.setdefault(label_name(label), label)
+    return list(one.values())
 
 
 def _predict(args: argparse.Namespace) -> int:
     from ecru.lifelong.userdata import label_name, read_records
 
-    out = prepare_out_file(args.out)
     store = _existing_store(args.store)
+    out = prepare_out_file(_outside(store, args.out, "--out"))
     records = read_records(args.data, labels=False)
     labels = _candidates(args)
     if labels is not None:
@@ -159,9 +176,10 @@ def _prediction_row(p) -> dict:
 
 
 def _tasks(args: argparse.Namespace) -> int:
-    tasks = _existing_store(args.store).tasks()
+    store = _existing_store(args.store)
+    tasks = store.tasks()
     if args.json is not None:
-        atomic_write_json(prepare_out_file(args.json, flag="--json"), tasks)
+        atomic_write_json(prepare_out_file(_outside(store, args.json, "--json"), flag="--json"), tasks)
     for t in tasks:
         print(f"{t['task']}: {len(t['labels'])} labels, {t['examples']} examples, "
               f"{t['trainable_params']:,} trainable parameters, {t['stored_bytes']:,} bytes")  # fmt: skip
@@ -177,8 +195,12 @@ def _forget(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from ecru.errors import EcruError
+
     store = _existing_store(args.store)
-    out = prepare_out_dir(args.out)
+    if not store.tasks():
+        raise EcruError(f"{args.store}: no learned task to export")
+    out = prepare_out_dir(_outside(store, args.out, "--out"))
     for folder in store.export(out):
         print(f"exported {folder}")
     return 0

@@ -32,6 +32,7 @@ import hashlib
 import json
 import re
 import shutil
+import sys
 import uuid
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -115,6 +116,7 @@ def load_encoder(record: dict[str, str]):
     """The frozen encoder a store was made with (mean pooling, L2-normalised, like MiniLM)."""
     import torch
     from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from ecru.models import MiniLM
 
@@ -124,7 +126,14 @@ def load_encoder(record: dict[str, str]):
             f"the store's encoder {record['path']} is missing or changed; restore it or make a new store"
         )
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return MiniLM(AutoModel.from_pretrained(folder, dtype=torch.float32), tokenizer).eval()
+    quiet = not sys.stderr.isatty() and hf_logging.is_progress_bar_enabled()
+    if quiet:  # no loading bar in a log: an error after it stays one line
+        hf_logging.disable_progress_bar()
+    try:
+        return MiniLM(AutoModel.from_pretrained(folder, dtype=torch.float32), tokenizer).eval()
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
 
 
 def _slug(name: str) -> str:
@@ -158,13 +167,19 @@ class KnowledgeStore:
                 raise EcruError(
                     f"{self.path}: exists and is not a knowledge store (no store.json); choose another --store"
                 )
+            above = next(p for p in self.path.absolute().parents if p.exists())
+            if not above.is_dir():
+                raise EcruError(
+                    f"--store {self.path}: {above} is a file, not a folder; choose another --store"
+                )
             return None
         try:
             manifest = json.loads(file.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise EcruError(f"{file}: unreadable ({exc}); the store is damaged") from None
-        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-            raise EcruError(f"{file}: not a version {VERSION} knowledge store")
+        problem = _manifest_problem(manifest)
+        if problem is not None:
+            raise EcruError(f"{file}: {problem}; the store is damaged or not a knowledge store")
         return manifest
 
     # ---- reading
@@ -190,19 +205,40 @@ class KnowledgeStore:
         return list(out.values())
 
     def method(self):
-        """The routed method with every learned task loaded (built once per store object)."""
-        if self._method is None:
-            method = _new_method(self.model_record, self._config())
-            for t in (self.manifest or {}).get("tasks", []):
-                folder = self._folder(t)
-                verify_manifest(folder, required=False)  # stores written before manifests have none
-                router, _ = load_tensors(folder / "router.safetensors", hint=_DAMAGED)
-                adapter, _ = load_tensors(folder / "adapter_model.safetensors", hint=_DAMAGED)
-                kept = tuple(router.pop(k) for k in ADAPTER_PROTOTYPES if k in router)
-                method.add_trained(adapter, _router_state(router), t["names"],
-                                   kept if len(kept) == 2 else None)  # fmt: skip
-            self._method = method
+        """The routed method with every learned task loaded (built once per store object). A writer that
+        commits meanwhile deletes the folders it replaced: then store.json is read again and its tasks loaded."""
+        for attempt in range(3):
+            if self._method is not None:
+                break
+            try:
+                self._method = self._load_method()
+            except EcruError:
+                fresh = self._read_manifest()
+                if attempt == 2 or fresh == self.manifest:
+                    raise
+                self.manifest = fresh
         return self._method
+
+    def _load_method(self):
+        method = _new_method(self.model_record, self._config())
+        width = json.loads((Path(self.model_record["path"]) / "config.json").read_text()).get("hidden_size")
+        for t in (self.manifest or {}).get("tasks", []):
+            folder = self._folder(t)
+            verify_manifest(folder, required=False)  # stores written before manifests have none
+            router, _ = load_tensors(folder / "router.safetensors", hint=_DAMAGED)
+            adapter, _ = load_tensors(folder / "adapter_model.safetensors", hint=_DAMAGED)
+            kept = tuple(router.pop(k) for k in ADAPTER_PROTOTYPES if k in router)
+            prototypes = router.get("prototypes")
+            if prototypes is None or tuple(prototypes.shape) != (len(t["names"]), width):
+                raise EcruError(f"{folder / 'router.safetensors'}: no prototypes for its {len(t['names'])} "
+                                f"labels of width {width}; {_DAMAGED}")  # fmt: skip
+            try:
+                method.add_trained(
+                    adapter, _router_state(router), t["names"], kept if len(kept) == 2 else None
+                )
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                raise EcruError(f"{folder}: its router state does not load ({exc}); {_DAMAGED}") from None
+        return method
 
     def _config(self):
         from ecru.lifelong.methods import ROUTED, RoutedConfig
@@ -210,9 +246,14 @@ class KnowledgeStore:
         if self.manifest is None:
             return replace(ROUTED[METHOD], calibration=CALIBRATION)
         saved = self.manifest["config"]
-        return RoutedConfig(
-            **{f.name: _tuple(saved[f.name]) for f in fields(RoutedConfig) if f.name in saved}
-        )
+        try:
+            return RoutedConfig(
+                **{f.name: _tuple(saved[f.name]) for f in fields(RoutedConfig) if f.name in saved}
+            )
+        except (TypeError, ValueError) as exc:
+            raise EcruError(
+                f"{self.path / 'store.json'}: its config is invalid ({exc}); the store is damaged"
+            ) from None
 
     def predict(self, texts: list[str], labels: list[str] | None = None, *, abstain: bool = False,
                 min_score: float | None = None) -> list[Prediction]:  # fmt: skip
@@ -291,7 +332,16 @@ class KnowledgeStore:
 
     def _folder(self, entry: dict[str, Any]) -> Path:
         """A task's folder, refused unless it lies inside the store's `tasks/` (store.json is input too)."""
-        return inside(self.path / "tasks", str(entry["folder"]))
+        return inside(self._tasks_dir(), str(entry["folder"]))
+
+    def _tasks_dir(self) -> Path:
+        """The store's `tasks/`, refused if it is a link: writers delete in it, never outside the store."""
+        tasks = self.path / "tasks"
+        if tasks.is_symlink():
+            raise EcruError(
+                f"{tasks} is a symbolic link, not the store's own folder; the store was tampered with"
+            )
+        return tasks
 
     def _locked(self) -> FolderLock:
         """The store's writer lock; under it, store.json is read again and leftovers of killed writers go."""
@@ -305,7 +355,8 @@ class KnowledgeStore:
         return lock
 
     def _clean(self) -> None:
-        tasks_dir = self.path / "tasks"
+        clean_leftovers(self.path)  # a killed commit's temporary store.json
+        tasks_dir = self._tasks_dir()
         if not tasks_dir.is_dir():
             return
         clean_leftovers(tasks_dir)
@@ -330,7 +381,7 @@ class KnowledgeStore:
         if manifest["model"]["fingerprint"] != self.model_record["fingerprint"]:
             raise EcruError(f"{self.path} was made meanwhile with another encoder; learn again")
         folder = f"{_slug(task)}-{uuid.uuid4().hex[:8]}"
-        with atomic_folder(self.path / "tasks" / folder) as tmp:
+        with atomic_folder(self._tasks_dir() / folder) as tmp:
             stored = _write_task(tmp, trained, self.model_record)
         entry = {"task": task, "folder": folder, "labels": trained["labels"], "names": trained["names"],
                  "examples": trained["examples"], "trainable_params": trained["trainable_params"],
@@ -358,20 +409,63 @@ class KnowledgeStore:
             lock.release()
 
     def export(self, out: str | Path) -> list[Path]:
-        """One folder per task under `out`: a standard peft adapter (`adapter_config.json`,
-        `adapter_model.safetensors`), `router.safetensors`, `labels.json`; plus `store.json` (the manifest)."""
+        """One folder per task in `out` (new or empty, outside the store): a standard peft adapter
+        (`adapter_config.json`, `adapter_model.safetensors`), `router.safetensors`, `labels.json`; plus
+        `export.json` (the tasks' entries, each with its folder there). Written whole or not at all."""
         if not self.manifest or not self.manifest["tasks"]:
             raise EcruError(f"{self.path}: no learned task to export")
-        out = Path(out)
-        written = []
-        for t in self.manifest["tasks"]:
-            target = out / _slug(t["task"])
-            if target.exists():
-                shutil.rmtree(target)
-            shutil.copytree(self._folder(t), target)
-            written.append(target)
-        atomic_write_json(out / "store.json", self.manifest)
-        return written
+        out, store = Path(out), self.path.resolve()
+        if out.resolve() == store or store in out.resolve().parents:
+            raise EcruError(f"--out {out} is inside the store {self.path}; export to a folder outside it")
+        if out.is_dir() and any(out.iterdir()):
+            raise EcruError(f"--out {out} is not empty; export to a new or empty folder")
+        if out.is_dir():
+            out.rmdir()
+        entries, names = [], set()
+        with atomic_folder(out) as tmp:
+            for t in self.manifest["tasks"]:
+                name = _unique(_slug(t["task"]), names)
+                shutil.copytree(self._folder(t), tmp / name)
+                entries.append({**t, "folder": name})
+            atomic_write_json(tmp / "export.json", {**self.manifest, "tasks": entries})
+        return [out / e["folder"] for e in entries]
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    """`name`, or `name-2`, `name-3`, ... if taken (tasks whose names make the same folder name); now taken."""
+    out, k = name, 1
+    while out.lower() in taken:  # case-insensitive file systems
+        k += 1
+        out = f"{name}-{k}"
+    taken.add(out.lower())
+    return out
+
+
+_TASK_ENTRY = {"task": str, "folder": str, "labels": list, "names": list, "examples": int,
+               "trainable_params": int, "stored_bytes": int}  # fmt: skip
+
+
+def _manifest_problem(m: Any) -> str | None:
+    """What is wrong with a store.json's shape (it is input too: a hand edit is one line, not a traceback)."""
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+        return f"not a version {VERSION} knowledge store"
+    model = m.get("model")
+    if not isinstance(model, dict) or not all(
+        isinstance(model.get(k), str) for k in ("name", "path", "fingerprint")
+    ):
+        return "its 'model' is not an encoder record (name, path, fingerprint)"
+    if not isinstance(m.get("config"), dict) or not isinstance(m.get("tasks"), list):
+        return "its 'config' must be an object and its 'tasks' a list"
+    for t in m["tasks"]:
+        wrong = [
+            k for k, kind in _TASK_ENTRY.items() if not isinstance(t, dict) or not isinstance(t.get(k), kind)
+        ]
+        if wrong:
+            return f"a task entry has no valid {', '.join(wrong)}"
+        labels, names = t["labels"], t["names"]
+        if len(labels) != len(names) or not all(isinstance(x, str) for x in labels + names):
+            return f"task {t['task']!r}: labels and names must be two lists of as many strings"
+    return None
 
 
 def _new_method(model_record: dict[str, str], cfg, train=None):
