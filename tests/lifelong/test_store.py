@@ -372,11 +372,13 @@ def test_leftovers_of_a_killed_learn_are_cleaned_by_the_next_writer(store, tmp_p
     shutil.copytree(store.path, copy)
     orphan = copy / "tasks" / "travel-deadbeef"  # renamed into place, killed before store.json
     half = copy / "tasks" / ".x.ecru-tmp-0001"  # killed while writing
+    commit = copy / ".store.json.ecru-tmp-0003"  # killed between writing store.json and renaming it
     orphan.mkdir()
     half.mkdir()
+    commit.write_text("{}")
     ks = KnowledgeStore(copy)
     ks.forget(ks.tasks()[-1]["task"])
-    assert not orphan.exists() and not half.exists()
+    assert not orphan.exists() and not half.exists() and not commit.exists()
     # a store killed before its first commit is no store yet, not "a folder that is not a store"
     fresh = tmp_path / "fresh"
     (fresh / "tasks" / ".t.ecru-tmp-0002").mkdir(parents=True)
@@ -541,6 +543,12 @@ def test_a_store_below_a_file_is_refused_before_training(tmp_path, data):
     (tmp_path / "afile").write_text("hi")
     with pytest.raises(EcruError, match="is a file, not a folder"):
         KnowledgeStore(tmp_path / "afile" / "sub")
+
+
+def test_no_loading_bar_in_a_log(store, tmp_path, data, capsys):
+    run = ["predict", "--store", str(store.path), "--data", str(data["banking_test"])]
+    assert main(["lifelong", *run, "--out", str(tmp_path / "p.jsonl")]) == 0
+    assert capsys.readouterr().err == ""  # stderr is no terminal here: an error would be its one line
 
 
 def test_duplicate_spellings_of_a_candidate_label_are_one(store, tmp_path, data, capsys):
