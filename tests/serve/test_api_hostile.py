@@ -178,6 +178,22 @@ def test_a_stalled_body_is_408_and_frees_its_connection(server):
     assert is_openai_error(error) and error["error"]["code"] == "body_timeout"
 
 
+def test_a_client_that_leaves_mid_body_is_counted_499_and_nothing_runs(server):
+    engine = server.threads.engine
+    before, prefills = count(metrics(server), "/v1/completions", "499"), engine.stats.prefills
+    body = json.dumps({"model": server.name, "prompt": "hello", "max_tokens": 2}).encode()  # valid JSON...
+    with socket.create_connection((server.host, server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % (len(body) + 5)
+                  + body)  # fmt: skip
+        time.sleep(0.2)  # ...but 5 bytes short when the client leaves
+    deadline = time.monotonic() + 5
+    while count(metrics(server), "/v1/completions", "499") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert count(metrics(server), "/v1/completions", "499") == before + 1
+    assert engine.stats.prefills == prefills  # the partial body was not served
+
+
 def test_odd_paths_and_methods_for_load_balancers(server):
     status, body = raw(server, "POST", "/v1/chat/completions/", chat_body(server, max_tokens=2))
     assert status == 404 and is_openai_error(body)  # no 307 to a Host-built URL

@@ -434,8 +434,8 @@ class APIGuard:
             except TimeoutError:
                 return b"", APIError(408, f"the request body stalled for {self.config.body_timeout_s:g} s; "
                                      "send it whole", code="body_timeout")  # fmt: skip
-            if message["type"] != "http.request":
-                break
+            if message["type"] != "http.request":  # the client left mid-body: nothing to answer, counted 499
+                return b"", APIError(int(DISCONNECTED), "the client disconnected while sending its body")
             chunks.append(message.get("body", b""))
             size, more = size + len(chunks[-1]), message.get("more_body", False)
             if size > limit:
