@@ -368,6 +368,54 @@ def test_completion_logprobs_and_n_choices(server, served):
     assert [c.message.content for c in again.choices] == texts  # and a seed repeats them
 
 
+def test_logprobs_carry_each_tokens_own_bytes(server, served):
+    text = "dragon 龍 and 🐉🐉 é"
+    ids = served.encode(text)
+    assert b"".join(served.token_bytes(i) for i in ids).decode("utf-8").endswith(text)  # pieces of characters
+    kw = {"model": server.name, "prompt": text, "max_tokens": 12, "temperature": 0, "logprobs": 5}
+    one = server.client.completions.create(**kw).choices[0]
+    lp = one.logprobs  # a random model: many top tokens are pieces of characters, each its own key
+    assert all(len(top) >= 5 for top in lp.top_logprobs), lp.top_logprobs
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(one.text)
+    chat = server.client.chat.completions.create(
+        model=server.name, messages=[{"role": "user", "content": text}], max_tokens=32, temperature=0,
+        logprobs=True, top_logprobs=20,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    special = {
+        t.content for t in served.tokenizer.added_tokens_decoder.values() if t.special
+    }  # not in the text
+    joined = b"".join(bytes(entry.bytes) for entry in content if entry.token not in special)
+    assert joined.decode("utf-8", "replace").rstrip("\ufffd") == chat.choices[0].message.content
+    for entry in content:  # 20 different tokens are 20 different byte strings (pieces of characters too)
+        assert (
+            len({bytes(t.bytes) for t in entry.top_logprobs})
+            == len({t.token for t in entry.top_logprobs})
+            == 20
+        )
+
+
+def test_pieces_of_characters_keep_their_bytes_and_their_own_keys(served):
+    from types import SimpleNamespace
+
+    from ecru.serve.openai_api import OpenAIServer
+
+    api = OpenAIServer(served, threads=None, default_max_tokens=8)
+    text = "龍🐉"
+    ids = served.encode(text)
+    assert len(ids) > 2  # byte-level pieces: each alone decodes to U+FFFD
+    tops = [[(ids[(k + 1) % len(ids)], -1.0), (ids[(k + 2) % len(ids)], -2.0)] for k in range(len(ids))]
+    request = SimpleNamespace(output=ids, logprobs=[(-0.5, top) for top in tops])
+    chat = api._logprobs(SimpleNamespace(kind="chat", request=request), 0, len(ids))["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat) == text.encode()
+    assert all(len({bytes(t["bytes"]) for t in e["top_logprobs"]}) == 2 for e in chat)
+    plain = api._logprobs(SimpleNamespace(kind="completion", request=request), 0, len(ids))
+    assert all(len(top) == 3 for top in plain["top_logprobs"])  # no two pieces share a key
+    shown = "".join(plain["tokens"])
+    assert "bytes:\\x" in shown and "\ufffd" not in shown  # a piece shows its bytes, not U+FFFD
+    assert plain["text_offset"] == sorted(plain["text_offset"]) and plain["text_offset"][-1] < len(text)
+
+
 @pytest.mark.parametrize("ignored", [False, True], ids=["terminal", "background-job"])
 def test_ctrl_c_drains_the_requests_in_flight_and_exits_130(chat_model_dir, ignored):
     """Also when started with SIGINT ignored, as a shell starts a background job (`ecru serve api &`)."""

@@ -3,6 +3,7 @@ tests), or any local Hugging Face causal-LM folder (its own tokenizer and chat t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,18 @@ class ServedModel:
         """A raw completion prompt's token ids (the tokenizer's special tokens, e.g. BOS, included)."""
         return list(self.tokenizer(prompt)["input_ids"])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for. A byte-level BPE token may be part of a UTF-8 character,
+        which `decode` shows as U+FFFD; its own bytes are read through the byte-level alphabet (SentencePiece's
+        byte fallback tokens `<0xNN>` are that byte; other tokens, their decoded text)."""
+        piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        table = _byte_of() if _byte_level(self.tokenizer) else {}
+        if table and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return self.tokenizer.decode([int(token_id)]).encode("utf-8")
+
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
         """Messages through the model's chat template, ready for the assistant's answer."""
         from ecru.serve.prompts import chat_ids
@@ -132,3 +145,19 @@ class ServedModel:
             remaining=remaining,
             predict=predict,
         )
+
+
+def _byte_level(tokenizer) -> bool:
+    """Whether `tokenizer` decodes through GPT-2's byte-level alphabet (a fast tokenizer's `ByteLevel` decoder)."""
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # slow tokenizers have none
+    return backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+
+
+@functools.cache
+def _byte_of() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> the byte it stands for (Hugging Face's own table)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}

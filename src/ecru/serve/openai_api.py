@@ -254,7 +254,12 @@ class OpenAIServer:
         return choice
 
     def _token(self, token_id: int) -> str:
-        return self.served.tokenizer.decode([token_id])
+        """A token as text, or as `bytes:\\xNN...` when it is part of a UTF-8 character (as OpenAI shows them)."""
+        raw = self.served.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def _logprobs(self, call: _Call, start: int, end: int) -> dict:
         """The `logprobs` of a choice (or a chunk) over its generated tokens [start, end), in the
@@ -265,8 +270,8 @@ class OpenAIServer:
             return {"content": [{**self._entry(t, lp), "top_logprobs": [self._entry(i, v) for i, v in top]}
                                 for t, (lp, top) in pairs], "refusal": None}  # fmt: skip
         tokens = [self._token(t) for t, _ in pairs]
-        offset = sum(len(self._token(t)) for t in req.output[:start])
-        offsets = [offset + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        decode = self.served.tokenizer.decode
+        offsets = [len(decode(req.output[:k]).rstrip("\ufffd")) for k in range(start, start + len(pairs))]
         tops = [
             {self._token(i): v for i, v in top} | {tok: lp}
             for tok, (_, (lp, top)) in zip(tokens, pairs, strict=True)
@@ -275,8 +280,8 @@ class OpenAIServer:
                 "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
 
     def _entry(self, token_id: int, logprob: float) -> dict:
-        text = self._token(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw = self.served.token_bytes(token_id)
+        return {"token": self._token(token_id), "logprob": logprob, "bytes": list(raw)}
 
     def _chunk(self, call: _Call, body, *, text: str = "", role: bool = False, finish: bool = False,
                logprobs: dict | None = None) -> dict:  # fmt: skip
