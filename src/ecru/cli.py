@@ -1,21 +1,20 @@
 """The `ecru` command line. Each pillar adds its own subcommands from `ecru.<pillar>.cli.configure`.
 
 Pillar CLI modules import heavy libraries (torch, transformers) inside their handlers only, so that
-`ecru --help` stays fast and importing the CLI has no side effects.
+`ecru --help` stays fast and importing the CLI has no side effects. This module imports only `sys` at its
+top: `main` loads the rest, so that Ctrl-C at any instant is `ecru: interrupted` (130), never a traceback.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import shlex
 import sys
-from collections.abc import Sequence
 
 from ecru import __version__
-from ecru.cliargs import EXIT_USAGE, ArgumentParser, note_long_run, prepare_out_dir, run_main
-from ecru.errors import EcruError
-from ecru.plugins import module_available
+
+TYPE_CHECKING = False  # not typing's: importing typing takes ~17 ms, outside main's Ctrl-C handler
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Sequence
 
 # subcommand -> (module that configures it, one-line help)
 PILLARS: dict[str, tuple[str, str]] = {
@@ -31,6 +30,8 @@ PILLARS: dict[str, tuple[str, str]] = {
 
 def _not_built(name: str):
     def handler(args: argparse.Namespace) -> int:
+        from ecru.cliargs import EXIT_USAGE
+
         print(f"ecru {name}: not built yet in this version of ecru", file=sys.stderr)
         return EXIT_USAGE
 
@@ -38,6 +39,10 @@ def _not_built(name: str):
 
 
 def _add_pillar(sub, name: str, module: str, help_text: str) -> None:
+    import importlib
+
+    from ecru.plugins import module_available
+
     parser = sub.add_parser(name, help=help_text, description=help_text)
     if not module_available(module):
         parser.set_defaults(func=_not_built(name))
@@ -46,6 +51,8 @@ def _add_pillar(sub, name: str, module: str, help_text: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ecru.cliargs import ArgumentParser
+
     parser = ArgumentParser(
         prog="ecru", description="ecru: make large neural networks cheaper to train and serve."
     )
@@ -63,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    from ecru.cliargs import note_long_run, prepare_out_dir
     from ecru.demo import run_demo
+    from ecru.errors import EcruError
 
     only = [s.strip() for s in args.only.split(",")] if args.only else None
     out = prepare_out_dir(args.out)
@@ -84,11 +93,20 @@ def _run_env(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)  # exits 2 with a usage message on bad arguments
-    args.command_line = "ecru " + shlex.join(argv)  # what a result file records as its command
-    return run_main(lambda: args.func(args))
+    """Run `ecru ARGV` (default: the command line); its exit status."""
+    try:
+        import shlex
+
+        from ecru.cliargs import run_main
+
+        parser = build_parser()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(argv)  # exits 2 with a usage message on bad arguments
+        args.command_line = "ecru " + shlex.join(argv)  # what a result file records as its command
+        return run_main(lambda: args.func(args))
+    except KeyboardInterrupt:  # while the CLI loads and builds, before run_main's handler is in place
+        print("ecru: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
