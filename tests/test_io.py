@@ -203,3 +203,13 @@ def test_read_jsonl_parses_objects_and_names_the_bad_line(tmp_path):
         with pytest.raises(EcruError) as info:
             read_jsonl(path, parse, expected='{"n": int}')
         assert str(info.value).startswith(str(tmp_path / message)) and "\n" not in str(info.value)
+
+
+def test_read_jsonl_reads_a_byte_order_mark_as_if_absent(tmp_path):
+    from ecru.io import decode_line, read_jsonl
+
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"n": 1}\n{"n": 2}\n')
+    assert read_jsonl(path, lambda row: row["n"], expected='{"n": int}') == [1, 2]
+    with pytest.raises(ValueError, match=r"byte 0xff at column 5\)"):
+        decode_line(b"\xef\xbb\xbfa\xff")  # columns count the bytes as stored, BOM included

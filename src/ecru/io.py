@@ -164,12 +164,14 @@ def clean_leftovers(folder: str | os.PathLike) -> list[Path]:
 
 
 def decode_line(raw: bytes) -> str:
-    """A line of a user's file as text; `ValueError` saying where, if it is not valid UTF-8."""
+    """A line of a user's file as text, a leading byte-order mark dropped (Excel's "CSV UTF-8" writes one);
+    `ValueError` saying where, if it is not valid UTF-8."""
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
+        at = exc.start + len(raw) - len(exc.object)  # exc.start counts from after a BOM
         raise ValueError(
-            f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); save the file as UTF-8"
+            f"not valid UTF-8 (byte 0x{raw[at]:02x} at column {at + 1}); save the file as UTF-8"
         ) from None
 
 

@@ -1,4 +1,5 @@
-"""A user's examples: JSONL lines `{"text": ..., "label": ...}` or a CSV file with `text,label` columns.
+"""A user's examples: JSONL lines `{"text": ..., "label": ...}` or a CSV file with `text,label` columns, in
+UTF-8 with or without a byte-order mark (Excel's "CSV UTF-8" writes one).
 
 Labels are any strings; the zero-shot head reads each through `label_name`: underscores and hyphens become
 spaces, runs of whitespace become one space, and the ends are trimmed (case is kept): `freeze_account`,
@@ -41,7 +42,7 @@ def _field(row: dict, key: str, where: str, *, required: bool) -> str | None:
 
 
 def _rows_jsonl(path: Path):
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -57,7 +58,7 @@ def _rows_jsonl(path: Path):
 
 
 def _rows_csv(path: Path):
-    with path.open(encoding="utf-8", newline="") as f:
+    with path.open(encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames is None or "text" not in reader.fieldnames:
             raise EcruError(f"{path}: a CSV file needs a header row with a 'text' column (and 'label')")
@@ -70,7 +71,7 @@ def read_records(path: str | Path, *, labels: bool) -> list[Record]:
     every record must carry a label; else labels are optional but all-or-none."""
     path = Path(path)
     try:
-        head = path.read_text(encoding="utf-8")[:1].lstrip()
+        head = path.read_text(encoding="utf-8-sig")[:1].lstrip()  # utf-8-sig: Excel writes a BOM
     except (OSError, UnicodeDecodeError) as exc:
         raise EcruError(f"{path}: cannot read it as UTF-8 text ({exc})") from None
     jsonl = path.suffix.lower() in (".jsonl", ".json", ".ndjson") or (
