@@ -26,3 +26,9 @@ def test_invalid_utf8_is_still_one_line(tmp_path):
     with pytest.raises(EcruError, match="cannot read it as UTF-8") as info:
         read_records(path, labels=True)
     assert "\n" not in str(info.value)
+
+
+def test_a_jsonl_file_without_its_suffix_may_start_with_blank_space(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_bytes(b"\n  " + JSONL)
+    assert read_records(path, labels=True) == EXPECTED

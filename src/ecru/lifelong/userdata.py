@@ -71,7 +71,7 @@ def read_records(path: str | Path, *, labels: bool) -> list[Record]:
     every record must carry a label; else labels are optional but all-or-none."""
     path = Path(path)
     try:
-        head = path.read_text(encoding="utf-8-sig")[:1].lstrip()  # utf-8-sig: Excel writes a BOM
+        head = path.read_text(encoding="utf-8-sig").lstrip()[:1]  # utf-8-sig: Excel writes a BOM
     except (OSError, UnicodeDecodeError) as exc:
         raise EcruError(f"{path}: cannot read it as UTF-8 text ({exc})") from None
     jsonl = path.suffix.lower() in (".jsonl", ".json", ".ndjson") or (
