@@ -11,7 +11,7 @@ import torch
 
 from ecru.ctr import auc
 from ecru.ctr.reader import ReaderConfig, load_ctr_file
-from ecru.ctr.schema import TableSchema, propose_schema
+from ecru.ctr.schema import TableSchema, load_schema, propose_schema
 from ecru.ctr.synthetic import _calibrate, zipf_ids
 
 from .test_cli import run
@@ -188,3 +188,15 @@ def test_table_predict_keeps_one_line_per_input_line(table, capsys):
     assert rc == 0, err
     assert len(values) == 51 and values[5] == "nan" and values[11] == "nan"
     assert sum(v == "nan" for v in values) == 2
+
+
+def test_a_byte_order_mark_is_read_as_if_absent(table, tmp_path):
+    root = table[0]
+    bom = b"\xef\xbb\xbf"  # Excel's "CSV UTF-8" starts the file with it
+    (tmp_path / "t.csv").write_bytes(
+        bom + (root / "train.csv").read_bytes()[:200_000].rsplit(b"\n", 1)[0] + b"\n"
+    )
+    (tmp_path / "schema.json").write_bytes(bom + (root / "schema.json").read_bytes())
+    schema, facts = propose_schema(tmp_path / "t.csv", rows=500)
+    assert "row_id" in facts and schema["label"] == "clicked"
+    assert load_schema(tmp_path / "schema.json").label == "clicked"

@@ -515,7 +515,7 @@ def read_id_column(path: str, column: str) -> list[str]:
         ids = pq.read_table(path, columns=[column]).column(0).cast(pa.string()).fill_null("")
         return ids.to_pylist()
     with pa.input_stream(path, compression="detect") as raw:
-        lines = io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
+        lines = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace", newline="")
         names = lines.readline().rstrip("\r\n")
         sep = "\t" if "\t" in names else ","
         if column not in names.split(sep):

@@ -206,7 +206,7 @@ def blank_lines(path: str | Path, *, chunk_bytes: int = 16 << 20) -> np.ndarray:
 
 
 def open_text(raw):
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace")  # utf-8-sig: Excel writes a BOM
 
 
 # ---------------------------------------------------------------- columnar reading

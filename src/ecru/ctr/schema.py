@@ -102,7 +102,7 @@ def load_schema(path: str | Path) -> TableSchema:
     if not path.is_file():
         raise EcruError(f"--schema {path} not found; `ecru ctr schema --data FILE` proposes one")
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(path.read_text(encoding="utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise EcruError(f"--schema {path} is not valid JSON ({exc})") from None
     return schema_from_dict(raw, where=str(path))

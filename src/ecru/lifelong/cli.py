@@ -130,7 +130,9 @@ def _candidates(args: argparse.Namespace) -> list[str] | None:
     if args.labels is not None:
         labels = [x.strip() for x in args.labels.split(",") if x.strip()]
     elif args.labels_file is not None:
-        labels = [x.strip() for x in args.labels_file.read_text(encoding="utf-8-sig").splitlines() if x.strip()]
+        labels = [
+            x.strip() for x in args.labels_file.read_text(encoding="utf-8-sig").splitlines() if x.strip()
+        ]
     else:
         return None
     if not labels:
