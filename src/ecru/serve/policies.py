@@ -14,7 +14,7 @@ grow in proportion to how short they are.
 
 `fcr+vbs+bins` is the paper's whole recipe: predictions rounded up to 50-token bins, batches never mix
 bins and run at their bin's top as cap; a bin's leftover rows that would fill less than half of a batch
-at its size join the next bin up (run at the larger cap) instead of running as a small batch.
+at its size join the next bin up instead of running as a small batch (a batch's cap is its rows' highest top).
 
 The continuous policies run the same offline group on the engine's scheduler, under the `EngineConfig` a
 plan implies (`continuous_config`) with cb-kv's reservations (`reservations`): for real
