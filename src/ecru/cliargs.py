@@ -153,6 +153,19 @@ def prepare_out_file(path: str | os.PathLike[str], *, flag: str = "--out") -> Pa
     return out
 
 
+def not_an_input(
+    path: str | os.PathLike[str], *inputs: str | os.PathLike[str] | None, flag: str = "--out"
+) -> str:
+    """`path`, refused if it is one of `inputs` (files or folders a command reads) or lies inside one: an output
+    never overwrites what the command reads (a model's weights, the data, a store's manifest)."""
+    target = Path(path).expanduser().resolve()
+    for given in inputs:
+        source = None if given is None else Path(given).expanduser().resolve()
+        if source is not None and (target == source or source in target.parents):
+            raise EcruError(f"{flag} {path} would overwrite the input {given}; write it elsewhere")
+    return str(path)
+
+
 def config_from(cls: Callable[..., T], **kwargs: Any) -> T:
     """Build a validated config, turning its `ValueError` into a one-line `EcruError`."""
     try:

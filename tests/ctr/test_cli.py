@@ -358,3 +358,38 @@ def test_a_finished_run_is_refused_without_resume_or_overwrite(files, trained, c
     assert rc == 2 and "not allowed with argument" in err
     rc, _, _ = run([*argv, *FAST, "--overwrite"], capsys)
     assert rc == 0 and json.loads((out / "metrics.json").read_text())["epochs"] >= 1
+
+
+def test_outputs_never_overwrite_inputs(files, trained, capsys, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(trained, model)
+    data = tmp_path / "held.tsv"
+    shutil.copy(files / "held.tsv", data)
+    before = {p.name: p.read_bytes() for p in [*model.iterdir(), data]}
+    for out in (model / "model.safetensors", model / "manifest.json", data):
+        rc, _, err = run(
+            ["ctr", "predict", "--model", str(model), "--data", str(data), "--out", str(out)], capsys
+        )
+        assert rc == 2 and "would overwrite the input" in err
+    rc, _, err = run(["ctr", "train", "--data", f"criteo:{data}", "--json", str(data), *FAST], capsys)
+    assert rc == 2 and "would overwrite the input" in err
+    assert {p.name: p.read_bytes() for p in [*model.iterdir(), data]} == before
+
+
+def test_a_second_run_into_one_out_is_refused(files, capsys, tmp_path):
+    from ecru.io import FolderLock
+
+    out = tmp_path / "run"
+    with FolderLock(out):  # another process training into it
+        rc, _, err = run(["ctr", "train", "--rows", "500", "--out", str(out), *FAST], capsys)
+    assert rc == 2 and "in use by another ecru process" in err
+    assert not (out / "model.safetensors").exists()
+
+
+def test_a_manifest_that_omits_the_weights_is_refused(files, trained):
+    bad = files / "omits"
+    shutil.copytree(trained, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "files": {}}))
+    with pytest.raises(EcruError, match="is not in .*manifest.json"):
+        load_model(bad)

@@ -462,7 +462,7 @@ def test_outputs_inside_the_store_are_refused(store, tmp_path, data, capsys):
     ]
     for run in runs:
         assert main(["lifelong", *run]) == 2
-        assert "is inside the store" in capsys.readouterr().err
+        assert "would overwrite the input" in capsys.readouterr().err
     assert _digest(copy) == before
 
 
@@ -558,3 +558,13 @@ def test_duplicate_spellings_of_a_candidate_label_are_one(store, tmp_path, data,
     assert main(["lifelong", *run, "--labels", labels]) == 0
     assert main(["lifelong", *run[:-1], str(tmp_path / "q.jsonl"), "--labels", "freeze_account,routing"]) == 0
     assert out.read_text() == (tmp_path / "q.jsonl").read_text()
+
+
+def test_a_task_manifest_that_omits_its_router_is_refused(store, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(store.path, copy)
+    manifest_file = next((copy / "tasks").glob("*/manifest.json"))
+    manifest = json.loads(manifest_file.read_text())
+    manifest_file.write_text(json.dumps({**manifest, "files": {}}))
+    with pytest.raises(EcruError, match="is not in .*manifest.json"):
+        KnowledgeStore(copy).predict(["hello"])

@@ -12,6 +12,7 @@ torchrun --nproc-per-node 2 -m ecru ctr train ...     # data parallel (gloo on C
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -277,8 +278,9 @@ RUN_FILES += ("schema.json", "metrics.json")  # what a run writes in --out (--ov
 
 def _prepare_outputs(args: argparse.Namespace):
     """The --out folder and --json file, created and checked writable before any work."""
-    from ecru.cliargs import prepare_out_dir, prepare_out_file
+    from ecru.cliargs import not_an_input, prepare_out_dir, prepare_out_file
     from ecru.errors import EcruError
+    from ecru.io import FolderLock
 
     if (args.resume or args.overwrite) and not args.out:
         raise EcruError("--resume and --overwrite act on the run in --out DIR; give --out")
@@ -289,16 +291,20 @@ def _prepare_outputs(args: argparse.Namespace):
             "start again, or choose another --out"
         )
     out = prepare_out_dir(args.out) if args.out else None
+    lock = None
+    if out and int(os.environ.get("RANK", "0")) == 0:  # torchrun's ranks share one --out; rank 0 writes it
+        lock = FolderLock(out, what="--out").acquire()  # a second run into it is refused, not interleaved
     for name in held if args.overwrite else ():
         (out / name).unlink(missing_ok=True)
-    json_file = prepare_out_file(args.json, flag="--json") if args.json else None
-    return out, json_file
+    if args.json:
+        data = None if args.data == "synthetic" else _data_spec(args.data)[1]
+        json_file = prepare_out_file(not_an_input(args.json, data, args.schema, flag="--json"), flag="--json")
+    else:
+        json_file = None
+    return out, json_file, lock
 
 
 def _train(args: argparse.Namespace) -> int:
-    import torch
-
-    from ecru.ctr.training import TrainConfig, train
     from ecru.errors import EcruError
 
     if args.data != "synthetic":
@@ -309,7 +315,19 @@ def _train(args: argparse.Namespace) -> int:
         sniff_layout(Path(_data_spec(args.data)[1]), _table_schema(args))
     elif args.schema:
         raise EcruError("--schema describes a table; give --data table:FILE")
-    out, json_file = _prepare_outputs(args)
+    out, json_file, lock = _prepare_outputs(args)
+    try:
+        return _fit(args, out, json_file)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _fit(args: argparse.Namespace, out, json_file) -> int:
+    import torch
+
+    from ecru.ctr.training import TrainConfig, train
+
     if args.threads:
         torch.set_num_threads(args.threads)
     rank, device = _init_distributed(args.device)
@@ -433,7 +451,7 @@ def _save_folder(out, args, cfg, res, train_data, metrics: dict) -> None:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from ecru.cliargs import prepare_out_file
+    from ecru.cliargs import not_an_input, prepare_out_file
     from ecru.ctr.metrics import auc, logloss
     from ecru.ctr.model_dir import load_model
     from ecru.errors import EcruError
@@ -441,8 +459,9 @@ def _predict(args: argparse.Namespace) -> int:
 
     if args.id_column and Path(args.out).suffix not in ID_SUFFIXES:
         raise EcruError(f"--id-column writes FILE.csv or FILE.jsonl; got --out {args.out}")
-    out = prepare_out_file(args.out)
     predictor = load_model(args.model)
+    data = args.data.partition(":")[2] if ":" in args.data else args.data
+    out = prepare_out_file(not_an_input(args.out, args.model, data, args.schema))
     fmt, path = _data_spec(args.data) if ":" in args.data else (predictor.data_format, args.data)
     if ":" not in args.data:
         _data_spec(f"{fmt}:{path}")

@@ -41,7 +41,14 @@ from ecru.ctr.reader import (
 )
 from ecru.ctr.tokens import Encoder, load_encoder
 from ecru.errors import EcruError, MissingAssetError
-from ecru.io import atomic_write_json, load_tensors, save_tensors, verify_manifest, write_manifest
+from ecru.io import (
+    atomic_write_json,
+    load_tensors,
+    read_manifest,
+    save_tensors,
+    verify_manifest,
+    write_manifest,
+)
 
 FOLDER_FORMAT, FOLDER_VERSION = "ecru-ctr-model", 2
 _RETRAIN = "train again with --out"
@@ -212,12 +219,18 @@ def _read_config(folder: Path) -> dict:
     return config
 
 
+OPTIONAL_FILES = ("vocab.safetensors", "schema.json")
+"""Written only by some models (vocabulary encoders; tables): verified whenever present."""
+
+
 def load_model(folder: str | os.PathLike[str], *, device: str = "cpu") -> CTRPredictor:
     """Load a folder written by `save_model` (`ecru ctr train --out DIR`)."""
     folder = Path(folder).expanduser()
     config = _read_config(folder)
     if config["version"] >= 2:  # every file as written; version 1 folders predate manifests
-        verify_manifest(folder)
+        loaded = {"config.json", "model.safetensors"} | {f for f in OPTIONAL_FILES if (folder / f).exists()}
+        listed = set((read_manifest(folder) or {}).get("files", {}))
+        verify_manifest(folder, sorted(loaded | listed))  # a manifest that omits a file read here is refused
     generation = config["generation"]
     cfg = config["ctr_config"]
     ctr = CTRConfig(**{**cfg, "cardinalities": tuple(cfg["cardinalities"]), "mlp": tuple(cfg["mlp"])})

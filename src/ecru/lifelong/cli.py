@@ -10,6 +10,7 @@ import sys
 from ecru.cliargs import (
     existing_file,
     non_negative_int,
+    not_an_input,
     positive_int,
     prepare_out_dir,
     prepare_out_file,
@@ -99,18 +100,6 @@ def _existing_store(path: str):
     return KnowledgeStore(path)
 
 
-def _outside(store, path: str, flag: str) -> str:
-    """`path`, refused if it lies in the store (an output there would overwrite what the store holds)."""
-    from pathlib import Path
-
-    from ecru.errors import EcruError
-
-    root, target = store.path.resolve(), Path(path).expanduser().resolve()
-    if target == root or root in target.parents:
-        raise EcruError(f"{flag} {path} is inside the store {store.path}; write it elsewhere")
-    return path
-
-
 def _learn(args: argparse.Namespace) -> int:
     from ecru.lifelong.store import KnowledgeStore
     from ecru.lifelong.userdata import read_records
@@ -149,7 +138,7 @@ def _predict(args: argparse.Namespace) -> int:
     from ecru.lifelong.userdata import label_name, read_records
 
     store = _existing_store(args.store)
-    out = prepare_out_file(_outside(store, args.out, "--out"))
+    out = prepare_out_file(not_an_input(args.out, store.path, args.data))
     records = read_records(args.data, labels=False)
     labels = _candidates(args)
     if labels is not None:
@@ -181,7 +170,9 @@ def _tasks(args: argparse.Namespace) -> int:
     store = _existing_store(args.store)
     tasks = store.tasks()
     if args.json is not None:
-        atomic_write_json(prepare_out_file(_outside(store, args.json, "--json"), flag="--json"), tasks)
+        atomic_write_json(
+            prepare_out_file(not_an_input(args.json, store.path, flag="--json"), flag="--json"), tasks
+        )
     for t in tasks:
         print(f"{t['task']}: {len(t['labels'])} labels, {t['examples']} examples, "
               f"{t['trainable_params']:,} trainable parameters, {t['stored_bytes']:,} bytes")  # fmt: skip
@@ -202,7 +193,7 @@ def _export(args: argparse.Namespace) -> int:
     store = _existing_store(args.store)
     if not store.tasks():
         raise EcruError(f"{args.store}: no learned task to export")
-    out = prepare_out_dir(_outside(store, args.out, "--out"))
+    out = prepare_out_dir(not_an_input(args.out, store.path))
     for folder in store.export(out):
         print(f"exported {folder}")
     return 0

@@ -48,6 +48,7 @@ from ecru.io import (
     clean_leftovers,
     inside,
     load_tensors,
+    read_manifest,
     verify_manifest,
     write_manifest,
 )
@@ -224,7 +225,12 @@ class KnowledgeStore:
         width = json.loads((Path(self.model_record["path"]) / "config.json").read_text()).get("hidden_size")
         for t in (self.manifest or {}).get("tasks", []):
             folder = self._folder(t)
-            verify_manifest(folder, required=False)  # stores written before manifests have none
+            listed = set(
+                (read_manifest(folder) or {}).get("files", {})
+            )  # stores written before manifests have none
+            verify_manifest(
+                folder, sorted(listed | set(TASK_FILES)), required=False
+            )  # omitting one is refused
             router, _ = load_tensors(folder / "router.safetensors", hint=_DAMAGED)
             adapter, _ = load_tensors(folder / "adapter_model.safetensors", hint=_DAMAGED)
             kept = tuple(router.pop(k) for k in ADAPTER_PROTOTYPES if k in router)
@@ -503,6 +509,8 @@ def _router_state(tensors: dict[str, Any]) -> dict[str, list]:
     return {back.get(k, k): [scalar[k](v) if k in scalar else v] for k, v in tensors.items()}
 
 
+TASK_FILES = ("router.safetensors", "adapter_model.safetensors")
+"""What loading a task reads (its manifest must list them)."""
 _DAMAGED = "the store was changed after ecru wrote it; learn the task again (ecru lifelong learn)"
 
 
