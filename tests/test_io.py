@@ -213,3 +213,20 @@ def test_read_jsonl_reads_a_byte_order_mark_as_if_absent(tmp_path):
     assert read_jsonl(path, lambda row: row["n"], expected='{"n": int}') == [1, 2]
     with pytest.raises(ValueError, match=r"byte 0xff at column 5\)"):
         decode_line(b"\xef\xbb\xbfa\xff")  # columns count the bytes as stored, BOM included
+
+
+def test_a_flipped_bit_in_a_saved_state_is_refused(tmp_path):
+    from ecru.io import save_state
+
+    state = {"step": 3, "w": torch.arange(64, dtype=torch.float32), "opt": [{"m": torch.ones(2, 2)}]}
+    path = save_state(tmp_path / "s.safetensors", state)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40  # in the last tensor's bytes: still a valid safetensors file
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        load_state(path)
+    # a state written before checksums (no ecru_sha256 in its metadata) still loads
+    plain = tmp_path / "old.safetensors"
+    save_state(plain, state, checksum=False)
+    loaded = load_state(plain)
+    assert loaded["step"] == 3 and torch.equal(loaded["w"], state["w"])

@@ -39,6 +39,7 @@ TMP_MARK = ".ecru-tmp-"
 LOCK_FILE = ".ecru.lock"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "ecru-manifest/1"
+_SUM_KEY = "ecru_sha256"
 _TREE_KEY = "ecru_tree"
 
 
@@ -399,22 +400,38 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
 
 
-def save_state(path: str | os.PathLike, state: Any, *, fsync: bool = True) -> Path:
+def save_state(path: str | os.PathLike, state: Any, *, fsync: bool = True, checksum: bool = True) -> Path:
     """Write a nested state (dicts, lists, tuples, tensors, numbers, strings, bools, None) without pickle:
-    tensors into a safetensors file, the rest as a JSON skeleton in its metadata."""
+    tensors into a safetensors file, the rest as a JSON skeleton in its metadata, with the sha256 of both
+    (`checksum`; off where a manifest already covers the file) so that `load_state` refuses a flipped bit."""
     tensors: dict[str, Tensor] = {}
-    skeleton = _to_skeleton(state, tensors)
-    return save_tensors(path, tensors, {_TREE_KEY: json.dumps(skeleton)}, fsync=fsync)
+    skeleton = json.dumps(_to_skeleton(state, tensors))
+    metadata = {_TREE_KEY: skeleton} | ({_SUM_KEY: _state_sum(tensors, skeleton)} if checksum else {})
+    return save_tensors(path, tensors, metadata, fsync=fsync)
 
 
 def load_state(path: str | os.PathLike, *, hint: str = "") -> Any:
-    """What `save_state` wrote."""
+    """What `save_state` wrote (its checksum verified when it has one)."""
     tensors, metadata = load_tensors(path, hint=hint)
+    fix = f"; {hint}" if hint else ""
+    if _SUM_KEY in metadata and metadata[_SUM_KEY] != _state_sum(tensors, metadata.get(_TREE_KEY, "")):
+        raise ChecksumError(f"checksum mismatch in {path}; it was changed after ecru wrote it{fix}")
     try:
         return _from_skeleton(json.loads(metadata[_TREE_KEY]), tensors)
     except (KeyError, ValueError, TypeError, IndexError) as exc:
-        fix = f"; {hint}" if hint else ""
         raise EcruError(f"{path} holds no ecru state ({_first_line(exc)}){fix}") from None
+
+
+def _state_sum(tensors: dict[str, Tensor], skeleton: str) -> str:
+    """sha256 of a state's skeleton and of each tensor's name, dtype, shape and bytes."""
+    import torch
+
+    h = hashlib.sha256(skeleton.encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def to_json_tree(obj: Any) -> Any:
