@@ -393,3 +393,16 @@ def test_a_manifest_that_omits_the_weights_is_refused(files, trained):
     (bad / "manifest.json").write_text(json.dumps({**manifest, "files": {}}))
     with pytest.raises(EcruError, match="is not in .*manifest.json"):
         load_model(bad)
+
+
+def test_a_device_that_is_not_here_and_too_few_synthetic_rows_are_one_line(capsys, tmp_path):
+    for device, message in (("foo", "not a device"), ("cuda", "no CUDA device here")):
+        if device == "cuda" and torch.cuda.is_available():
+            continue
+        rc, _, err = run(
+            ["ctr", "train", "--rows", "500", "--device", device, "--out", str(tmp_path / "o")], capsys
+        )
+        assert rc == 2 and message in err and err.count("\n") == 1
+        assert not (tmp_path / "o").exists()  # refused before the folder is made
+    rc, _, err = run(["ctr", "synth", "--rows", "1", "--out", str(tmp_path / "one.tsv")], capsys)
+    assert rc == 2 and "ask for more rows" in err and not (tmp_path / "one.tsv").exists()

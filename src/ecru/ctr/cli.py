@@ -315,12 +315,28 @@ def _train(args: argparse.Namespace) -> int:
         sniff_layout(Path(_data_spec(args.data)[1]), _table_schema(args))
     elif args.schema:
         raise EcruError("--schema describes a table; give --data table:FILE")
+    _check_device(args.device)
     out, json_file, lock = _prepare_outputs(args)
     try:
         return _fit(args, out, json_file)
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    from ecru.errors import EcruError
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise EcruError(f"--device {device!r}: not a device; use cpu or cuda[:N]") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise EcruError(
+            f"--device {device}: no CUDA device here (torch {torch.__version__}); use --device cpu"
+        )
 
 
 def _fit(args: argparse.Namespace, out, json_file) -> int:
@@ -572,11 +588,15 @@ def score_lines(probs: list[float], ids: list[str] | None, suffix: str) -> str:
 def _synth(args: argparse.Namespace) -> int:
     from ecru.cliargs import prepare_out_file
     from ecru.ctr.synthetic import SyntheticConfig, generate, oracle_summary, write_criteo_tsv
+    from ecru.errors import EcruError
 
     out = prepare_out_file(args.out)
     data = generate(SyntheticConfig(n_rows=args.rows, scale=args.scale, seed=args.seed))
+    try:
+        summary = oracle_summary(data)  # before writing: a refused run leaves no file
+    except ValueError as exc:
+        raise EcruError(f"--rows {args.rows}: {exc}; ask for more rows") from None
     path = write_criteo_tsv(data, out)
-    summary = oracle_summary(data)
     print(
         f"wrote {len(data)} rows to {path}; oracle AUC {summary['oracle_auc']:.5f} logloss {summary['oracle_logloss']:.5f}"
     )
