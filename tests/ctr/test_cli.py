@@ -406,3 +406,23 @@ def test_a_device_that_is_not_here_and_too_few_synthetic_rows_are_one_line(capsy
         assert not (tmp_path / "o").exists()  # refused before the folder is made
     rc, _, err = run(["ctr", "synth", "--rows", "1", "--out", str(tmp_path / "one.tsv")], capsys)
     assert rc == 2 and "ask for more rows" in err and not (tmp_path / "one.tsv").exists()
+
+
+@pytest.mark.parametrize(
+    "edit", [{"embed_dim": "x"}, None, {"mlp": [3]}], ids=["wrong-type", "null", "another-mlp"]
+)
+def test_a_config_that_does_not_fit_the_weights_is_one_line(files, trained, edit, capsys):
+    from ecru.io import write_manifest
+
+    bad = files / f"refit-{edit and next(iter(edit))}"
+    shutil.copytree(trained, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["ctr_config"] = None if edit is None else {**config["ctr_config"], **edit}
+    (bad / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((bad / "manifest.json").read_text())
+    write_manifest(bad, sorted(manifest["files"]))  # re-hashed: a crafted folder, not a damaged one
+    out = files / "refit.txt"
+    rc, _, err = run(
+        ["ctr", "predict", "--model", str(bad), "--data", str(files / "held.tsv"), "--out", str(out)], capsys
+    )
+    assert rc == 2 and "does not fit its config" in err and err.count("\n") == 1, err

@@ -232,13 +232,17 @@ def load_model(folder: str | os.PathLike[str], *, device: str = "cpu") -> CTRPre
         listed = set((read_manifest(folder) or {}).get("files", {}))
         verify_manifest(folder, sorted(loaded | listed))  # a manifest that omits a file read here is refused
     generation = config["generation"]
-    cfg = config["ctr_config"]
-    ctr = CTRConfig(**{**cfg, "cardinalities": tuple(cfg["cardinalities"]), "mlp": tuple(cfg["mlp"])})
-    model = build_model(config["model"], ctr)
+    weights = _load_tensors(folder / "model.safetensors", generation)
     try:
-        model.load_state_dict(_load_tensors(folder / "model.safetensors", generation))
-    except RuntimeError as exc:
-        raise EcruError(f"{folder / 'model.safetensors'} does not fit its config ({exc})") from None
+        cfg = config["ctr_config"]
+        ctr = CTRConfig(**{**cfg, "cardinalities": tuple(cfg["cardinalities"]), "mlp": tuple(cfg["mlp"])})
+        model = build_model(config["model"], ctr)
+        model.load_state_dict(weights)
+    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise EcruError(
+            f"{folder / 'model.safetensors'} does not fit its config ({first}); train again"
+        ) from None
     enc, encoder = config["encoder"], None
     if enc:
         vocab = (
