@@ -74,7 +74,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     from ecru.demo import run_demo
     from ecru.errors import EcruError
 
-    only = [s.strip() for s in args.only.split(",")] if args.only else None
+    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only is not None else None
+    if only == []:
+        raise EcruError("--only: no section given; name sections, e.g. --only foundation,ctr")
     out = prepare_out_dir(args.out)
     if only is None:
         note_long_run("ecru demo runs every pillar's section: up to 13 minutes on 2 busy CPU cores")

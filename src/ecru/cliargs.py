@@ -149,6 +149,8 @@ def prepare_out_file(path: str | os.PathLike[str], *, flag: str = "--out") -> Pa
     out = Path(path).expanduser()
     if out.is_dir():
         raise EcruError(f"{flag} {out}: is a folder; give a file path")
+    if out.exists() and not out.is_file():  # a device, pipe or socket: an atomic write would replace it
+        raise EcruError(f"{flag} {out}: is not a regular file; give a file path")
     prepare_out_dir(out.parent, flag=f"{flag} {out}: its folder")
     return out
 

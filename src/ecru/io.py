@@ -227,13 +227,20 @@ class FolderLock:
     died released its lock with its process.
     """
 
-    def __init__(self, folder: str | os.PathLike, *, what: str = "folder", wait: float = 0.0):
-        self.folder, self.what, self.wait = Path(folder), what, wait
+    def __init__(
+        self, folder: str | os.PathLike, *, what: str = "folder", wait: float = 0.0, name: str = LOCK_FILE
+    ):
+        self.folder, self.what, self.wait, self.name = (
+            Path(folder),
+            what,
+            wait,
+            name,
+        )  # name: one file's own lock
         self._file = None
 
     def acquire(self) -> FolderLock:
         self.folder.mkdir(parents=True, exist_ok=True)
-        f = open(self.folder / LOCK_FILE, "a+")  # noqa: SIM115 - held open until release()
+        f = open(self.folder / self.name, "a+")  # noqa: SIM115 - held open until release()
         deadline = time.monotonic() + self.wait
         while True:
             try:

@@ -197,3 +197,75 @@ def test_a_broken_model_folder_is_one_line(tmp_path, capsys):
     assert main(["serve", "api", "--model", str(tmp_path), "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"ecru: error: cannot load the model folder {tmp_path}: ") and "\n" not in err
+
+
+def _code(argv, capsys) -> tuple[int, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+def test_outputs_never_overwrite_inputs_or_special_files(tmp_path, capsys):
+    import os
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": "b", "prompt": "Say hi"}\r\n{"id": "a", "prompt": "Hello"}\r\n')
+    before = prompts.read_bytes()
+    run = ["serve", "run", "--model", "tiny", "--in", str(prompts), "--max-new-tokens", "2", "--out"]
+    rc, err = _code([*run, str(tmp_path / "sub" / ".." / "in.jsonl")], capsys)
+    assert rc == 2 and "would overwrite the input" in err and prompts.read_bytes() == before
+    os.mkfifo(tmp_path / "pipe")
+    rc, err = _code([*run, str(tmp_path / "pipe")], capsys)
+    assert rc == 2 and "not a regular file" in err
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 3, "output_len": 4, "predicted_len": 4}\n')
+    rc, err = _code(["serve", "simulate", "--trace", str(trace), "--json", str(trace)], capsys)
+    assert rc == 2 and "would overwrite the input" in err and "output_len" in trace.read_text()
+    probe_in = tmp_path / "p" / "probe.json"
+    probe_in.parent.mkdir()
+    probe_in.write_text(prompts.read_text())
+    rc, err = _code(
+        ["serve", "probe", "--model", "tiny", "--in", str(probe_in), "--out", str(probe_in.parent)], capsys
+    )
+    assert rc == 2 and "would overwrite the input" in err
+
+
+def test_two_runs_into_one_out_file_are_refused(tmp_path, capsys):
+    from ecru.io import FolderLock
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "Hello"}\n')
+    out = tmp_path / "answers.jsonl"
+    with FolderLock(tmp_path, name=".answers.jsonl.ecru.lock"):  # another run writing it
+        rc, err = _code(["serve", "run", "--model", "tiny", "--in", str(prompts), "--out", str(out)], capsys)
+    assert rc == 2 and "in use by another ecru process" in err and not out.exists()
+
+
+def test_a_pickled_model_folder_and_an_out_of_range_seed_are_refused(tmp_path, capsys):
+    from ecru.models import tiny_llama
+    from ecru.serve.models import load_model
+
+    _, tokenizer = load_model("tiny")
+    folder = tmp_path / "pickled"
+    import torch
+
+    model = tiny_llama(num_layers=1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    torch.save(
+        model.state_dict(), folder / "pytorch_model.bin"
+    )  # the pickled weights a folder may hold instead
+    (folder / "model.safetensors").unlink()
+    assert (folder / "pytorch_model.bin").exists() and not (folder / "model.safetensors").exists()
+    capsys.readouterr()  # what loading the tokenizer printed
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "Hello"}\n')
+    run = ["serve", "run", "--in", str(prompts), "--out", str(tmp_path / "a.jsonl")]
+    rc, err = _code([*run, "--model", str(folder)], capsys)
+    assert rc == 2 and "cannot load the model folder" in err and err.count("\n") == 1
+    rc, err = _code([*run, "--model", "tiny", "--seed", str(2**64), "--temperature", "1"], capsys)
+    assert rc == 2 and "--seed" in err
+    rc, err = _code(["demo", "--only", "", "--out", str(tmp_path / "d")], capsys)
+    assert rc == 2 and "no section given" in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 from ecru.cliargs import (
     add_config_flags,
@@ -16,6 +17,7 @@ from ecru.cliargs import (
     existing_file,
     non_negative_float,
     non_negative_int,
+    not_an_input,
     number_in,
     positive_float,
     positive_int,
@@ -29,6 +31,8 @@ from ecru.serve.names import POLICIES as POLICY_NAMES
 
 PENALTY = number_in(float, "a number", lambda v: -2 <= v <= 2, "between -2 and 2")  # OpenAI's range
 PORT = number_in(int, "an integer", lambda v: 1 <= v <= 65535, "a TCP port, 1..65535")
+PROBE_FILES = ("probe.json", "manifest.json", "remaining_probe.safetensors", "length_predictor.safetensors")
+SEED = number_in(int, "an integer", lambda v: 0 <= v < 2**63, "0 <= seed < 2^63")
 SLACK = number_in(float, "a number", lambda v: v >= 0, ">= 0 (inf: off)")
 API_KEY_ENV = "ECRU_API_KEY"
 
@@ -52,14 +56,19 @@ def _run(args: argparse.Namespace) -> int:
 
     setup = config_from_args(EngineSetup, args)
     base = config_from_args(SamplingParams, args, max_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
-    out = prepare_out_file(args.out)
-    print(run_file(setup, base, src=args.input, out=out, skip_invalid=args.skip_invalid))
+    from ecru.io import FolderLock
+
+    out = prepare_out_file(not_an_input(args.out, args.input))
+    with FolderLock(out.parent, what="--out", name=f".{out.name}.ecru.lock"):  # two runs would both append
+        print(run_file(setup, base, src=args.input, out=out, skip_invalid=args.skip_invalid))
     return 0
 
 
 def _probe(args: argparse.Namespace) -> int:
     from ecru.serve.entrypoints import fit_probe_folder, probe_prompts
 
+    for name in PROBE_FILES:  # the files the folder gets
+        not_an_input(Path(args.out) / name, args.input)
     setup = config_from_args(EngineSetup, args)
     lines = probe_prompts(args.input)
     print(fit_probe_folder(setup, lines, src=args.input, out=prepare_out_dir(args.out)))
@@ -72,7 +81,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     setup = config_from_args(ReplaySetup, args)
     if args.json:
-        prepare_out_file(args.json, flag="--json")
+        prepare_out_file(not_an_input(args.json, args.trace, args.cost_model, flag="--json"), flag="--json")
     result = setup.run()
     if args.json:
         atomic_write_json(args.json, result)
@@ -164,7 +173,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--seed",
-        type=non_negative_int,
+        type=SEED,
         default=0,
         help="sampling seed of every line, default 0 (the same answer on a rerun)",
     )

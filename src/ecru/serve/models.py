@@ -44,11 +44,11 @@ def _load_folder(name: str):
             f"unknown model {name!r}: give {', '.join(MODELS)} or a local Hugging Face model folder "
             "(with config.json, weights and a tokenizer)"
         )
-    try:
+    try:  # safetensors weights only: a pickled pytorch_model.bin is never loaded
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError, KeyError) as exc:
-        reason = " ".join(str(exc).split())  # one line: transformers' messages span several
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+    except Exception as exc:  # noqa: BLE001 - whatever a broken folder makes transformers raise, one line
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__  # transformers' messages span lines
         raise EcruError(f"cannot load the model folder {path}: {reason}") from None
     return model.eval(), tokenizer
 
