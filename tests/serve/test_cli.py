@@ -269,3 +269,17 @@ def test_a_pickled_model_folder_and_an_out_of_range_seed_are_refused(tmp_path, c
     assert rc == 2 and "--seed" in err
     rc, err = _code(["demo", "--only", "", "--out", str(tmp_path / "d")], capsys)
     assert rc == 2 and "no section given" in err
+
+
+def test_a_cost_model_file_is_checked_in_one_line(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"prompt_len": 3, "output_len": 4, "predicted_len": 4}\n')
+    good = {"step_base": 0.1, "step_per_row": 0.01, "step_per_row_ctx": 1e-5, "prefill_base": 0.1,
+            "prefill_per_token": 0.004, "source": "test"}  # fmt: skip
+    cost = tmp_path / "cost.json"
+    for bad in ({"step_base": -1.0}, {"step_base": float("nan")}, {"source": 5}):
+        cost.write_text(json.dumps({**good, **bad}))
+        rc, err = _code(["serve", "simulate", "--trace", str(trace), "--cost-model", str(cost)], capsys)
+        assert rc == 2 and "cannot read a cost model" in err and err.count("\n") == 1, err
+    cost.write_bytes(b"\xef\xbb\xbf" + json.dumps(good).encode())  # a BOM is read past
+    assert _code(["serve", "simulate", "--trace", str(trace), "--cost-model", str(cost)], capsys)[0] == 0

@@ -15,6 +15,7 @@ included.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import timeit
 from collections.abc import Iterator, Sequence
@@ -82,8 +83,10 @@ class CostModel:
 
     def __post_init__(self):
         values = astuple(self)[:5]
-        if any(v < 0 for v in values):
-            raise ValueError(f"cost model coefficients must be >= 0, got {values}")
+        if not all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"cost model coefficients must be finite numbers >= 0, got {values}")
+        if not isinstance(self.source, str):
+            raise ValueError(f"source must be a string, got {self.source!r}")
 
     def step_time(self, batch: int, context: int) -> float:
         return self.step_base + self.step_per_row * batch + self.step_per_row_ctx * batch * context
@@ -124,8 +127,8 @@ class CostModel:
     @classmethod
     def load(cls, path: str | Path) -> CostModel:
         try:
-            return cls(**json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            return cls(**json.loads(Path(path).read_text(encoding="utf-8-sig")))
+        except (OSError, ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
             raise EcruError(
                 f"cannot read a cost model from {path} ({exc}); write one with `ecru serve cost`"
             ) from exc
