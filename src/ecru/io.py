@@ -111,7 +111,7 @@ def read_json_object(path: str | os.PathLike) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise EcruError(f"{path}: not a JSON file ({exc}); give another path or move it away") from None
     if not isinstance(data, dict):

@@ -297,3 +297,78 @@ def test_eval_data_reports_the_held_out_loss_of_the_model_at_that_step(tmp_path)
             n = int((batch["labels"][:, 1:] != -100).sum())
             total, count = total + float(model(**batch).loss) * n, count + n
     assert result["final_eval_loss"] == pytest.approx(total / count, abs=1e-5)
+
+
+def _code(argv, capsys) -> tuple[int, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_a_run_never_rewrites_its_inputs_nor_follows_links_out_of_out(tmp_path, capsys):
+    out, _ = _run(tmp_path, "run", "--steps", "1")
+    config = (out / "hf" / "config.json").read_bytes()
+    code, err = _code(
+        [*BASE, "--out", str(out), "--steps", "1", "--overwrite", "--model", str(out / "hf")], capsys
+    )
+    assert (
+        code == 2 and "which this run rewrites" in err and (out / "hf" / "config.json").read_bytes() == config
+    )
+    code, err = _code(
+        [*BASE, "--out", str(out / "hf" / "x"), "--steps", "1", "--model", str(out / "hf")], capsys
+    )
+    assert code == 2 and "would overwrite the input" in err
+    outside = tmp_path / "outside"
+    (out / "checkpoint").rename(outside)
+    (out / "checkpoint").symlink_to(outside)
+    code, err = _code([*BASE, "--out", str(out), "--steps", "2", "--resume"], capsys)
+    assert code == 2 and "symbolic link" in err and err.count("\n") == 1
+
+
+def test_a_second_run_into_one_out_is_refused(tmp_path, capsys):
+    from ecru.io import FolderLock
+
+    out = tmp_path / "run"
+    with FolderLock(out):  # another run (the RAM tier had no lock)
+        code, err = _code([*BASE, "--out", str(out), "--steps", "1"], capsys)
+    assert code == 2 and "in use by another ecru process" in err
+
+
+@pytest.mark.parametrize(
+    "state",
+    ["{oops", "[]", '{"args": null}', '{"args": {}, "losses": "abc"}', '{"args": {}, "eval": [{"x": 1}]}'],
+)
+def test_a_damaged_state_json_is_one_line(tmp_path, capsys, state):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "state.json").write_text(state)
+    code, err = _code([*BASE, "--out", str(out), "--steps", "1", "--resume"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_pickled_or_incomplete_weights_and_a_huge_seed_are_refused(tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out, _ = _run(tmp_path, "run", "--steps", "1")
+    pickled, partial = tmp_path / "pickled", tmp_path / "partial"
+    (out / "hf").rename(pickled)
+    shutil.copytree(pickled, partial)
+    weights = load_file(pickled / "model.safetensors")
+    torch.save(weights, pickled / "pytorch_model.bin")  # the pickled weights a folder may hold instead
+    (pickled / "model.safetensors").unlink()
+    save_file({k: v for k, v in weights.items() if ".layers.1." not in k}, partial / "model.safetensors")
+    capsys.readouterr()  # the first run's output
+    for folder, message in ((pickled, "cannot load it"), (partial, "its weights lack")):
+        code, err = _code(
+            [*BASE, "--out", str(tmp_path / "o"), "--steps", "1", "--model", str(folder)], capsys
+        )
+        lines = [
+            x for x in err.splitlines() if x.startswith("ecru: error:")
+        ]  # after transformers' own report
+        assert code == 2 and len(lines) == 1 and message in lines[0], err
+    code, err = _code([*BASE, "--out", str(tmp_path / "o2"), "--steps", "1", "--seed", str(2**64)], capsys)
+    assert code == 2 and "--seed" in err

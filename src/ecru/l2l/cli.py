@@ -21,11 +21,20 @@ import sys
 import time
 from pathlib import Path
 
-from ecru.cliargs import add_out_dir, non_negative_float, non_negative_int, positive_float, positive_int
+from ecru.cliargs import (
+    add_out_dir,
+    non_negative_float,
+    non_negative_int,
+    number_in,
+    positive_float,
+    positive_int,
+)
+from ecru.io import FolderLock
 
 MODELS = ("smollm2", "tiny")  # "tiny" as in `ecru serve`; "tiny-llama" is still accepted
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 STATE, CHECKPOINT = "state.json", "checkpoint"
+SEED = number_in(int, "an integer", lambda v: 0 <= v < 2**63, "0 <= seed < 2^63")
 RUN_FILES = (STATE, CHECKPOINT, "hf", "adapter", "metrics.json", "ecru-l2l")  # what --overwrite deletes
 # arguments a resumed run must keep: each changes the results (--steps may grow, the rest is speed)
 RESULT_ARGS = ("model", "data", "batch_size", "max_length", "seed", "store", "lr", "weight_decay")
@@ -130,7 +139,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--max-grad-norm", type=positive_float, default=None, help="global clipping (disables overlap)"
     )
-    train.add_argument("--seed", type=non_negative_int, default=0, help="data order and model init seed")
+    train.add_argument(
+        "--seed", type=SEED, default=0, help="data order and model init seed, 0 <= seed < 2^63"
+    )
     train.set_defaults(func=run_train)
 
 
@@ -180,9 +191,15 @@ def _load_folder(path: Path, *, empty: bool = False):
 
             model = empty_model(path)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError, KeyError) as exc:
-        raise EcruError(f"--model {path}: cannot load it ({str(exc).splitlines()[0]})") from None
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, use_safetensors=True, output_loading_info=True
+            )  # safetensors only: a pickled pytorch_model.bin is never loaded
+    except Exception as exc:  # noqa: BLE001 - whatever a broken folder makes transformers raise, one line
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise EcruError(f"--model {path}: cannot load it ({reason})") from None
+    if not empty and info["missing_keys"]:  # transformers would start them from random values
+        raise EcruError(f"--model {path}: its weights lack {len(info['missing_keys'])} tensor(s), e.g. "
+                        f"{sorted(info['missing_keys'])[0]}; the folder is incomplete")  # fmt: skip
     return model, tokenizer
 
 
@@ -215,13 +232,13 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _prepare_out(args: argparse.Namespace) -> tuple[Path, dict | None]:
     """The --out folder (checked writable, after every other check) and the state of the run it holds."""
-    import json
     import shutil
 
     from ecru.cliargs import prepare_out_dir
     from ecru.errors import EcruError
 
     out = Path(args.out).expanduser()
+    _check_out_paths(args, out)
     held = any((out / name).exists() for name in (STATE, CHECKPOINT, "ecru-l2l"))
     if held and not (args.resume or args.overwrite):
         raise EcruError(
@@ -230,7 +247,7 @@ def _prepare_out(args: argparse.Namespace) -> tuple[Path, dict | None]:
         )
     state = None
     if held and args.resume and (out / STATE).is_file():
-        state = json.loads((out / STATE).read_text())
+        state = _read_state(out / STATE)
         _check_same(args, state["args"], out)
     out = prepare_out_dir(out)
     if held and args.overwrite:
@@ -240,6 +257,41 @@ def _prepare_out(args: argparse.Namespace) -> tuple[Path, dict | None]:
     if args.resume and not held:
         print(f"note: {out} holds no run yet; starting one", file=sys.stderr)
     return out, state
+
+
+def _check_out_paths(args: argparse.Namespace, out: Path) -> None:
+    """What this run writes in --out must not hold its inputs (--overwrite and the export rewrite them) nor be a
+    link (it would write and delete outside --out); --out must not be inside the model folder."""
+    from ecru.cliargs import not_an_input
+    from ecru.errors import EcruError
+
+    inputs = {"--model": args.model, "--data": args.data, "--eval-data": args.eval_data}
+    model = Path(args.model).expanduser()
+    if model.is_dir():
+        not_an_input(out, model)
+    for name in RUN_FILES:
+        target = (out / name).absolute()
+        if target.is_symlink():
+            raise EcruError(f"--out {out}: {name} is a symbolic link; a run writes only inside its own --out")
+        for flag, given in inputs.items():
+            source = (
+                Path(given).expanduser().resolve() if given and Path(given).expanduser().exists() else None
+            )
+            if source is not None and (source == target.resolve() or target.resolve() in source.parents):
+                raise EcruError(f"{flag} {given} lies in {target}, which this run rewrites; copy it out of --out "
+                                "or choose another --out")  # fmt: skip
+
+
+def _read_state(path: Path) -> dict:
+    """state.json, checked: a damaged or hand-edited one is one line, not a traceback."""
+    from ecru.errors import EcruError
+    from ecru.io import read_json_object
+
+    state = read_json_object(path)
+    if not isinstance(state.get("args"), dict):
+        raise EcruError(f"{path}: not a run's state (no args); pass --overwrite to start again")
+    _check_history(state.get("losses", []), state.get("eval", []), path)
+    return state
 
 
 def _check_same(args: argparse.Namespace, saved: dict, out: Path) -> None:
@@ -337,7 +389,6 @@ def _export(args: argparse.Namespace, engine, out: Path, tokenizer) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    import torch
 
     from ecru.errors import EcruError
 
@@ -346,6 +397,13 @@ def run_train(args: argparse.Namespace) -> int:
     if len(texts) < args.batch_size:
         raise EcruError(f"--data has {len(texts)} texts, fewer than one batch of {args.batch_size}")
     out, state = _prepare_out(args)
+    with FolderLock(out, what="--out"):  # a second run into --out is refused, not interleaved with this one
+        return _run(args, out, state, texts)
+
+
+def _run(args: argparse.Namespace, out: Path, state: dict | None, texts: list[str]) -> int:
+    import torch
+
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, seed=args.seed, empty=in_place(args) is not None)
     model = with_lora(args, model)
@@ -377,7 +435,24 @@ def _committed(args, out: Path, state: dict | None) -> dict | None:
     meta = read_meta(out / CHECKPOINT) if args.store == "ram" and state is not None else None
     if not meta or "losses" not in meta:
         return state
+    _check_history(meta.get("losses"), meta.get("eval"), out / CHECKPOINT / "manifest.json")
     return {**state, "losses": meta["losses"], "eval": meta["eval"]}
+
+
+def _check_history(losses, evals, where: Path) -> None:
+    """A run's losses (numbers) and evaluations ({"step": int, ...}) as read back, or one line."""
+    from ecru.errors import EcruError
+
+    ok = isinstance(losses, list) and all(isinstance(x, int | float) for x in losses)
+    ok = (
+        ok
+        and isinstance(evals, list)
+        and all(isinstance(e, dict) and isinstance(e.get("step"), int) for e in evals)
+    )
+    if not ok:
+        raise EcruError(
+            f"{where}: its losses or evaluations are not a run's; pass --overwrite to start again"
+        )
 
 
 def _evaluate(args, engine, tokenizer) -> dict:
