@@ -372,3 +372,15 @@ def test_pickled_or_incomplete_weights_and_a_huge_seed_are_refused(tmp_path, cap
         assert code == 2 and len(lines) == 1 and message in lines[0], err
     code, err = _code([*BASE, "--out", str(tmp_path / "o2"), "--steps", "1", "--seed", str(2**64)], capsys)
     assert code == 2 and "--seed" in err
+
+
+def test_a_bad_eval_file_and_lora_targets_naming_nothing_are_refused_before_any_step(tmp_path, capsys):
+    bad = tmp_path / "eval.txt"
+    bad.write_bytes(b"fine\ncaf\xe9\n")
+    out = tmp_path / "run"
+    code, err = _code([*BASE, "--out", str(out), "--steps", "2", "--eval-data", str(bad)], capsys)
+    assert code == 2 and err.startswith("ecru: error: --eval-data") and not (out / "state.json").exists()
+    code, err = _code(
+        [*BASE, "--out", str(out), "--steps", "1", "--lora-r", "2", "--lora-targets", "nope_proj"], capsys
+    )
+    assert code == 2 and "--lora-targets" in err and err.count("\n") == 1, err

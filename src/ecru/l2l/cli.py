@@ -366,11 +366,15 @@ def with_lora(args: argparse.Namespace, model):
         return model
     import peft
 
+    from ecru.errors import EcruError
     from ecru.l2l.frozen import init_adapters_
 
     alpha = args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_r
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=alpha, target_modules=args.lora_targets)
-    model = peft.get_peft_model(model, config)
+    try:
+        model = peft.get_peft_model(model, config)
+    except ValueError as exc:  # e.g. --lora-targets naming no module of the model
+        raise EcruError(f"--lora-targets: {str(exc).splitlines()[0][:200]}") from None
     init_adapters_(model, seed=args.seed)  # the same adapter whether the base is loaded or read in place
     return model
 
@@ -394,6 +398,10 @@ def run_train(args: argparse.Namespace) -> int:
 
     _check_args(args)
     texts = _texts(args.data)
+    if args.eval_data is not None:  # read now: a bad file is refused before any step, not after the last
+        from ecru.l2l.data import read_texts
+
+        read_texts(Path(args.eval_data).expanduser(), flag="--eval-data")
     if len(texts) < args.batch_size:
         raise EcruError(f"--data has {len(texts)} texts, fewer than one batch of {args.batch_size}")
     out, state = _prepare_out(args)
@@ -461,7 +469,7 @@ def _evaluate(args, engine, tokenizer) -> dict:
     from ecru.l2l.data import encode_batch, read_texts
     from ecru.l2l.evaluate import heldout_loss
 
-    texts = read_texts(Path(args.eval_data).expanduser())
+    texts = read_texts(Path(args.eval_data).expanduser(), flag="--eval-data")
     batches = (
         encode_batch(tokenizer, texts[i : i + args.batch_size], max_length=args.max_length)
         for i in range(0, len(texts), args.batch_size)

@@ -59,27 +59,29 @@ def clinc_batches(
             )
 
 
-def read_texts(path: str | Path) -> list[str]:
+def read_texts(path: str | Path, *, flag: str = "--data") -> list[str]:
     """Training texts from a file: `.txt` (one text per non-empty line) or `.jsonl` (one JSON object per
-    line with a string field `text`); a clear error for anything else."""
+    line with a string field `text`); a clear error, naming `flag`, for anything else."""
     from ecru.errors import EcruError
 
     path = Path(path)
     if path.suffix not in (".txt", ".jsonl"):
         raise EcruError(
-            f"--data {path}: give a .txt file (one text per line) or a .jsonl file with a 'text' field"
+            f"{flag} {path}: give a .txt file (one text per line) or a .jsonl file with a 'text' field"
         )
-    lines = _decoded_lines(path)
+    lines = _decoded_lines(path, flag)
     if path.suffix == ".txt":
         texts = [line for line in lines if line.strip()]
     else:
-        texts = [_jsonl_text(line, path, n) for n, line in enumerate(lines, 1) if line.strip()]
+        texts = [
+            _jsonl_text(line, f"{flag} {path}, line {n}") for n, line in enumerate(lines, 1) if line.strip()
+        ]
     if not texts:
-        raise EcruError(f"--data {path}: no text in it")
+        raise EcruError(f"{flag} {path}: no text in it")
     return texts
 
 
-def _decoded_lines(path: Path) -> list[str]:
+def _decoded_lines(path: Path, flag: str) -> list[str]:
     """The file's lines as UTF-8 text; a line that is not valid UTF-8 is one error naming file and line."""
     from ecru.errors import EcruError
     from ecru.io import decode_line
@@ -89,11 +91,11 @@ def _decoded_lines(path: Path) -> list[str]:
         try:
             lines.append(decode_line(raw))
         except ValueError as exc:
-            raise EcruError(f"--data {path}, line {n}: {exc}") from None
+            raise EcruError(f"{flag} {path}, line {n}: {exc}") from None
     return lines
 
 
-def _jsonl_text(line: str, path: Path, n: int) -> str:
+def _jsonl_text(line: str, where: str) -> str:
     from ecru.errors import EcruError
 
     try:
@@ -101,7 +103,7 @@ def _jsonl_text(line: str, path: Path, n: int) -> str:
     except (json.JSONDecodeError, AttributeError):
         text = None
     if not isinstance(text, str):
-        raise EcruError(f"--data {path}, line {n}: not a JSON object with a string field 'text'")
+        raise EcruError(f"{where}: not a JSON object with a string field 'text'")
     return text
 
 
