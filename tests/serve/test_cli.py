@@ -283,3 +283,18 @@ def test_a_cost_model_file_is_checked_in_one_line(tmp_path, capsys):
         assert rc == 2 and "cannot read a cost model" in err and err.count("\n") == 1, err
     cost.write_bytes(b"\xef\xbb\xbf" + json.dumps(good).encode())  # a BOM is read past
     assert _code(["serve", "simulate", "--trace", str(trace), "--cost-model", str(cost)], capsys)[0] == 0
+
+
+def test_label_finishes_a_run_killed_mid_append(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say hi number {i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "labels.jsonl"
+    label = ["serve", "label", "--model", "tiny", "--samples", "1", "--max-new-tokens", "4", "--prompts",
+             str(prompts), "--n", "3", "--out", str(out)]  # fmt: skip
+    assert main(label) == 0
+    whole = out.read_text()
+    out.write_text(
+        whole.rsplit("\n", 2)[0] + "\n" + '{"prompt": "Say hi number 2", "leng'
+    )  # killed mid-append
+    assert main(label) == 0  # the same command finishes it
+    assert out.read_text() == whole

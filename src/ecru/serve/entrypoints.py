@@ -286,10 +286,11 @@ def label_file(model: str, prompts: str, *, out: str, n: int, split: str, sample
                batch_size: int) -> str:  # fmt: skip
     """`ecru serve label`: the model's own answer lengths for `n` prompts of a source, cached in `out`
     (appended to); the summary line."""
-    from ecru.serve.labels import label_prompts, read_labels
+    from ecru.serve.labels import drop_torn_tail, label_prompts, read_labels
     from ecru.serve.models import load_model
     from ecru.serve.prompts import load_prompts
 
+    drop_torn_tail(out)  # what a kill mid-append left: the same command finishes the run
     read_labels(out)  # a malformed cache stops here, before any work
     texts = load_prompts(prompts, n=n, split=split)
     lm, tokenizer = load_model(model)

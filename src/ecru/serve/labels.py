@@ -14,6 +14,7 @@ missing, and an interrupted run loses at most the chunk in flight.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -86,6 +87,7 @@ def label_prompts(
     engine (CPU), up to `batch_size` rows at a time, finished rows refilled from the waiting samples."""
     if not 1 <= samples <= len(TEMPERATURES):
         raise EcruError(f"samples must be in 1..{len(TEMPERATURES)} (one per temperature), got {samples}")
+    drop_torn_tail(out)
     done = {
         r.prompt: r
         for r in read_labels(out)
@@ -101,6 +103,14 @@ def label_prompts(
     _fill(done, prompts, model, tokenizer, out=out, cap=max_new_tokens, run=label, row=lambda p, v: asdict(v),
           chunk_size=CHUNK_BATCHES * batch_size, desc="labelling", progress=progress)  # fmt: skip
     return [done[p] for p in prompts]
+
+
+def drop_torn_tail(path: str | Path) -> None:
+    """Cut a last line without its newline from an append-only cache: what a kill mid-append left (the next
+    append would run on from it). At most that one entry is computed again."""
+    path = Path(path)
+    if path.is_file() and (data := path.read_bytes()) and not data.endswith(b"\n"):
+        os.truncate(path, data.rfind(b"\n") + 1)
 
 
 def _fill(done: dict, prompts: Sequence[str], model, tokenizer, *, out: str | Path, cap: int, run: Callable,
@@ -202,6 +212,7 @@ def generate_responses(
     `batch_size` rows at a time; returns prompt -> tokens."""
     from ecru.serve.sampling import SamplingParams
 
+    drop_torn_tail(out)
     done = read_responses(out, max_new_tokens=max_new_tokens)
     engine = _engine(model, GenerationConfig.for_tokenizer(tokenizer), batch_size=batch_size,
                      max_new_tokens=max_new_tokens)  # fmt: skip
