@@ -329,9 +329,11 @@ def verify_manifest(
     *,
     name: str = MANIFEST,
     required: bool = True,
+    must_list: Iterable[str] = (),
 ) -> dict | None:
-    """Check `names` (default: every file the manifest lists) against the manifest and return it; one-line
-    error if any differs. Without a manifest: an error if `required`, else None (nothing checked)."""
+    """Check `names` (default: every file the manifest lists) and `must_list` (what the caller will read: a
+    manifest that omits one is refused) against the manifest and return it; one-line error if any differs.
+    Without a manifest: an error if `required`, else None (nothing checked)."""
     folder = Path(folder)
     manifest = read_manifest(folder, name=name)
     if manifest is None:
@@ -339,7 +341,7 @@ def verify_manifest(
             raise ChecksumError(f"{folder} has no {name}; it was not written (whole) by ecru")
         return None
     files = manifest["files"]
-    for f in files if names is None else names:
+    for f in sorted({*(files if names is None else names), *must_list}):
         _verify_file(folder, f, files.get(f))
     return manifest
 

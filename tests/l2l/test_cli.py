@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ecru.cli import main
+from tests.cli_helpers import status_and_err as _code
 
 BASE = ["l2l", "train", "--batch-size", "5", "--micro-batch-size", "2", "--lr", "3e-3"]
 
@@ -297,14 +298,6 @@ def test_eval_data_reports_the_held_out_loss_of_the_model_at_that_step(tmp_path)
             n = int((batch["labels"][:, 1:] != -100).sum())
             total, count = total + float(model(**batch).loss) * n, count + n
     assert result["final_eval_loss"] == pytest.approx(total / count, abs=1e-5)
-
-
-def _code(argv, capsys) -> tuple[int, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    return code, capsys.readouterr().err
 
 
 def test_a_run_never_rewrites_its_inputs_nor_follows_links_out_of_out(tmp_path, capsys):

@@ -129,20 +129,26 @@ def test_a_body_over_the_limit_is_413(server, chunked):
     assert server.client.completions.create(model=server.name, prompt="ok", max_tokens=2).choices[0].text
 
 
+def health_waits(server, request: threading.Thread) -> list[float]:
+    """Start `request`; the seconds each `/health` took (every one a 200), polled until it is done."""
+    request.start()
+    waits = []
+    while request.is_alive():
+        start = time.perf_counter()
+        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
+            assert r.status == 200
+        waits.append(time.perf_counter() - start)
+        time.sleep(0.01)
+    request.join()
+    return waits
+
+
 def test_health_answers_while_a_long_prompt_is_tokenised(server):
     prompt = "words and more words " * 60_000  # 1.26 MB: seconds to tokenise on a busy CPU
     body = json.dumps({"model": server.name, "prompt": prompt, "max_tokens": 2}).encode()
     answer = {}
     big = threading.Thread(target=lambda: answer.update(r=raw(server, "POST", "/v1/completions", body)))
-    big.start()
-    waits = []
-    while big.is_alive():
-        start = time.perf_counter()
-        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
-            assert r.status == 200
-        waits.append(time.perf_counter() - start)
-        time.sleep(0.02)
-    big.join()
+    waits = health_waits(server, big)
     status, error = answer["r"]
     assert status == 400 and is_openai_error(error)  # longer than the model's context
     assert len(waits) >= 3 and max(waits) < 0.5, waits  # polled while it was tokenised
@@ -153,15 +159,7 @@ def test_health_answers_while_a_large_invalid_body_is_refused(server):
     body = start + b"1," * ((LIMIT - len(start) - 3) // 2) + b"1]}"  # ~1M invalid items, within the limit
     answer = {}
     big = threading.Thread(target=lambda: answer.update(r=raw(server, "POST", "/v1/chat/completions", body)))
-    big.start()
-    waits = []
-    while big.is_alive():
-        start_s = time.perf_counter()
-        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:
-            assert r.status == 200
-        waits.append(time.perf_counter() - start_s)
-        time.sleep(0.01)
-    big.join()
+    waits = health_waits(server, big)
     status, error = answer["r"]  # its first error only (a list stops at its first invalid item)
     assert status == 400 and is_openai_error(error) and error["error"]["param"].startswith("stop")
     assert waits and max(waits) < 0.5, waits

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from ecru.cli import main
+from tests.cli_helpers import status_and_err as _code
 
 
 def test_label_then_bench_on_a_prompt_file(tmp_path, capsys, bench_serve):
@@ -197,14 +198,6 @@ def test_a_broken_model_folder_is_one_line(tmp_path, capsys):
     assert main(["serve", "api", "--model", str(tmp_path), "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"ecru: error: cannot load the model folder {tmp_path}: ") and "\n" not in err
-
-
-def _code(argv, capsys) -> tuple[int, str]:
-    try:
-        rc = main(argv)
-    except SystemExit as exc:
-        rc = exc.code
-    return rc, capsys.readouterr().err
 
 
 def test_outputs_never_overwrite_inputs_or_special_files(tmp_path, capsys):

@@ -44,7 +44,6 @@ from ecru.errors import EcruError, MissingAssetError
 from ecru.io import (
     atomic_write_json,
     load_tensors,
-    read_manifest,
     save_tensors,
     verify_manifest,
     write_manifest,
@@ -229,8 +228,7 @@ def load_model(folder: str | os.PathLike[str], *, device: str = "cpu") -> CTRPre
     config = _read_config(folder)
     if config["version"] >= 2:  # every file as written; version 1 folders predate manifests
         loaded = {"config.json", "model.safetensors"} | {f for f in OPTIONAL_FILES if (folder / f).exists()}
-        listed = set((read_manifest(folder) or {}).get("files", {}))
-        verify_manifest(folder, sorted(loaded | listed))  # a manifest that omits a file read here is refused
+        verify_manifest(folder, must_list=loaded)  # a manifest that omits a file read here is refused
     generation = config["generation"]
     weights = _load_tensors(folder / "model.safetensors", generation)
     try:

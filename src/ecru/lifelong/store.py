@@ -48,7 +48,6 @@ from ecru.io import (
     clean_leftovers,
     inside,
     load_tensors,
-    read_manifest,
     verify_manifest,
     write_manifest,
 )
@@ -225,12 +224,8 @@ class KnowledgeStore:
         width = json.loads((Path(self.model_record["path"]) / "config.json").read_text()).get("hidden_size")
         for t in (self.manifest or {}).get("tasks", []):
             folder = self._folder(t)
-            listed = set(
-                (read_manifest(folder) or {}).get("files", {})
-            )  # stores written before manifests have none
-            verify_manifest(
-                folder, sorted(listed | set(TASK_FILES)), required=False
-            )  # omitting one is refused
+            # stores written before manifests have none; a manifest that omits a file read here is refused
+            verify_manifest(folder, required=False, must_list=TASK_FILES)
             router, _ = load_tensors(folder / "router.safetensors", hint=_DAMAGED)
             adapter, _ = load_tensors(folder / "adapter_model.safetensors", hint=_DAMAGED)
             kept = tuple(router.pop(k) for k in ADAPTER_PROTOTYPES if k in router)

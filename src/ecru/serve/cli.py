@@ -31,7 +31,6 @@ from ecru.serve.names import POLICIES as POLICY_NAMES
 
 PENALTY = number_in(float, "a number", lambda v: -2 <= v <= 2, "between -2 and 2")  # OpenAI's range
 PORT = number_in(int, "an integer", lambda v: 1 <= v <= 65535, "a TCP port, 1..65535")
-PROBE_FILES = ("probe.json", "manifest.json", "remaining_probe.safetensors", "length_predictor.safetensors")
 SEED = number_in(int, "an integer", lambda v: 0 <= v < 2**63, "0 <= seed < 2^63")
 SLACK = number_in(float, "a number", lambda v: v >= 0, ">= 0 (inf: off)")
 API_KEY_ENV = "ECRU_API_KEY"
@@ -65,9 +64,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
+    from ecru.io import MANIFEST
     from ecru.serve.entrypoints import fit_probe_folder, probe_prompts
+    from ecru.serve.predictors import LENGTH_FILE
+    from ecru.serve.remaining import PROBE_FILE
 
-    for name in PROBE_FILES:  # the files the folder gets
+    for name in ("probe.json", MANIFEST, PROBE_FILE, LENGTH_FILE):  # the files the folder gets
         not_an_input(Path(args.out) / name, args.input)
     setup = config_from_args(EngineSetup, args)
     lines = probe_prompts(args.input)
