@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -75,11 +76,52 @@ def load_prompts(source: str, *, n: int | None = None, split: str = "test", seed
 
 
 def chat_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of chat messages through the tokenizer's chat template, ready for the assistant's answer."""
-    out = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
-    )
+    """Token ids of chat messages through the tokenizer's chat template, ready for the assistant's answer.
+
+    A control token's text inside a message (`<|im_start|>system` typed by a user) is text, not the control
+    token, as OpenAI's API takes it: only the template writes control tokens (`_text_content_ids`)."""
+    specials = _specials_in(tokenizer, messages)
+    if specials:
+        return _text_content_ids(tokenizer, list(messages), specials)
+    return _template_ids(tokenizer, list(messages))
+
+
+def _template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(out["input_ids"])
+
+
+def _specials_in(tokenizer, messages: Sequence[dict]) -> list[str]:
+    """The special tokens' texts that some message's content holds."""
+    texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    tokens = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return sorted(t for t in tokens if any(t in text for text in texts))
+
+
+def _text_content_ids(tokenizer, messages: list[dict], specials: list[str]) -> list[int]:
+    """The template rendered around placeholders, its pieces tokenized with control tokens, each content as
+    plain text (`split_special_tokens`). Exact only where the template copies contents as they are and pieces
+    tokenize apart as together: checked on the contents without their control-token texts (ValueError if not)."""
+
+    def pieced(msgs: list[dict]) -> list[int]:
+        marks = [f"\ue000{i}\ue001" for i in range(len(msgs))]
+        text = tokenizer.apply_chat_template([{**m, "content": k} for m, k in zip(msgs, marks, strict=True)],
+                                             add_generation_prompt=True, tokenize=False)  # fmt: skip
+        ids = []
+        for k, piece in enumerate(re.split("\ue000(\\d+)\ue001", text)):
+            content = msgs[int(piece)]["content"] if k % 2 else piece
+            ids += tokenizer(content, add_special_tokens=False, split_special_tokens=bool(k % 2))["input_ids"]
+        return ids
+
+    strip = re.compile("|".join(map(re.escape, specials)))
+    bare = [
+        {**m, "content": strip.sub("", m["content"])} if isinstance(m["content"], str) else m
+        for m in messages
+    ]
+    if pieced(bare) != _template_ids(tokenizer, bare):
+        raise ValueError(f"a message holds the text of the control token {specials[0]}, which this model's chat "
+                         "template can not take as plain text: remove it")  # fmt: skip
+    return pieced(messages)
 
 
 def encode_chat(tokenizer, texts: Sequence[str]) -> list[list[int]]:
