@@ -153,17 +153,18 @@ def labels_path(config: BenchConfig) -> Path:
 def train_labels(model, tokenizer, config: BenchConfig) -> tuple[list[str], list[float]]:
     """Train-split prompts and their labels, generating the missing ones (greedy, one sample)."""
     from ecru.serve.labels import label_prompts, read_labels
+    from ecru.serve.predictors import model_key
     from ecru.serve.prompts import load_prompts
 
     path = labels_path(config)
-    have = [r for r in read_labels(path) if r.max_new_tokens >= config.max_new_tokens]
+    key = model_key(config.model)
+    have = [r for r in read_labels(path) if r.max_new_tokens >= config.max_new_tokens and r.model == key]
     if len(have) < config.train_n:
         source = "instructions" if config.prompts == "instructions" else "mixed"
         prompts = load_prompts(source, n=config.train_n, split="train")
         print(f"labelling {config.train_n} train prompts into {path} (cached for later runs)")
-        have = label_prompts(
-            model, tokenizer, prompts, out=path, samples=1, max_new_tokens=config.max_new_tokens
-        )
+        have = label_prompts(model, tokenizer, prompts, out=path, model_key=model_key(config.model), samples=1,
+                             max_new_tokens=config.max_new_tokens)  # fmt: skip
     have = have[: config.train_n]
     return [r.prompt for r in have], [float(min(r.label, config.max_new_tokens)) for r in have]
 

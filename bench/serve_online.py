@@ -299,9 +299,9 @@ def main(argv=None) -> None:
     n_answers = 240 if args.quick else 480
     gen_start = time.perf_counter()
     tr_ans = generate_responses(model, tok, train[:n_answers], out=answers_dir / "serve_online_answers_train.jsonl",
-                                max_new_tokens=args.cap)  # fmt: skip
+                                model_key="smollm2", max_new_tokens=args.cap)  # fmt: skip
     te_ans = generate_responses(model, tok, test, out=answers_dir / "serve_online_answers_test.jsonl",
-                                max_new_tokens=args.cap)  # fmt: skip
+                                model_key="smollm2", max_new_tokens=args.cap)  # fmt: skip
     gen_s = time.perf_counter() - gen_start
     k = args.repredict_every
     probe, state_s = fit_remaining(model, tok, train[:n_answers], [tr_ans[p] for p in train[:n_answers]],

@@ -53,7 +53,11 @@ def prompts_of(path: Path, n: int, seed: int) -> list[str]:
 
 def true_lengths(served: ServedModel, prompts: list[str], cap: int, cache: Path) -> list[int]:
     """Greedy answer lengths under `cap`: from the cache (SmolLM2's answers), else generated."""
-    cached = read_responses(cache, max_new_tokens=CACHE_CAP) if served.name == "smollm2" else {}
+    cached = (
+        read_responses(cache, max_new_tokens=CACHE_CAP, model_key="smollm2")
+        if served.name == "smollm2"
+        else {}
+    )
     missing = [p for p in prompts if p not in cached]
     gen = GenerationConfig(eos_token_ids=served.eos_token_ids, pad_token_id=served.pad_token_id)
     for i in range(0, len(missing), 16):

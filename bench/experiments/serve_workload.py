@@ -36,7 +36,13 @@ from ecru.serve.workload import HELD_OUT_FORMS, WorkloadConfig, build_mixed_work
 
 def label(model, tok, prompts, path: Path, cap: int, samples: int) -> dict[str, LengthLabel]:
     labels = label_prompts(
-        model, tok, [p.prompt for p in prompts], out=path, samples=samples, max_new_tokens=cap
+        model,
+        tok,
+        [p.prompt for p in prompts],
+        out=path,
+        model_key="smollm2",
+        samples=samples,
+        max_new_tokens=cap,
     )
     return {r.prompt: r for r in labels}
 

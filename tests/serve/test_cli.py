@@ -278,6 +278,23 @@ def test_a_cost_model_file_is_checked_in_one_line(tmp_path, capsys):
     assert _code(["serve", "simulate", "--trace", str(trace), "--cost-model", str(cost)], capsys)[0] == 0
 
 
+def test_label_reuses_only_its_own_models_lines(tmp_path):
+    """A cache holding another model's labels (or lines that name no model) labels this model's anew."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say hi number {i}"}) + "\n" for i in range(2)))
+    out = tmp_path / "labels.jsonl"
+    theirs = [{"prompt": "Say hi number 0", "lengths": [999], "max_new_tokens": 4, "model": "smollm2"},
+              {"prompt": "Say hi number 1", "lengths": [999], "max_new_tokens": 4}]  # fmt: skip
+    out.write_text("".join(json.dumps(r) + "\n" for r in theirs))
+    label = ["serve", "label", "--model", "tiny", "--samples", "1", "--max-new-tokens", "4", "--prompts",
+             str(prompts), "--n", "2", "--out", str(out)]  # fmt: skip
+    assert main(label) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[:2] == theirs and len(rows) == 4  # kept, not reused
+    assert all(r["model"] == "tiny" and r["lengths"][0] <= 4 for r in rows[2:])
+    assert main(label) == 0 and len(out.read_text().splitlines()) == 4  # its own lines are reused
+
+
 def test_label_finishes_a_run_killed_mid_append(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say hi number {i}"}) + "\n" for i in range(3)))

@@ -58,19 +58,22 @@ def test_answers_cached_and_equal_to_unbatched_greedy(tiny, tmp_path):
     model, tok = tiny
     prompts = ["say hi", "count to three please", "a", "what is a cache"]
     out = tmp_path / "answers.jsonl"
-    got = generate_responses(model, tok, prompts, out=out, max_new_tokens=8, batch_size=3,
+    got = generate_responses(model, tok, prompts, out=out, model_key="tiny", max_new_tokens=8, batch_size=3,
                              progress=False)  # fmt: skip
     gen = GenerationConfig.for_tokenizer(tok)
     for p, ids in zip(prompts, encode_chat(tok, prompts), strict=True):
         assert got[p] == generate_static(model, [ids], max_new_tokens=8, config=gen).tokens[0]
     lines = out.read_text()
-    again = generate_responses(model, tok, prompts[:2], out=out, max_new_tokens=8, progress=False)
+    again = generate_responses(
+        model, tok, prompts[:2], out=out, model_key="tiny", max_new_tokens=8, progress=False
+    )
     assert out.read_text() == lines and again == {p: got[p] for p in prompts[:2]}
-    assert read_responses(out, max_new_tokens=16) == {}  # another cap: nothing cached for it
+    assert read_responses(out, max_new_tokens=16, model_key="tiny") == {}  # another cap: nothing for it
+    assert read_responses(out, max_new_tokens=8, model_key="smollm2") == {}  # another model: nothing either
 
 
 def test_malformed_cache_line_names_the_file(tmp_path):
     bad = tmp_path / "a.jsonl"
     bad.write_text('{"prompt": "x"}\n')
     with pytest.raises(EcruError, match="a.jsonl:1"):
-        read_responses(bad, max_new_tokens=8)
+        read_responses(bad, max_new_tokens=8, model_key="tiny")

@@ -7,8 +7,9 @@ Answers: re-predicting the remaining length while generating needs the hidden st
 decode step. Teacher forcing gives the same states from one forward of prompt + answer, so the greedy
 answers (token ids) are generated once and kept: {"prompt": str, "tokens": [int, ...], "max_new_tokens": int}.
 
-Both are cached in a JSONL file keyed by prompt, appended chunk by chunk: a rerun only generates what is
-missing, and an interrupted run loses at most the chunk in flight.
+Both are cached in a JSONL file keyed by model (`predictors.model_key`), prompt and cap, appended chunk by
+chunk: a rerun only generates what is missing, and an interrupted run loses at most the chunk in flight. A
+line of another model (or of none: written before lines named their model) is kept, never reused.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class LengthLabel:
     """Response length per sample; sample 0 is greedy."""
     max_new_tokens: int
     """The cap the samples were generated under (a length equal to it may be truncated)."""
+    model: str | None = None
+    """The model whose answers they are (`predictors.model_key`); None: written before lines named it."""
 
     @property
     def label(self) -> int:
@@ -53,17 +56,23 @@ def read_labels(path: str | Path) -> list[LengthLabel]:
     path = Path(path)
     if not path.is_file():
         return []
-    expected = (
-        '{"prompt": str, "lengths": [int, ...], "max_new_tokens": int} as written by `ecru serve label`'
-    )
+    expected = '{"prompt", "lengths": [int, ...], "max_new_tokens", "model"} as written by `ecru serve label`'
     return read_jsonl(path, _parse_label, expected=expected)
 
 
 def _parse_label(row: dict) -> LengthLabel:
-    label = LengthLabel(str(row["prompt"]), [int(x) for x in row["lengths"]], int(row["max_new_tokens"]))
+    label = LengthLabel(str(row["prompt"]), [int(x) for x in row["lengths"]], int(row["max_new_tokens"]),
+                        _model(row))  # fmt: skip
     if not label.lengths:
         raise BadLine("lengths is empty; relabel with `ecru serve label`")
     return label
+
+
+def _model(row: dict) -> str | None:
+    model = row.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadLine(f'"model" must be a string, got {json.dumps(model)[:80]}')
+    return model
 
 
 CHUNK_BATCHES = 4
@@ -77,13 +86,14 @@ def label_prompts(
     prompts: Sequence[str],
     *,
     out: str | Path,
+    model_key: str,
     samples: int = 4,
     max_new_tokens: int = 256,
     batch_size: int = 16,
     progress: bool = True,
 ) -> list[LengthLabel]:
-    """Label every prompt not yet in `out` (appended chunk by chunk: an interrupted run loses at most the
-    chunk in flight); return the labels of `prompts`. The samples run on the continuous-batching request
+    """Label every prompt not yet in `out` for `model_key` (the model's `predictors.model_key`; appended chunk by
+    chunk: an interrupted run loses at most the chunk in flight); return the labels of `prompts`. The samples run on the continuous-batching request
     engine (CPU), up to `batch_size` rows at a time, finished rows refilled from the waiting samples."""
     if not 1 <= samples <= len(TEMPERATURES):
         raise EcruError(f"samples must be in 1..{len(TEMPERATURES)} (one per temperature), got {samples}")
@@ -91,14 +101,14 @@ def label_prompts(
     done = {
         r.prompt: r
         for r in read_labels(out)
-        if len(r.lengths) >= samples and r.max_new_tokens == max_new_tokens
+        if len(r.lengths) >= samples and r.max_new_tokens == max_new_tokens and r.model == model_key
     }
     gen = GenerationConfig.for_tokenizer(tokenizer)
 
     def label(chunk: list[str], ids: list[list[int]]) -> list[LengthLabel]:
         lengths = sample_lengths(model, ids, gen=gen, samples=samples, max_new_tokens=max_new_tokens,
                                  batch_size=batch_size)  # fmt: skip
-        return [LengthLabel(p, ls, max_new_tokens) for p, ls in zip(chunk, lengths, strict=True)]
+        return [LengthLabel(p, ls, max_new_tokens, model_key) for p, ls in zip(chunk, lengths, strict=True)]
 
     _fill(done, prompts, model, tokenizer, out=out, cap=max_new_tokens, run=label, row=lambda p, v: asdict(v),
           chunk_size=CHUNK_BATCHES * batch_size, desc="labelling", progress=progress)  # fmt: skip
@@ -186,16 +196,18 @@ def _engine(model, gen: GenerationConfig, *, batch_size: int, max_new_tokens: in
 
 
 # ---- greedy answers ------------------------------------------------------------------------------------
-def read_responses(path: str | Path, *, max_new_tokens: int) -> dict[str, list[int]]:
-    """prompt -> greedy answer tokens (EOS included when produced) generated under `max_new_tokens`."""
+def read_responses(path: str | Path, *, max_new_tokens: int, model_key: str) -> dict[str, list[int]]:
+    """prompt -> greedy answer tokens (EOS included when produced) of model `model_key` under `max_new_tokens`."""
     if not Path(path).is_file():
         return {}
-    rows = read_jsonl(path, _response, expected="{'prompt', 'tokens', 'max_new_tokens'}")
-    return {prompt: tokens for prompt, tokens, cap in rows if cap == max_new_tokens}
+    rows = read_jsonl(path, _response, expected="{'prompt', 'tokens', 'max_new_tokens', 'model'}")
+    return {
+        prompt: tokens for prompt, tokens, cap, model in rows if (cap, model) == (max_new_tokens, model_key)
+    }
 
 
-def _response(row: dict) -> tuple[str, list[int], int]:
-    return str(row["prompt"]), [int(t) for t in row["tokens"]], int(row["max_new_tokens"])
+def _response(row: dict) -> tuple[str, list[int], int, str | None]:
+    return str(row["prompt"]), [int(t) for t in row["tokens"]], int(row["max_new_tokens"]), _model(row)
 
 
 def generate_responses(
@@ -204,16 +216,17 @@ def generate_responses(
     prompts: Sequence[str],
     *,
     out: str | Path,
+    model_key: str,
     max_new_tokens: int,
     batch_size: int = 32,
     progress: bool = True,
 ) -> dict[str, list[int]]:
-    """Greedy answers of every prompt not yet in `out` (appended chunk by chunk) on the request engine, up to
-    `batch_size` rows at a time; returns prompt -> tokens."""
+    """Greedy answers of model `model_key` (`predictors.model_key`) to every prompt not yet in `out` for it
+    (appended chunk by chunk) on the request engine, up to `batch_size` rows at a time; returns prompt -> tokens."""
     from ecru.serve.sampling import SamplingParams
 
     drop_torn_tail(out)
-    done = read_responses(out, max_new_tokens=max_new_tokens)
+    done = read_responses(out, max_new_tokens=max_new_tokens, model_key=model_key)
     engine = _engine(model, GenerationConfig.for_tokenizer(tokenizer), batch_size=batch_size,
                      max_new_tokens=max_new_tokens)  # fmt: skip
 
@@ -221,7 +234,7 @@ def generate_responses(
         return [r.output for r in engine.generate(ids, SamplingParams(max_new_tokens))]
 
     def row(prompt: str, tokens: list[int]) -> dict:
-        return {"prompt": prompt, "tokens": tokens, "max_new_tokens": max_new_tokens}
+        return {"prompt": prompt, "tokens": tokens, "max_new_tokens": max_new_tokens, "model": model_key}
 
     _fill(done, prompts, model, tokenizer, out=out, cap=max_new_tokens, run=answer, row=row,
           chunk_size=CHUNK_BATCHES * batch_size, desc="answers", progress=progress)  # fmt: skip
