@@ -114,6 +114,17 @@ def test_a_whole_last_answer_without_its_newline_is_kept_and_appending_goes_on(t
     assert [r["id"] for r in read_answers(out)] == [1, 2] and out.read_text().endswith('"b"}\n')
 
 
+@pytest.mark.parametrize("row", ['{"id": [1], "text": "a"}', '{"id": true}', '{"id": null}', '{"id": {}}'])
+def test_an_answers_file_with_an_id_no_input_line_can_have_is_one_line(tmp_path, row):
+    from ecru.errors import EcruError
+    from ecru.serve.batch_run import read_answers
+
+    out = tmp_path / "out.jsonl"
+    out.write_text(row + "\n")  # a crafted --out: its id must not reach a set (unhashable) or match an input
+    with pytest.raises(EcruError, match="out.jsonl:1: not an answer line"):
+        read_answers(out)
+
+
 def test_killed_mid_run_then_rerun_answers_each_id_once(chat_model_dir, tmp_path):
     n = 24
     src = write_lines(

@@ -9,7 +9,7 @@ import torch
 
 from ecru.cli import main
 from ecru.errors import EcruError
-from ecru.serve.predictors import LENGTH_FILE, EmbeddingPredictor
+from ecru.serve.predictors import LENGTH_FILE, EmbeddingPredictor, read_length_file
 from ecru.serve.remaining import PROBE_FILE, RemainingProbe, model_key
 
 from .test_batch_run import answers, run, write_lines
@@ -101,6 +101,39 @@ def test_save_and_load_give_the_same_predictions(tmp_path):
         save_file(tensors, str(tmp_path / PROBE_FILE), metadata=meta)
         with pytest.raises(ValueError, match="not a remaining-length probe"):
             RemainingProbe.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"cap": float("inf")},
+        {"cap": 0},
+        {"cap": 2.5},
+        {"cap": True},
+        {"stride": -1},
+        {"lam": float("nan")},
+        {"lam": "1"},
+        {"w": float("nan")},
+    ],  # fmt: skip
+)
+def test_a_crafted_probe_or_predictor_is_refused_in_one_line(tmp_path, change):
+    """Settings a fitted file can not hold (an infinite cap was an OverflowError traceback at load; a NaN weight
+    gave NaN priorities in the queue): the file is refused as not a probe or predictor."""
+    from safetensors.torch import save_file
+
+    w = torch.full((10,), change.pop("w", 0.5))
+    settings = {"cap": 16, "lam": 10.0, "stride": 4, "model": "m"} | change
+    save_file({"w": w, "b": torch.zeros(1)}, str(tmp_path / PROBE_FILE),
+              metadata={"probe": json.dumps(settings)})  # fmt: skip
+    with pytest.raises(ValueError, match="not a remaining-length probe"):
+        RemainingProbe.load(tmp_path)
+    if "stride" in change:
+        return  # a length predictor has none
+    settings.pop("stride")
+    save_file({"w": w, "b": torch.zeros(1)}, str(tmp_path / LENGTH_FILE),
+              metadata={"predictor": json.dumps(settings)})  # fmt: skip
+    with pytest.raises(ValueError, match="not a length predictor"):
+        read_length_file(tmp_path)
 
 
 def test_files_written_as_today_keep_loading_and_are_written_the_same(model, tmp_path):
@@ -231,6 +264,25 @@ def test_bad_probe_use_is_refused_in_one_line_before_any_work(probe_dir, chat_mo
         err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
         assert len(err) == 1 and message in err[0], (extra, err)  # one line (after the model's loading bar)
         assert not out.exists() or not out.read_text()
+
+
+@pytest.mark.parametrize("flags", [("--policy", "cb-srpt", "--remaining-probe"), ("--policy", "cb-sjf",
+                                   "--length-predictor")])  # fmt: skip
+def test_a_line_asking_more_than_the_predictors_cover_is_named_before_the_model_loads(
+    probe_dir, chat_model_dir, tmp_path, capsys, monkeypatch, flags
+):
+    """The line's max_tokens, not --max-new-tokens (which the user never raised), is what is too long."""
+    from ecru.serve.models import ServedModel
+
+    src = write_lines(tmp_path / "in.jsonl", [{"prompt": "hi"}, {"prompt": "ho", "max_tokens": 80}])
+    monkeypatch.setattr(ServedModel, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    assert (
+        run(chat_model_dir, src, tmp_path / "out.jsonl", *flags, str(probe_dir), "--max-new-tokens", "16")
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"ecru: error: {src}:2: max_tokens 80 is above 40, the longest answer the predictors were fitted "
+                   "for; lower it or fit them with `ecru serve probe --max-new-tokens 80`"]  # fmt: skip
 
 
 def test_probe_refuses_a_bad_line_without_a_flag_it_lacks(chat_model_dir, tmp_path, capsys):

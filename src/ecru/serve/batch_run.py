@@ -96,6 +96,11 @@ def read_batch(path: Path, *, skip_invalid: bool, hint: str = SKIP_HINT) -> tupl
     return lines, skipped
 
 
+def _answer_id(value) -> bool:
+    """Whether `value` can be an answer's id: what an input line's "id" can be (a string or an integer)."""
+    return isinstance(value, str | int) and not isinstance(value, bool)
+
+
 def read_answers(path: Path) -> list[dict]:
     """The answers already in `path`. A last line without its newline (a crash mid-write) is dropped if torn,
     kept if whole; either way the file is rewritten to end with a newline, so appending can go on."""
@@ -106,7 +111,7 @@ def read_answers(path: Path) -> list[dict]:
     for n, raw in enumerate(lines, 1):
         try:
             row = json.loads(raw)
-            if not isinstance(row, dict) or "id" not in row:
+            if not isinstance(row, dict) or not _answer_id(row.get("id")):
                 raise ValueError
         except ValueError:  # UnicodeDecodeError and JSONDecodeError included
             if n == len(lines) and not data.endswith(b"\n"):

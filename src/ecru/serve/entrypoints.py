@@ -128,6 +128,15 @@ class EngineSetup:
         with one_line("--remaining-probe "):
             return RemainingProbe.load(self.remaining_probe)
 
+    def fitted_cap(self, remaining: RemainingProbe | None) -> int | None:
+        """The longest answer the predictors in use were fitted for (None: none in use)."""
+        from ecru.serve.predictors import read_length_file
+
+        caps = [] if remaining is None else [remaining.cap]
+        if self.length_predictor is not None:
+            caps.append(read_length_file(self.length_predictor)[0]["cap"])
+        return min(caps, default=None)
+
     def load_model(self) -> ServedModel:
         from ecru.serve.models import ServedModel
 
@@ -194,6 +203,7 @@ def run_file(setup: EngineSetup, base: SamplingParams, *, src: Path, out: Path, 
     done = {r["id"] for r in batch_run.read_answers(out)} & {line.id for line in lines}
     todo = [line for line in lines if line.id not in done]
     remaining, tokens = setup.load_remaining(), 0
+    _check_line_caps(todo, setup.fitted_cap(remaining), src=src)
     if todo:
         served = setup.load_model()
         print(f"loaded {served.describe()}", file=sys.stderr)
@@ -210,6 +220,16 @@ def run_file(setup: EngineSetup, base: SamplingParams, *, src: Path, out: Path, 
     batch_run.reorder(out, lines)
     return (f"{len(todo)} answered ({tokens} tokens), {len(done)} already in {out}, {len(skipped)} invalid "
             "line(s) skipped")  # fmt: skip
+
+
+def _check_line_caps(lines: list, fitted: int | None, *, src: Path) -> None:
+    """A line's max_tokens within what the predictors were fitted for, said of the line (it raises the engine's
+    cap above --max-new-tokens), before the model loads."""
+    over = [line for line in lines if fitted is not None and (line.max_tokens or 0) > fitted]
+    if over:
+        raise EcruError(f"{src}:{over[0].line}: max_tokens {over[0].max_tokens} is above {fitted}, the longest answer "
+                        f"the predictors were fitted for; lower it or fit them with `ecru serve probe "
+                        f"--max-new-tokens {over[0].max_tokens}`")  # fmt: skip
 
 
 def probe_prompts(src: Path) -> list:
@@ -288,14 +308,15 @@ def label_file(model: str, prompts: str, *, out: str, n: int, split: str, sample
     (appended to); the summary line."""
     from ecru.serve.labels import drop_torn_tail, label_prompts, read_labels
     from ecru.serve.models import load_model
+    from ecru.serve.predictors import model_key
     from ecru.serve.prompts import load_prompts
 
     drop_torn_tail(out)  # what a kill mid-append left: the same command finishes the run
     read_labels(out)  # a malformed cache stops here, before any work
     texts = load_prompts(prompts, n=n, split=split)
     lm, tokenizer = load_model(model)
-    labels = label_prompts(lm, tokenizer, texts, out=out, samples=samples, max_new_tokens=max_new_tokens,
-                           batch_size=batch_size)  # fmt: skip
+    labels = label_prompts(lm, tokenizer, texts, out=out, model_key=model_key(model), samples=samples,
+                           max_new_tokens=max_new_tokens, batch_size=batch_size)  # fmt: skip
     lengths = sorted(r.label for r in labels)
     at_cap = sum(x >= max_new_tokens for x in lengths)
     return f"{len(labels)} labels in {out}; median {lengths[len(lengths) // 2]}, at cap {at_cap}"

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -158,13 +159,25 @@ def read_ridge(
     try:
         with safe_open(str(path), "pt") as f:
             raw = json.loads(f.metadata()[meta_key])
-            meta = {name: cast(raw[name]) for name, cast in numbers.items()} | {"model": raw["model"]}
+            meta = {name: _number(raw[name], name, cast) for name, cast in numbers.items()}
+            meta["model"] = raw["model"]
             w, b = f.get_tensor("w"), f.get_tensor("b")
         if w.ndim != 1 or b.numel() != 1 or not w.is_floating_point() or not b.is_floating_point():
             raise ValueError(f"weights of shape {tuple(w.shape)} and bias of {b.numel()} values, {w.dtype}")
-    except (SafetensorError, OSError, KeyError, TypeError, ValueError, IndexError) as exc:
+        if not (torch.isfinite(w).all() and torch.isfinite(b).all()):
+            raise ValueError("weights that are not finite")
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
         raise ValueError(f"{path}: not {what} ({exc})") from None
     return meta, w.float(), b.float().reshape(())
+
+
+def _number(value, name: str, cast: type) -> int | float:
+    """A fitted file's setting: an integer >= 1 (a cap, a stride) or a finite number >= 0 (a penalty)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} {value!r}, not a finite number")
+    if (cast is int and (value != int(value) or value < 1)) or value < 0:
+        raise ValueError(f"{name} {value!r}, out of range")
+    return cast(value)
 
 
 class _RidgeOnFeatures:
