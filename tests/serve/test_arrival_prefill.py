@@ -269,10 +269,13 @@ def test_a_stop_string_in_the_first_token_ends_the_request_at_arrival(chat_model
     )
 
 
-def test_refused_for_a_sliding_window_model(gen, probe):
-    from transformers import MistralConfig, MistralForCausalLM
+def test_refused_for_a_model_whose_layers_keep_part_of_the_kv(gen, probe):
+    """Llama 4's chunked attention layers keep only their chunk (sliding windows keep the whole KV here:
+    tests/serve/test_families.py)."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
 
-    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4)  # fmt: skip
-    with pytest.raises(ValueError, match="sliding window"):
-        make_engine(MistralForCausalLM(cfg).eval(), gen, probe)
+    cfg = Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           attention_chunk_size=4, num_local_experts=2)  # fmt: skip
+    with pytest.raises(ValueError, match="chunked or linear attention"):
+        make_engine(Llama4ForCausalLM(cfg).eval(), gen, probe)

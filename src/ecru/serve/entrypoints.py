@@ -153,7 +153,7 @@ class EngineSetup:
             with one_line("--length-predictor "):
                 length = EmbeddingPredictor.load(self.length_predictor, served.model, served.tokenizer)
             predict = length.engine_predict
-        # the engine's own checks (e.g. kept KV on a sliding-window model)
+        # the engine's own checks (e.g. kept KV on a model with chunked attention)
         with one_line(f"--remaining-probe {self.remaining_probe}: "):
             return served.engine(self.engine_config, remaining=remaining, predict=predict)
 

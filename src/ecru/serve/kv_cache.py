@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
 
 HEADROOM = 32
 """Spare columns allocated per row beyond those held: the memory over `EngineStats.peak_kv_tokens`."""
@@ -72,13 +72,24 @@ def with_room(old: torch.Tensor, like: torch.Tensor, held: int, capacity: int) -
     return buf
 
 
+WHOLE_CONTEXT = ("full_attention", "sliding_attention")
+"""Layer types whose KV the engine keeps whole: a sliding window is the model's own mask over it (Hugging Face
+masks by the config's `sliding_window`, index against index, which is position against position in a row that
+is left padding then tokens). Hugging Face's sliding layer keeps only the window: its columns are not the batch's
+columns, so rows could not join, leave or be padded, and a kept KV would be cut."""
+
+
 class HeadroomCache(DynamicCache):
-    """`DynamicCache(config=...)` whose full-attention layers are `HeadroomLayer`s (sliding-window and
-    other special layers stay Hugging Face's own)."""
+    """`DynamicCache(config=...)` whose full-attention and sliding-window layers are `HeadroomLayer`s
+    (`WHOLE_CONTEXT`; other special layers, e.g. chunked or linear attention, stay Hugging Face's own)."""
 
     def __init__(self, config, *, headroom: int = HEADROOM):
         super().__init__(config=config)
-        self.layers = [HeadroomLayer(headroom) if type(ly) is DynamicLayer else ly for ly in self.layers]
+        kinds, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        self.layers = [
+            HeadroomLayer(headroom) if kind in WHOLE_CONTEXT and isinstance(ly, DynamicLayer) else ly
+            for kind, ly in zip(kinds, self.layers, strict=True)
+        ]
 
 
 def row_kv(cache, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -204,16 +204,18 @@ class RequestEngine:
         self._finished: list[Request] = []
 
     def _check_layers(self) -> None:
-        """A kept KV would be cut to a sliding window: prefill on arrival and kept preemption need every layer
-        to attend to the whole context."""
+        """A kept KV needs layers that keep a request's whole KV (`kv_cache.WHOLE_CONTEXT`: full and sliding-window
+        attention; a chunked or linear-attention layer holds only part of it or a state): prefill on arrival and
+        kept preemption need every layer to be one."""
         if self.runner.full_attention:
             return
         if self.runner.state_predictor is not None:
-            raise ValueError("prefill on arrival (state_predictor) needs a model whose layers all attend to the "
-                             "whole context (its kept KV would be cut to a sliding window)")  # fmt: skip
+            raise ValueError("prefill on arrival (state_predictor) needs a model whose layers all keep their whole KV "
+                             "(full or sliding-window attention; this one has chunked or linear attention)")  # fmt: skip
         if self.runner.remaining is not None and self.config.preempt_mode == "keep":
-            raise ValueError("preempt_mode keep needs a model whose layers all attend to the whole context (a "
-                             "kept KV would be cut to a sliding window): use preempt_mode recompute")  # fmt: skip
+            raise ValueError("preempt_mode keep needs a model whose layers all keep their whole KV (full or sliding-"
+                             "window attention; this one has chunked or linear attention): use preempt_mode "
+                             "recompute")  # fmt: skip
 
     # ---- front-end API -------------------------------------------------------------------------------
     def add_request(
@@ -348,8 +350,8 @@ class ModelRunner:
         self.state_predictor, self.remaining = state_predictor, remaining
         self.run, self.stats, self.kept = RunningBatch(model), EngineStats(), KeptKV()
         self.full_attention = all(type(ly) is HeadroomLayer for ly in self.run.cache.layers)
-        """Every layer attends to the whole context: a kept KV (prefill on arrival, cb-srpt's kept
-        preemption) and the prefix cache need it."""
+        """Every layer keeps a request's whole KV (`kv_cache.WHOLE_CONTEXT`): a kept KV (prefill on arrival,
+        cb-srpt's kept preemption) and the prefix cache need it."""
         self.prefixes = PrefixStore(prefix_cache) if prefix_cache and self.full_attention else None
 
     def drop(self, key: int) -> None:
