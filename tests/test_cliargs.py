@@ -167,3 +167,25 @@ def test_run_main_is_one_line_and_exit_2_or_130(capsys):
 
     assert run_main(fails) == 2 and capsys.readouterr().err == "ecru: error: --n: too many\n"
     assert run_main(interrupted) == 130 and capsys.readouterr().err == "ecru: interrupted\n"
+
+
+def test_removed_if_refused_takes_back_only_the_empty_folders_it_saw_made(tmp_path):
+    import pytest
+
+    from ecru.cliargs import removed_if_refused
+    from ecru.io import LOCK_FILE
+
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(ValueError), removed_if_refused(tmp_path / "kept" / "a" / "b", None):
+        (tmp_path / "kept" / "a" / "b").mkdir(parents=True)
+        (tmp_path / "kept" / "a" / "b" / LOCK_FILE).touch()  # ecru's lock does not count
+        raise ValueError("refused")
+    assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "a").exists()
+    with pytest.raises(KeyboardInterrupt), removed_if_refused(tmp_path / "run"):
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "checkpoint.safetensors").touch()  # work done: the folder stays
+        raise KeyboardInterrupt
+    assert (tmp_path / "run" / "checkpoint.safetensors").is_file()
+    with removed_if_refused(tmp_path / "ok"):
+        (tmp_path / "ok").mkdir()
+    assert (tmp_path / "ok").is_dir()

@@ -17,11 +17,12 @@ Nothing here imports torch: `ecru --help` imports every pillar's `cli.py`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -142,6 +143,24 @@ def prepare_out_dir(path: str | os.PathLike[str], *, flag: str = "--out") -> Pat
     except OSError as exc:
         raise EcruError(f"{flag} {out}: cannot write there ({exc.strerror}); choose another folder") from None
     return out
+
+
+@contextlib.contextmanager
+def removed_if_refused(*paths: str | os.PathLike[str] | None) -> Iterator[None]:
+    """The folders from each of `paths` up that do not exist yet are removed again if the block raises while they
+    hold nothing (ecru's lock file aside): a command refused after making its --out leaves nothing behind."""
+    from ecru.io import LOCK_FILE
+
+    starts = [Path(p).expanduser().absolute() for p in paths if p is not None]
+    new = {q for start in starts for q in (start, *start.parents) if not q.exists()}
+    try:
+        yield
+    except BaseException:
+        for folder in sorted(new, key=lambda q: len(q.parts), reverse=True):  # deepest first
+            if folder.is_dir() and {f.name for f in folder.iterdir()} <= {LOCK_FILE}:
+                (folder / LOCK_FILE).unlink(missing_ok=True)
+                folder.rmdir()
+        raise
 
 
 def prepare_out_file(path: str | os.PathLike[str], *, flag: str = "--out") -> Path:

@@ -142,8 +142,7 @@ def test_bad_schemas_are_one_line(table, schema, message, capsys, tmp_path):
     argv = ["ctr", "train", "--data", f"table:{root / 'train.csv'}", "--schema", str(root / "bad.json")]
     rc, _, err = run([*argv, "--out", str(tmp_path / "never")], capsys)
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
-    if message != "must be 0 or 1":  # label values are checked as the rows are read
-        assert not (tmp_path / "never").exists()
+    assert not (tmp_path / "never").exists()  # a label found not 0/1 as the rows are read left it, empty
 
 
 def test_table_without_schema_is_one_line(table, capsys):
@@ -200,3 +199,63 @@ def test_a_byte_order_mark_is_read_as_if_absent(table, tmp_path):
     schema, facts = propose_schema(tmp_path / "t.csv", rows=500)
     assert "row_id" in facts and schema["label"] == "clicked"
     assert load_schema(tmp_path / "schema.json").label == "clicked"
+
+
+def test_a_table_whose_only_ids_are_multi_hot_trains_and_scores(table, capsys, tmp_path):
+    """Only a multi-hot field (no single-valued categorical one): training was a reshape traceback."""
+    root = table[0]
+    (tmp_path / "tags.json").write_text(json.dumps({"label": "clicked", "multi_hot": {"tags": "|"}}))
+    train = ["ctr", "train", "--data", f"table:{root / 'train.csv'}", "--schema", str(tmp_path / "tags.json")]
+    for mode in ("full", "sparse"):
+        rc, _, err = run(
+            [*train, "--mode", mode, "--epochs", "1", "--mlp", "16", "--out", str(tmp_path / mode)], capsys
+        )
+        assert rc == 0, err
+    predict = ["ctr", "predict", "--model", str(tmp_path / "full"), "--data", f"table:{root / 'held.csv'}"]
+    rc, _, err = run([*predict, "--out", str(tmp_path / "s.txt")], capsys)
+    probs = torch.tensor([float(v) for v in (tmp_path / "s.txt").read_text().splitlines()])
+    assert rc == 0 and len(probs) == 5_000 and auc(table[2], probs) > 0.55  # the tags alone carry signal
+
+
+def test_the_schema_leaves_out_a_numbered_row_id_but_keeps_a_distinct_quantity(tmp_path):
+    """Integers rising row after row (1000, 1001, ...) are a row id; distinct integers in no order a quantity."""
+    path = tmp_path / "t.csv"
+    gen = torch.Generator().manual_seed(0)
+    amounts = torch.randperm(10_000, generator=gen)[:300].tolist()
+    path.write_text(
+        "row,clicked,amount,city\n"
+        + "".join(f"{1000 + i},{i % 2},{a},c{i % 7}\n" for i, a in enumerate(amounts))
+    )
+    schema, facts = propose_schema(path)
+    assert facts["row"]["kind"] == "id" and "row" not in schema["dense"] + schema["categorical"]
+    assert schema["dense"] == ["amount"] and schema["categorical"] == ["city"]
+
+
+def test_group_auc_by_a_field_name_and_a_wrong_one_before_any_work(table, capsys, tmp_path):
+    root = table[0]
+    train = ["ctr", "train", "--data", f"table:{root / 'train.csv'}", "--schema", str(root / "schema.json")]
+    rc, out, err = run(
+        [*train, "--epochs", "1", "--mlp", "16", "--group-field", "city", "--json", str(tmp_path / "m.json")],
+        capsys,
+    )
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert (
+        rc == 0
+        and (metrics["group_field"], metrics["group_field_name"]) == (2, "city")
+        and "field city" in out
+    )
+    for wrong in ("price", "tags", "nope", "3"):  # dense, multi-hot, absent, past the 3 categorical fields
+        rc, _, err = run([*train, "--group-field", wrong, "--out", str(tmp_path / "never")], capsys)
+        assert (
+            rc == 2 and f"--group-field {wrong}: not a categorical field" in err and "user, item, city" in err
+        )
+        assert not (tmp_path / "never").exists()
+
+
+def test_tables_too_large_for_memory_are_refused_before_allocating(table, capsys, tmp_path):
+    root = table[0]
+    (tmp_path / "huge.json").write_text(json.dumps({**SCHEMA, "hash_buckets": 10**12}))
+    train = ["ctr", "train", "--data", f"table:{root / 'train.csv'}", "--schema", str(tmp_path / "huge.json")]
+    rc, _, err = run([*train, "--out", str(tmp_path / "never")], capsys)
+    assert rc == 2 and "the embedding tables need" in err and "GiB free: lower hash_buckets" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "never").exists()

@@ -86,6 +86,18 @@ class CowClip:
         self._rows, self._clipped, self._max = 0, 0, 0.0
         self._hist = torch.zeros(len(_BINS) + 1, dtype=torch.long)
 
+    def state_dict(self) -> dict:
+        """The running statistics (what `stats` reports), for a checkpoint: a resumed run's `stats` then cover the
+        whole run. The clip itself holds no state."""
+        return {"rows": self._rows, "clipped": self._clipped, "max": self._max, "hist": self._hist.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        hist = torch.as_tensor(state["hist"], dtype=torch.long)
+        if hist.shape != self._hist.shape:
+            raise ValueError(f"clip statistics of {hist.numel()} bins, not {self._hist.numel()}")
+        self._rows, self._clipped, self._max = int(state["rows"]), int(state["clipped"]), float(state["max"])
+        self._hist = hist.clone()
+
     @torch.no_grad()
     def clip_(self, ids: Tensor | UniqueIds | Sequence[Tensor | UniqueIds]) -> None:
         """Replace each table's `.grad` by its L2-augmented, clipped gradient (a dense `.grad` is changed in

@@ -24,6 +24,7 @@ from ecru.cliargs import (
     non_negative_int,
     positive_float,
     positive_int,
+    removed_if_refused,
 )
 
 MODELS = ("deepfm", "wdl", "dcn", "dcnv2")
@@ -152,9 +153,10 @@ def _configure_train(t: argparse.ArgumentParser) -> None:
     t.add_argument("--skip-malformed", action="store_true", help="files: skip and count malformed lines")
     t.add_argument(
         "--group-field",
-        type=non_negative_int,
         default=None,
-        help="also report group AUC grouped by this field",
+        metavar="FIELD",
+        help="also report group AUC grouped by this categorical field: its name (a table's column, Criteo's "
+        "C1..C26, an Avazu column) or its index from 0",
     )
     t.add_argument("--seed", type=non_negative_int, default=0, help="seed of the init, split and shuffles")
     t.add_argument(
@@ -315,13 +317,44 @@ def _train(args: argparse.Namespace) -> int:
         sniff_layout(Path(_data_spec(args.data)[1]), _table_schema(args))
     elif args.schema:
         raise EcruError("--schema describes a table; give --data table:FILE")
+    args.group_index, args.group_name = _group_index(args)
     _check_device(args.device)
-    out, json_file, lock = _prepare_outputs(args)
-    try:
-        return _fit(args, out, json_file)
-    finally:
-        if lock is not None:
-            lock.release()
+    with removed_if_refused(args.out, args.json and Path(args.json).parent):  # e.g. a label found not 0/1
+        out, json_file, lock = _prepare_outputs(args)
+        try:
+            return _fit(args, out, json_file)
+        finally:
+            if lock is not None:
+                lock.release()
+
+
+def _field_names(args: argparse.Namespace) -> list[str]:
+    """The single-valued categorical fields of --data, in field order (multi-hot fields come after them)."""
+    if args.data == "synthetic":
+        from ecru.ctr.synthetic import SyntheticConfig
+
+        return [f"C{i}" for i in range(1, SyntheticConfig(n_rows=args.rows, scale=args.scale).fields + 1)]
+    from ecru.ctr.reader import sniff_layout
+
+    fmt, path = _data_spec(args.data)
+    return sniff_layout(Path(path), _table_schema(args) if fmt == "table" else fmt).cats
+
+
+def _group_index(args: argparse.Namespace) -> tuple[int | None, str | None]:
+    """--group-field as (field index, name), checked before any work (a name, or an index below the field
+    count)."""
+    from ecru.errors import EcruError
+
+    if args.group_field is None:
+        return None, None
+    names = _field_names(args)
+    index = int(args.group_field) if args.group_field.isdigit() else None
+    if index is None and args.group_field in names:
+        index = names.index(args.group_field)
+    if index is None or index >= len(names):
+        raise EcruError(f"--group-field {args.group_field}: not a categorical field of {args.data}; give one of "
+                        f"{', '.join(names[:30])}{' ...' if len(names) > 30 else ''} or an index below {len(names)}")  # fmt: skip
+    return index, names[index]
 
 
 def _check_device(device: str) -> None:
@@ -399,16 +432,10 @@ def _metrics(args, cfg, res, info: dict, test_data) -> dict:
         "threads": torch.get_num_threads(),
         "config": {k: getattr(cfg, k) for k in ("model", "batch_size", "recipe", "mode")},
     }
-    if args.group_field is not None:
-        from ecru.errors import EcruError
-
-        if args.group_field >= test_data.cats.shape[1]:
-            raise EcruError(
-                f"--group-field {args.group_field}: the data has {test_data.cats.shape[1]} fields"
-            )
+    if args.group_index is not None:
         probs = predict_probs(res.model, test_data)
-        metrics["group_auc"] = group_auc(test_data.labels, probs, test_data.cats[:, args.group_field])
-        metrics["group_field"] = args.group_field
+        metrics["group_auc"] = group_auc(test_data.labels, probs, test_data.cats[:, args.group_index])
+        metrics["group_field"], metrics["group_field_name"] = args.group_index, args.group_name
     return metrics
 
 
@@ -428,7 +455,7 @@ def _report(args, res, info: dict, metrics: dict) -> None:
             f"(validation AUC {best['val_auc']:.5f})"
         )
     if "group_auc" in metrics:
-        print(f"group AUC (by field {metrics['group_field']}) {metrics['group_auc']:.5f}")
+        print(f"group AUC (by field {metrics['group_field_name']}) {metrics['group_auc']:.5f}")
     if "oracle_auc" in info:
         print(f"oracle (teacher FM) AUC {info['oracle_auc']:.5f} logloss {info['oracle_logloss']:.5f}")
 
@@ -477,15 +504,16 @@ def _predict(args: argparse.Namespace) -> int:
         raise EcruError(f"--id-column writes FILE.csv or FILE.jsonl; got --out {args.out}")
     predictor = load_model(args.model)
     data = args.data.partition(":")[2] if ":" in args.data else args.data
-    out = prepare_out_file(not_an_input(args.out, args.model, data, args.schema))
-    fmt, path = _data_spec(args.data) if ":" in args.data else (predictor.data_format, args.data)
-    if ":" not in args.data:
-        _data_spec(f"{fmt}:{path}")
-    if fmt != predictor.data_format:
-        raise EcruError(f"the model in {args.model} reads {predictor.data_format} files, not {fmt}")
-    ids = read_id_column(path, args.id_column) if args.id_column else None
-    probs, labels = _scores(args, predictor, fmt, path)  # one per input line, NaN for a blank one
-    atomic_write_text(out, score_lines(probs.tolist(), ids, out.suffix))
+    with removed_if_refused(Path(args.out).parent):
+        out = prepare_out_file(not_an_input(args.out, args.model, data, args.schema))
+        fmt, path = _data_spec(args.data) if ":" in args.data else (predictor.data_format, args.data)
+        if ":" not in args.data:
+            _data_spec(f"{fmt}:{path}")
+        if fmt != predictor.data_format:
+            raise EcruError(f"the model in {args.model} reads {predictor.data_format} files, not {fmt}")
+        ids = read_id_column(path, args.id_column) if args.id_column else None
+        probs, labels = _scores(args, predictor, fmt, path)  # one per input line, NaN for a blank one
+        atomic_write_text(out, score_lines(probs.tolist(), ids, out.suffix))
     line = f"wrote {len(probs):,} click probabilities to {out}"
     known = ~(labels.isnan() | probs.isnan())
     if known.any() and (labels[known] == 1).any() and (labels[known] == 0).any():
@@ -590,13 +618,14 @@ def _synth(args: argparse.Namespace) -> int:
     from ecru.ctr.synthetic import SyntheticConfig, generate, oracle_summary, write_criteo_tsv
     from ecru.errors import EcruError
 
-    out = prepare_out_file(args.out)
-    data = generate(SyntheticConfig(n_rows=args.rows, scale=args.scale, seed=args.seed))
-    try:
-        summary = oracle_summary(data)  # before writing: a refused run leaves no file
-    except ValueError as exc:
-        raise EcruError(f"--rows {args.rows}: {exc}; ask for more rows") from None
-    path = write_criteo_tsv(data, out)
+    with removed_if_refused(Path(args.out).parent):
+        out = prepare_out_file(args.out)
+        data = generate(SyntheticConfig(n_rows=args.rows, scale=args.scale, seed=args.seed))
+        try:
+            summary = oracle_summary(data)  # before writing: a refused run leaves no file
+        except ValueError as exc:
+            raise EcruError(f"--rows {args.rows}: {exc}; ask for more rows") from None
+        path = write_criteo_tsv(data, out)
     print(
         f"wrote {len(data)} rows to {path}; oracle AUC {summary['oracle_auc']:.5f} logloss {summary['oracle_logloss']:.5f}"
     )

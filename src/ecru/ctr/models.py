@@ -113,7 +113,7 @@ class FeatureTables(nn.Module):
         if table.sparse:
             out = table(single)
         else:  # same values and gradient; index_select's backward (index_add_) is ~6x faster on CPU
-            out = table.weight.index_select(0, single.reshape(-1)).view(*single.shape, -1)
+            out = table.weight.index_select(0, single.reshape(-1)).view(*single.shape, table.weight.shape[1])
         if self.bags:
             bags = ids[:, self.single :].reshape(-1, self.bag_length)
             out = torch.cat([out, self._pooled(table, bags).view(ids.shape[0], self.bags, -1)], 1)

@@ -148,6 +148,14 @@ def _sample(path: Path, rows: int):
     return batch.slice(0, rows).to_pydict(), names
 
 
+def _counts_rows(values: list) -> bool:
+    """Integers that rise (or fall) from row to row: a numbered row id, not a quantity."""
+    if not all(isinstance(v, int) for v in values):
+        return False
+    steps = [b - a for a, b in zip(values, values[1:], strict=False)]
+    return all(d > 0 for d in steps) or all(d < 0 for d in steps)
+
+
 def _column_kind(name: str, values: list) -> tuple[str, dict]:
     """(label | dense | categorical | multi_hot:SEP, facts seen) of one sampled column."""
     present = [v for v in values if v is not None and v != ""]
@@ -156,7 +164,7 @@ def _column_kind(name: str, values: list) -> tuple[str, dict]:
     facts = {"distinct": len(distinct), "empty": len(values) - len(present)}
     if distinct <= {"0", "1"} and (name.lower() in _LABEL_NAMES):
         return "label", facts
-    if len(present) > 100 and len(distinct) == len(present) and not numeric:
+    if len(present) > 100 and len(distinct) == len(present) and (not numeric or _counts_rows(present)):
         return "id", facts  # every value distinct: a row id (e.g. for predict --id-column), not a feature
     if numeric and (any(isinstance(v, float) for v in present) or len(distinct) > 100):
         return "dense", facts

@@ -185,7 +185,32 @@ def _base_rate(data: CTRData) -> float | None:
     return rate if 0 < rate < 1 else None
 
 
+TABLE_COPIES = 3
+"""Copies of the embedding tables training holds at least: the weights and Adam's two moments (gradients aside)."""
+
+
+def table_bytes(cardinalities, embed_dim: int) -> int:
+    """Bytes of the fp32 embedding tables (each id's `embed_dim` row and its linear weight) training holds."""
+    return (sum(cardinalities) + 1) * (embed_dim + 1) * 4 * TABLE_COPIES
+
+
+def check_table_memory(cardinalities, embed_dim: int, device: str) -> None:
+    """Refuse, before any allocation, tables that do not fit the device's free memory (a huge hash_buckets)."""
+    need = table_bytes(cardinalities, embed_dim)
+    if torch.device(device).type == "cuda":
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if need > free:
+        raise EcruError(f"the embedding tables need {need / 2**30:,.1f} GiB ({sum(cardinalities):,} ids x "
+                        f"{embed_dim + 1} floats, with Adam's moments), more than the {free / 2**30:,.1f} GiB free: "
+                        "lower hash_buckets (--hash-buckets, or the schema's) or raise --min-count")  # fmt: skip
+
+
 def make_model(cfg: TrainConfig, data: CTRData) -> CTRModel:
+    check_table_memory(data.cardinalities, cfg.embed_dim, cfg.device)
     ctr = CTRConfig(
         data.cardinalities,
         n_dense=data.dense.shape[1],
@@ -288,11 +313,11 @@ def train(
         model, recipe, mode=cfg.mode, steps_per_epoch=steps_per_epoch, loss_scale=loss_scale
     )
     net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    start_epoch, history, best_state = _resume(cfg, model, embed_opt, dense_opt, sched)
+    start_epoch, history, best_state, curve = _resume(cfg, model, embed_opt, dense_opt, sched, clipper)
     if history and _stopped(cfg, history):  # an early-stopped run is finished: resuming adds no epoch
         start_epoch = cfg.epochs
     shard = cfg.batch_size // world
-    losses, curve, reached = [], [], False
+    losses, reached = [], False
     for epoch in range(start_epoch, cfg.epochs):
         done = sum(h.get("steps", 0) for h in history), sum(h.get("wall_s", 0.0) for h in history)
         bar = tqdm(
@@ -342,7 +367,7 @@ def train(
             tqdm.write(_epoch_line(history[-1]))
         if cfg.patience is not None and best_epoch(history) is history[-1]:
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        _save(cfg, rank, model, embed_opt, dense_opt, sched, epoch, history, best_state)
+        _save(cfg, rank, (model, embed_opt, dense_opt, sched, clipper), epoch, history, curve, best_state)
         if _stopped(cfg, history) or reached:
             break
     if not history:
@@ -414,23 +439,25 @@ def best_epoch(history: list[dict]) -> dict:
 def _save(
     cfg: TrainConfig,
     rank: int,
-    model,
-    embed_opt,
-    dense_opt,
-    sched,
+    parts: tuple,
     epoch: int,
     history: list,
+    curve: list,
     best_state: dict | None = None,
 ) -> None:
+    """`parts`: the model, both optimizers, the scheduler and the clip (its statistics), as `_resume` reads them."""
     if not cfg.checkpoint or rank != 0:
         return
     path = Path(cfg.checkpoint)
     path.parent.mkdir(parents=True, exist_ok=True)
+    model, embed_opt, dense_opt, sched, clipper = parts
     state = {
         "model": model.state_dict(),
         "embed_opt": embed_opt.state_dict(),
         "dense_opt": dense_opt.state_dict(),
         "sched": sched.state_dict(),
+        "clip": clipper.state_dict(),
+        "curve": curve,
         "epoch": epoch,
         "history": history,
         "config": asdict(cfg),
@@ -467,9 +494,13 @@ def _load_checkpoint(cfg: TrainConfig) -> dict:
     return _to_device(state, torch.device(cfg.device))
 
 
-def _resume(cfg: TrainConfig, model, embed_opt, dense_opt, sched) -> tuple[int, list, dict | None]:
+def _resume(
+    cfg: TrainConfig, model, embed_opt, dense_opt, sched, clipper
+) -> tuple[int, list, dict | None, list]:
+    """(the next epoch, the history, the best epoch's weights, the AUC curve) of the checkpoint, whose states are
+    loaded into the model, optimizers, scheduler and clip statistics; a fresh run's without one."""
     if not (cfg.resume and cfg.checkpoint and Path(cfg.checkpoint).is_file()):
-        return 0, [], None
+        return 0, [], None, []
     state = _load_checkpoint(cfg)
     if state.get("data_id", "") != cfg.data_id:
         raise EcruError(
@@ -500,6 +531,8 @@ def _resume(cfg: TrainConfig, model, embed_opt, dense_opt, sched) -> tuple[int, 
         model.load_state_dict(state["model"])
         embed_opt.load_state_dict(state["embed_opt"]), dense_opt.load_state_dict(state["dense_opt"])
         sched.load_state_dict(state["sched"])
-    except (KeyError, RuntimeError, ValueError) as exc:
+        if "clip" in state:  # checkpoints before it: the statistics count the resumed epochs only
+            clipper.load_state_dict(state["clip"])
+    except (KeyError, RuntimeError, ValueError, TypeError) as exc:
         raise EcruError(f"checkpoint {cfg.checkpoint} does not fit this model ({exc})"[:300]) from None
-    return state["epoch"] + 1, state["history"], state.get("best_model")
+    return state["epoch"] + 1, state["history"], state.get("best_model"), list(state.get("curve", []))
