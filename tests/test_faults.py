@@ -53,19 +53,25 @@ def test_l2l_train_killed_at_many_instants_is_finished_by_resume(tmp_path, store
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_kill_between_the_checkpoint_and_state_json_loses_no_loss(tmp_path):
-    """The RAM tier's checkpoint commits the losses with the weights: resuming after a kill that left state.json
-    a step behind (the checkpoint written, state.json and the export not) reports every loss, none NaN."""
+@pytest.mark.parametrize("store", ["ram", "disk"])
+def test_a_kill_between_the_checkpoint_and_state_json_loses_no_loss(tmp_path, store):
+    """Each tier commits a step's loss with its weights (the RAM tier's checkpoint, the disk tier's store):
+    resuming after a kill that left state.json a step behind (the weights committed, state.json, the export and
+    that step's evaluation not) reports every loss, none NaN, and the same evaluations."""
     import shutil
 
+    held = tmp_path / "held.txt"
+    held.write_text("what is my balance\nbook a table for two\nplay some jazz\nwill it rain tomorrow\n")
+    extra = ("--store", store, "--eval-data", str(held), "--eval-every", "4")
     straight = tmp_path / "straight"
-    subprocess.run(_cmd(straight, "--store", "ram"), env=_env(), check=True, capture_output=True)
+    subprocess.run(_cmd(straight, *extra), env=_env(), check=True, capture_output=True)
     out = tmp_path / "killed"
     shutil.copytree(straight, out)
     state = json.loads((out / "state.json").read_text())
-    (out / "state.json").write_text(json.dumps({**state, "losses": state["losses"][:-1]}))
+    cut = {**state, "losses": state["losses"][:-1], "eval": state["eval"][:-1], "steps": state["steps"] - 1}
+    (out / "state.json").write_text(json.dumps(cut))
     shutil.rmtree(out / "hf"), (out / "metrics.json").unlink()
-    done = subprocess.run(_cmd(out, "--store", "ram", "--resume"), env=_env(), capture_output=True, text=True)
+    done = subprocess.run(_cmd(out, *extra, "--resume"), env=_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    want = json.loads((straight / "metrics.json").read_text())["losses"]
-    assert json.loads((out / "metrics.json").read_text())["losses"] == want
+    want, got = (json.loads((d / "metrics.json").read_text()) for d in (straight, out))
+    assert got["losses"] == want["losses"] and got["eval"] == want["eval"] and len(want["eval"]) == 2

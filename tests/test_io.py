@@ -62,6 +62,21 @@ def test_atomic_folder_appears_whole_or_not_at_all(tmp_path):
     assert len(clean_leftovers(tmp_path)) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
+def test_atomic_folder_replaces_an_existing_folder_whole(tmp_path):
+    with atomic_folder(tmp_path / "f") as tmp:
+        (tmp / "old").write_text("1")
+    with pytest.raises(FileExistsError):
+        atomic_folder(tmp_path / "f").__enter__()
+    with pytest.raises(RuntimeError), atomic_folder(tmp_path / "f", replace=True) as tmp:
+        (tmp / "new").write_text("2")
+        raise RuntimeError
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["old"]  # untouched by the failed rewrite
+    with atomic_folder(tmp_path / "f", replace=True) as tmp:
+        (tmp / "new").write_text("2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # the old one renamed aside, then deleted
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["new"]
+
+
 def test_state_round_trips_without_pickle(tmp_path):
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(3, 2))], lr=1e-3, betas=(0.8, 0.9))
     opt.param_groups[0]["params"][0].grad = torch.ones(3, 2)

@@ -130,11 +130,13 @@ def merge_json(path: str | os.PathLike, key: str, value: Any) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_folder(target: str | os.PathLike) -> Iterator[Path]:
+def atomic_folder(target: str | os.PathLike, *, replace: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder beside `target`; fill it inside the block. On success its files are
-    fsynced and it is renamed to `target` (which must not exist); on an exception it is deleted."""
+    fsynced and it is renamed to `target`; on an exception it is deleted. `target` must not exist, or with
+    `replace` an existing one is first renamed aside (a temporary name, deleted after): a kill leaves the old
+    folder, the new one, or neither (never a half-written one), and `clean_leftovers` removes what it left."""
     target = Path(target)
-    if target.exists():
+    if target.exists() and not replace:
         raise FileExistsError(f"{target} exists")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(target)
@@ -145,11 +147,16 @@ def atomic_folder(target: str | os.PathLike) -> Iterator[Path]:
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
         fsync_dir(tmp)
+        old = _tmp_name(target) if target.exists() else None
+        if old is not None:
+            target.rename(old)
         tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def clean_leftovers(folder: str | os.PathLike) -> list[Path]:

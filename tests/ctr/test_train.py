@@ -42,7 +42,7 @@ def test_resume_equals_uninterrupted(tmp_path, mode):
     assert resumed.steps == full.steps  # the totals cover the whole run, not only the resumed epoch
     assert resumed.clip == full.clip and resumed.clip.rows > 0  # so do the clip's statistics (they restarted)
     untimed = [[{k: v for k, v in p.items() if k != "train_s"} for p in r.curve] for r in (resumed, full)]
-    assert untimed[0] == untimed[1] and len(untimed[0]) == 2  # and the AUC curve (its first epoch was dropped)
+    assert untimed[0] == untimed[1] and len(untimed[0]) == 2  # the AUC curve too (it lost its first epoch)
     with pytest.raises(EcruError, match="batch_size"):
         train(TrainConfig(epochs=3, checkpoint=ckpt, resume=True, **{**cfg, "batch_size": 128}), tr, te)
 

@@ -250,6 +250,49 @@ def test_an_existing_run_is_not_overwritten_without_resume(tmp_path, capsys):
     assert json.loads((out / "metrics.json").read_text())["steps"] == 2
 
 
+def test_resume_checks_the_data_by_its_content_not_its_path(tmp_path, capsys):
+    """The same texts moved elsewhere resume exactly; the same path with other texts is refused (it resumed)."""
+    texts = tmp_path / "a.txt"
+    texts.write_text("\n".join(f"line number {i} of my text" for i in range(12)))
+    _, straight = _run(tmp_path, "straight", "--steps", "4", "--data", str(texts))
+    out, _ = _run(tmp_path, "split", "--steps", "2", "--data", str(texts), "--save-every", "1")
+    moved = texts.rename(tmp_path / "moved.txt")
+    assert main([*BASE, "--out", str(out), "--steps", "4", "--resume", "--data", str(moved)]) == 0
+    assert json.loads((out / "metrics.json").read_text())["losses"] == straight["losses"]
+    moved.write_text(moved.read_text().replace("line", "word"))
+    capsys.readouterr()
+    assert main([*BASE, "--out", str(out), "--steps", "6", "--resume", "--data", str(moved)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--data {moved} is not the data the run in {out} trained on" in err[0]
+
+
+def test_an_export_cut_short_leaves_no_folder_that_looks_whole_and_resume_writes_it(tmp_path, monkeypatch):
+    """Interrupted after the export's first file: hf/ is absent (it was there, half written: config.json without
+    weights), the old export is kept over an interrupted rewrite, and --resume writes it whole."""
+    from safetensors.torch import load_file
+
+    from ecru.l2l.engine import L2L
+
+    straight, _ = _run(tmp_path, "straight", "--steps", "2")
+    out = tmp_path / "cut"
+    real = L2L.save_pretrained
+
+    def cut_short(engine, path, **kw):
+        (Path(path) / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(L2L, "save_pretrained", cut_short)
+    assert main([*BASE, "--out", str(out), "--steps", "2"]) == 130
+    assert not (out / "hf").exists() and not [p for p in out.iterdir() if p.name.startswith(".hf")]
+    monkeypatch.setattr(L2L, "save_pretrained", real)
+    assert main([*BASE, "--out", str(out), "--steps", "2", "--resume"]) == 0
+    a, b = (load_file(d / "hf" / "model.safetensors") for d in (straight, out))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    monkeypatch.setattr(L2L, "save_pretrained", cut_short)
+    assert main([*BASE, "--out", str(out), "--steps", "2", "--resume"]) == 130  # a rewrite cut short
+    assert (out / "hf" / "model.safetensors").is_file()  # the whole old export stays
+
+
 def test_a_run_killed_before_its_first_checkpoint_is_finished_by_resume(tmp_path, capsys):
     """Killed after state.json or before anything: `--resume` starts (or finishes) the run."""
     _, straight = _run(tmp_path, "straight", "--steps", "2")

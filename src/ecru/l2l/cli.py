@@ -294,10 +294,24 @@ def _read_state(path: Path) -> dict:
     return state
 
 
+def data_digest(data: str) -> str:
+    """What a run's --data holds: the sha256 of the file's bytes (the bundled "clinc" as itself)."""
+    from ecru.io import sha256_file
+
+    return data if data == "clinc" else sha256_file(Path(data).expanduser())
+
+
 def _check_same(args: argparse.Namespace, saved: dict, out: Path) -> None:
+    """A resumed run's arguments that change results, as the run had them; --data by its content where the run
+    recorded it (the same file under another path resumes, a changed file is refused)."""
     from ecru.errors import EcruError
 
+    if "data_sha256" in saved and saved["data_sha256"] != args.data_sha256:
+        raise EcruError(f"--resume: --data {args.data} is not the data the run in {out} trained on (its content "
+                        "changed, or another file); resume with that data, or pass --overwrite to start again")  # fmt: skip
     for key in RESULT_ARGS:
+        if key == "data" and "data_sha256" in saved:
+            continue
         if key in saved and saved[key] != getattr(args, key):
             flag = f"--{key.replace('_', '-')}"
             raise EcruError(
@@ -381,15 +395,21 @@ def with_lora(args: argparse.Namespace, model):
 
 def _export(args: argparse.Namespace, engine, out: Path, tokenizer) -> None:
     """DIR/hf (the trained model), or with --lora-r DIR/adapter (a peft folder, no copy of the base) and
-    with --merge also DIR/hf (the base with the adapter merged in)."""
+    with --merge also DIR/hf (the base with the adapter merged in). Each folder is written whole or not at
+    all (`atomic_folder`: a kill mid-export left a folder that looked complete; `--resume` writes it again)."""
+    from ecru.io import atomic_folder
+
     if args.lora_r is None:
-        engine.save_pretrained(out / "hf", tokenizer=tokenizer)
+        with atomic_folder(out / "hf", replace=True) as tmp:
+            engine.save_pretrained(tmp, tokenizer=tokenizer)
         return
-    engine.save_pretrained(out / "adapter", tokenizer=tokenizer)
+    with atomic_folder(out / "adapter", replace=True) as tmp:
+        engine.save_pretrained(tmp, tokenizer=tokenizer)
     if args.merge:
         merged = engine.model_on("cpu", dtype=engine.model_dtype).merge_and_unload()
-        merged.save_pretrained(out / "hf")
-        tokenizer.save_pretrained(out / "hf")
+        with atomic_folder(out / "hf", replace=True) as tmp:
+            merged.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -404,6 +424,7 @@ def run_train(args: argparse.Namespace) -> int:
         read_texts(Path(args.eval_data).expanduser(), flag="--eval-data")
     if len(texts) < args.batch_size:
         raise EcruError(f"--data has {len(texts)} texts, fewer than one batch of {args.batch_size}")
+    args.data_sha256 = data_digest(args.data)
     out, state = _prepare_out(args)
     with FolderLock(out, what="--out"):  # a second run into --out is refused, not interleaved with this one
         return _run(args, out, state, texts)
@@ -412,6 +433,9 @@ def run_train(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, out: Path, state: dict | None, texts: list[str]) -> int:
     import torch
 
+    from ecru.io import clean_leftovers
+
+    clean_leftovers(out)  # what a kill mid-export (or mid-write of state.json) left
     torch.manual_seed(args.seed)
     model, tokenizer = load_model(args.model, seed=args.seed, empty=in_place(args) is not None)
     model = with_lora(args, model)
@@ -420,9 +444,14 @@ def _run(args: argparse.Namespace, out: Path, state: dict | None, texts: list[st
     state = _committed(args, out, state)
     losses = (state or {}).get("losses", [])[: engine.steps]
     evals = [e for e in (state or {}).get("eval", []) if e["step"] <= engine.steps]
-    # the disk tier commits a step before state.json records its loss: a kill between them loses only that
+    # the disk tier commits a step (with its loss) before state.json records it: a kill between them leaves
+    # state.json one step behind; a store from before the loss was committed leaves it NaN
+    if len(losses) == engine.steps - 1 and engine.committed_loss is not None:
+        losses.append(engine.committed_loss)
     losses += [float("nan")] * (engine.steps - len(losses))
     try:
+        if _eval_due(args, engine.steps) and not any(e["step"] == engine.steps for e in evals):
+            evals.append(_evaluate(args, engine, tokenizer))  # the same weights: the evaluation the kill lost
         losses, tokens, wall = _train(args, engine, tokenizer, texts, out, losses, evals)
         if args.eval_data and (not evals or evals[-1]["step"] != engine.steps):
             evals.append(_evaluate(args, engine, tokenizer))
@@ -477,6 +506,11 @@ def _evaluate(args, engine, tokenizer) -> dict:
     return {"step": engine.steps, "loss": heldout_loss(engine, batches)}
 
 
+def _eval_due(args: argparse.Namespace, steps: int) -> bool:
+    """Whether --eval-every evaluates after step `steps`."""
+    return bool(args.eval_every) and 0 < steps <= args.steps and steps % args.eval_every == 0
+
+
 def _train(args, engine, tokenizer, texts, out: Path, losses: list[float], evals: list[dict]):
     from tqdm import tqdm
 
@@ -494,7 +528,7 @@ def _train(args, engine, tokenizer, texts, out: Path, losses: list[float], evals
             tokens += int(batch["attention_mask"].sum())
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            if args.eval_every and engine.steps % args.eval_every == 0:
+            if _eval_due(args, engine.steps):
                 evals.append(_evaluate(args, engine, tokenizer))
                 bar.write(f"step {engine.steps}: held-out loss {evals[-1]['loss']:.4f}")
             saving = args.save_every and engine.steps % args.save_every == 0
@@ -512,7 +546,7 @@ def _checkpoint(args, engine, out: Path, losses: list[float], evals: list[dict])
 
     if args.store == "ram":  # the disk tier committed this step in its store already
         engine.save(out / CHECKPOINT, meta={"losses": losses, "eval": evals})
-    keys = ("micro_batch_size", "steps", *RESULT_ARGS)
+    keys = ("micro_batch_size", "steps", "data_sha256", *RESULT_ARGS)
     atomic_write_json(
         out / STATE,
         {"args": {k: getattr(args, k) for k in keys}, "steps": engine.steps, "losses": losses, "eval": evals},

@@ -224,8 +224,9 @@ class L2L:
         share = self._rank_share(micro)
         before = (torch.get_rng_state(), dataclasses.replace(self.scaler) if self.scaler else None)
         try:
-            loss = self._step(micro, order, share)
-            self.store.extra = {"rng": torch.get_rng_state()}  # committed with the step where durable
+            loss = self._global_loss(self._step(micro, order, share) * share)
+            # committed with the step where the store is durable (the disk tier): RNG and loss
+            self.store.extra = {"rng": torch.get_rng_state(), "loss": loss}
             self.store.end_step(self.steps + 1)
         except BaseException:
             # all or nothing: masters, optimizer states, loss scale and RNG as before the step
@@ -240,7 +241,14 @@ class L2L:
         self.steps += 1
         for scheduler in self._schedulers:  # after end_step: no update is in flight
             scheduler.step()
-        return self._global_loss(loss * share)
+        return loss
+
+    @property
+    def committed_loss(self) -> float | None:
+        """The loss of the last step the parameter store committed with its weights: a disk store reopened
+        after a kill tells the step's loss that a caller's own record may lack; None where it keeps none."""
+        loss = self.store.extra.get("loss")
+        return None if loss is None else float(loss)
 
     def _step(self, micro: list[MicroBatch], order: list[int], share: float) -> float:
         """Execute the step's plan (ecru.l2l.plan); each phase is a torch.profiler span ("l2l.*", which
