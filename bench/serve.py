@@ -238,7 +238,6 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
 
     import torch
 
-    from ecru.serve.engine import GenerationConfig
     from ecru.serve.models import ServedModel, load_model
     from ecru.serve.policies import PlanConfig
     from ecru.serve.predictors import length_metrics, timed_predict
@@ -248,7 +247,7 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
     served = ServedModel(config.model, *load_model(config.model))
     texts = load_prompts(config.prompts, n=config.n, split="test")
     ids = encode_chat(served.tokenizer, texts)
-    gen = GenerationConfig.for_tokenizer(served.tokenizer)
+    gen = served.generation
     plan = PlanConfig(
         batch_size=config.batch_size,
         max_new_tokens=config.max_new_tokens,

@@ -60,7 +60,7 @@ def test_answers_cached_and_equal_to_unbatched_greedy(tiny, tmp_path):
     out = tmp_path / "answers.jsonl"
     got = generate_responses(model, tok, prompts, out=out, model_key="tiny", max_new_tokens=8, batch_size=3,
                              progress=False)  # fmt: skip
-    gen = GenerationConfig.for_tokenizer(tok)
+    gen = GenerationConfig.for_model(model, tok)
     for p, ids in zip(prompts, encode_chat(tok, prompts), strict=True):
         assert got[p] == generate_static(model, [ids], max_new_tokens=8, config=gen).tokens[0]
     lines = out.read_text()
@@ -77,3 +77,30 @@ def test_malformed_cache_line_names_the_file(tmp_path):
     bad.write_text('{"prompt": "x"}\n')
     with pytest.raises(EcruError, match="a.jsonl:1"):
         read_responses(bad, max_new_tokens=8, model_key="tiny")
+
+
+def test_labels_end_at_every_eos_the_served_model_ends_at(chat_model_dir, tmp_path):
+    """A model whose generation config lists a second EOS (Llama 3, Qwen 2 chat models): labels and greedy
+    answers stop where `serve api` stops (they read the tokenizer's EOS alone and ran on to the cap)."""
+    from ecru.serve import EngineConfig, SamplingParams, ServedModel
+    from ecru.serve.labels import label_prompts
+
+    served = ServedModel.load(str(chat_model_dir), packed=False)
+    tok, cap = served.tokenizer, 16
+    ids = encode_chat(tok, ["say hi"])[0]
+
+    def answer() -> list[int]:
+        engine = served.engine(EngineConfig(max_batch_size=1, max_new_tokens=cap))
+        return engine.generate([ids], [SamplingParams(cap)])[0].output
+
+    plain = answer()
+    assert len(plain) > 4 and tok.eos_token_id not in plain[:4]
+    served.model.generation_config.eos_token_id = [tok.eos_token_id, plain[3]]
+    expected = plain[: plain.index(plain[3]) + 1]
+    assert answer() == expected
+    labels = label_prompts(served.model, tok, ["say hi"], out=tmp_path / "l.jsonl", model_key="x", samples=1,
+                           max_new_tokens=cap, progress=False)  # fmt: skip
+    assert labels[0].lengths == [len(expected)]
+    answers = generate_responses(served.model, tok, ["say hi"], out=tmp_path / "a.jsonl", model_key="x",
+                                 max_new_tokens=cap, progress=False)  # fmt: skip
+    assert answers["say hi"] == expected

@@ -33,11 +33,21 @@ class GenerationConfig:
             )
 
     @classmethod
-    def for_tokenizer(cls, tokenizer) -> GenerationConfig:
-        """EOS and padding ids from a Hugging Face tokenizer."""
-        eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-        return cls(eos_token_ids=(int(eos),), pad_token_id=int(pad))
+    def for_model(cls, model, tokenizer) -> GenerationConfig:
+        """EOS ids: the tokenizer's and every one of the model's generation config (a list in e.g. Llama 3 and
+        Qwen 2 chat models, whose answers end at any of them); padding: the tokenizer's, else the first EOS.
+        The one rule every path that generates uses (`ServedModel`, labels, the static runs)."""
+        ids = {tokenizer.eos_token_id}
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos])
+        eos_ids = tuple(sorted(int(i) for i in ids if i is not None))
+        pad = tokenizer.pad_token_id
+        return cls(eos_token_ids=eos_ids, pad_token_id=int(pad if pad is not None else eos_ids[0]))
+
+
+def context_length(model) -> int:
+    """The longest prompt + answer `model` takes: its (text) config's `max_position_embeddings`, else 2048."""
+    return int(getattr(model.config.get_text_config(), "max_position_embeddings", None) or 2048)
 
 
 @dataclass

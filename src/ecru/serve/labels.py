@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ecru.errors import EcruError
 from ecru.io import BadLine, read_jsonl
-from ecru.serve.engine import GenerationConfig
+from ecru.serve.engine import GenerationConfig, context_length
 
 TEMPERATURES = (0.0, 0.3, 0.5, 0.7)
 
@@ -103,7 +103,7 @@ def label_prompts(
         for r in read_labels(out)
         if len(r.lengths) >= samples and r.max_new_tokens == max_new_tokens and r.model == model_key
     }
-    gen = GenerationConfig.for_tokenizer(tokenizer)
+    gen = GenerationConfig.for_model(model, tokenizer)
 
     def label(chunk: list[str], ids: list[list[int]]) -> list[LengthLabel]:
         lengths = sample_lengths(model, ids, gen=gen, samples=samples, max_new_tokens=max_new_tokens,
@@ -150,8 +150,8 @@ def _fill(done: dict, prompts: Sequence[str], model, tokenizer, *, out: str | Pa
 
 
 def _check_context(model, ids: dict[str, list[int]], max_new_tokens: int) -> None:
-    context = getattr(model.config, "max_position_embeddings", None)
-    long = [p for p, i in ids.items() if context is not None and len(i) + max_new_tokens > context]
+    context = context_length(model)
+    long = [p for p, i in ids.items() if len(i) + max_new_tokens > context]
     if long:
         raise EcruError(
             f"{len(long)} prompt(s) leave no room for {max_new_tokens} new tokens in the model's {context}-token "
@@ -227,7 +227,7 @@ def generate_responses(
 
     drop_torn_tail(out)
     done = read_responses(out, max_new_tokens=max_new_tokens, model_key=model_key)
-    engine = _engine(model, GenerationConfig.for_tokenizer(tokenizer), batch_size=batch_size,
+    engine = _engine(model, GenerationConfig.for_model(model, tokenizer), batch_size=batch_size,
                      max_new_tokens=max_new_tokens)  # fmt: skip
 
     def answer(chunk: list[str], ids: list[list[int]]) -> list[list[int]]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ecru.errors import EcruError
+from ecru.serve.engine import GenerationConfig, context_length
 
 if TYPE_CHECKING:
     from ecru.serve.predictors import StatePredictor
@@ -81,20 +82,21 @@ class ServedModel:
         return f"{self.name}{extra if layers else ''}"
 
     @property
+    def generation(self) -> GenerationConfig:
+        """The EOS and padding ids (`GenerationConfig.for_model`: the tokenizer's and the model's)."""
+        return GenerationConfig.for_model(self.model, self.tokenizer)
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        ids = {self.tokenizer.eos_token_id}
-        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos])
-        return tuple(sorted(int(i) for i in ids if i is not None))
+        return self.generation.eos_token_ids
 
     @property
     def pad_token_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return int(pad if pad is not None else self.eos_token_ids[0])
+        return self.generation.pad_token_id
 
     @property
     def context_len(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", None) or 2048)
+        return context_length(self.model)
 
     def encode(self, prompt: str) -> list[int]:
         """A raw completion prompt's token ids (the tokenizer's special tokens, e.g. BOS, included)."""

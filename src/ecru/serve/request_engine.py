@@ -33,7 +33,7 @@ import torch
 
 from ecru.models.minilm import mean_pool
 from ecru.serve.detok import Decoder, TextStream
-from ecru.serve.engine import forward, forward_states, left_pad, new_cache
+from ecru.serve.engine import context_length, forward, forward_states, left_pad, new_cache
 from ecru.serve.kv_cache import (
     HeadroomLayer,
     KeptKV,
@@ -190,7 +190,7 @@ class RequestEngine:
         self.scheduler = Scheduler(self.config, queue=queue, discard_preempted=discard_preempted,
                                    srpt=remaining is not None, on_arrival=state_predictor is not None)  # fmt: skip
         self.requests: dict[int, Request] = {}  # unfinished, by seq
-        context_len = context_len or getattr(model.config, "max_position_embeddings", None) or 2048
+        context_len = context_len or context_length(model)
         self.runner = ModelRunner(model, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
                                   context_len=context_len, prefix_cache=self.config.prefix_cache,
                                   requests=self.requests, finish=self._finish, state_predictor=state_predictor,

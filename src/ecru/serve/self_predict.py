@@ -105,7 +105,7 @@ def stated_lengths(
 ) -> list[float | None]:
     """The length the model states when asked `QUERY` (greedy, `max_tokens` tokens, first integer; None where
     its answer holds no number)."""
-    gen = GenerationConfig.for_tokenizer(tokenizer)
+    gen = GenerationConfig.for_model(model, tokenizer)
     ids = query_ids(tokenizer, prompts)
     out = []
     for i in range(0, len(ids), batch_size):
