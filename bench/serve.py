@@ -47,13 +47,13 @@ from ecru.cliargs import (
     run_main,
 )
 from ecru.errors import EcruError
-from ecru.serve.names import ENGINE_POLICIES, POLICIES
-from ecru.serve.queues import DEFAULT_AGING
+from ecru.serve.sched.names import ENGINE_POLICIES, POLICIES
+from ecru.serve.sched.queues import DEFAULT_AGING
 
 if TYPE_CHECKING:
-    from ecru.serve.models import ServedModel
-    from ecru.serve.predictors import EmbeddingPredictor
-    from ecru.serve.remaining import RemainingProbe
+    from ecru.serve.engine.models import ServedModel
+    from ecru.serve.predict.predictors import EmbeddingPredictor
+    from ecru.serve.predict.remaining import RemainingProbe
 
 BENCH_POLICIES = (*POLICIES, *(p for p in ENGINE_POLICIES if p not in POLICIES))
 """What the benchmark runs: every policy of the runner, and the engine's own cb-srpt as it ships
@@ -118,11 +118,11 @@ class BenchConfig:
         from ecru.serve.prompts import check_source
 
         check_source(self.prompts)  # before any model loads
-        from ecru.serve.entrypoints import check_keep_kv
+        from ecru.serve.entrypoints.setup import check_keep_kv
 
         check_keep_kv(keep_kv=self.keep_kv, resume_failures=self.resume_failures)
         if self.labels:
-            from ecru.serve.labels import read_labels
+            from ecru.serve.predict.labels import read_labels
 
             read_labels(self.labels)  # malformed: one line now, not a traceback after the run
 
@@ -152,8 +152,8 @@ def labels_path(config: BenchConfig) -> Path:
 
 def train_labels(model, tokenizer, config: BenchConfig) -> tuple[list[str], list[float]]:
     """Train-split prompts and their labels, generating the missing ones (greedy, one sample)."""
-    from ecru.serve.labels import label_prompts, read_labels
-    from ecru.serve.predictors import model_key
+    from ecru.serve.predict.labels import label_prompts, read_labels
+    from ecru.serve.predict.predictors import model_key
     from ecru.serve.prompts import load_prompts
 
     path = labels_path(config)
@@ -171,7 +171,7 @@ def train_labels(model, tokenizer, config: BenchConfig) -> tuple[list[str], list
 
 def build_predictor(model, tokenizer, config: BenchConfig, true_lengths: dict[str, float]):
     """The named predictor, trained (and for self-lora cached) on the train labels."""
-    from ecru.serve.predictors import (
+    from ecru.serve.predict.predictors import (
         ConstantPredictor,
         EmbeddingPredictor,
         MiniLMPredictor,
@@ -195,7 +195,7 @@ def build_predictor(model, tokenizer, config: BenchConfig, true_lengths: dict[st
 
 def _self_lora(model, tokenizer, config: BenchConfig, prompts, labels):
     from ecru.models import cache_dir
-    from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
+    from ecru.serve.predict.self_predict import SelfLoRAConfig, SelfLoRAPredictor
 
     lora = SelfLoRAConfig(cap=config.max_new_tokens, epochs=config.lora_epochs, readout=config.lora_readout)
     tuning = dataclasses.replace(lora, readout="greedy")  # the readout does not change the adapter: one cache
@@ -238,11 +238,11 @@ def run_bench(config: BenchConfig, *, progress: bool = True) -> dict:
 
     import torch
 
-    from ecru.serve.models import ServedModel, load_model
-    from ecru.serve.policies import PlanConfig
-    from ecru.serve.predictors import length_metrics, timed_predict
+    from ecru.serve.engine.models import ServedModel, load_model
+    from ecru.serve.engine.policy_runs import run_policy
+    from ecru.serve.predict.predictors import length_metrics, timed_predict
     from ecru.serve.prompts import encode_chat, load_prompts
-    from ecru.serve.runner import run_policy
+    from ecru.serve.sched.policies import PlanConfig
 
     served = ServedModel(config.model, *load_model(config.model))
     texts = load_prompts(config.prompts, n=config.n, split="test")
@@ -331,9 +331,9 @@ class ShippedSRPT:
 
     @classmethod
     def fit(cls, served, config: BenchConfig, *, progress: bool) -> ShippedSRPT:
-        from ecru.serve.entrypoints import fit_predictors
+        from ecru.serve.entrypoints.setup import fit_predictors
+        from ecru.serve.predict.remaining import greedy_answers
         from ecru.serve.prompts import encode_chat
-        from ecru.serve.remaining import greedy_answers
 
         prompts, _ = train_labels(served.model, served.tokenizer, config)
         ids, cap = encode_chat(served.tokenizer, prompts), config.max_new_tokens
@@ -344,7 +344,7 @@ class ShippedSRPT:
 
     @staticmethod
     def _engine(config: BenchConfig, policy: str):
-        from ecru.serve.scheduler import EngineConfig
+        from ecru.serve.sched.scheduler import EngineConfig
 
         # no prefix caching: the other policies run without one
         return EngineConfig(policy=policy, max_batch_size=config.batch_size, max_new_tokens=config.max_new_tokens,
@@ -353,8 +353,8 @@ class ShippedSRPT:
     def run(self, ids):
         """Every prompt arriving at once, served to completion (`runner.PolicyRun`; kept-KV preemptions
         recompute nothing, so no failures)."""
-        from ecru.serve.runner import PolicyRun
-        from ecru.serve.sampling import SamplingParams
+        from ecru.serve.engine.policy_runs import PolicyRun
+        from ecru.serve.engine.sampling import SamplingParams
 
         engine = self.served.engine(self._engine(self.config, "cb-srpt"), remaining=self.probe,
                                     predict=self.length.engine_predict)  # fmt: skip
@@ -367,7 +367,7 @@ class ShippedSRPT:
 
     def report(self, ids, true: list[float]) -> dict:
         """The predictors' held-out reports on the train prompts, and the length predictor on the test ones."""
-        from ecru.serve.predictors import length_metrics
+        from ecru.serve.predict.predictors import length_metrics
 
         test = length_metrics(self.length.predict_ids(ids), true)
         return {**self.held_out, "length_predictor_test": test, "preemptions": self.preemptions}

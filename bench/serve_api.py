@@ -9,7 +9,7 @@ prompts on 16 rows no row ever is, and continuous batching cannot show). Measure
 - one request at a time: Hugging Face `model.generate` on each of the first `--single-n` prompts alone;
 - `model.generate_batch` (transformers' paged continuous batching, the same `--max-batch-size`) on all
   prompts at once (A), the same engine in this process without HTTP (B, what the transport costs), the
-  same with plain `nn.Linear` layers (B0: what the pre-packed weights of `ecru.serve.packed` gain; A and
+  same with plain `nn.Linear` layers (B0: what the pre-packed weights of `ecru.serve.engine.packed` gain; A and
   one-at-a-time always run on the plain layers, as transformers ships them) and the server
   (`python -m ecru serve api`, its own process, warmed by one request) driven through HTTP by 16
   concurrent streaming clients (C, the official `openai` client), in the order A B B0 C C B0 B A so that
@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))  # this checkout's ecru, installed or not
 from ecru.cliargs import ArgumentParser, int_list, positive_int, prepare_out_file, run_main  # noqa: E402
-from ecru.serve.names import ENGINE_POLICIES  # noqa: E402
+from ecru.serve.sched.names import ENGINE_POLICIES  # noqa: E402
 
 TARGETS = {"x_one_at_a_time": 4.0, "x_generate_batch": 1.5}  # at 16 concurrent clients (issue 21)
 
@@ -72,7 +72,7 @@ def summary(tokens: int, wall: float, done: list[float], *, latencies=None, ttft
 def set_packed(model, packed: bool) -> int:
     """The model's linear layers pre-packed (the engine's default) or plain (transformers' own); returns
     how many are packed."""
-    from ecru.serve.packed import pack_linears_, unpack_linears_
+    from ecru.serve.engine.packed import pack_linears_, unpack_linears_
 
     if packed:
         return pack_linears_(model)
@@ -120,7 +120,7 @@ class Server:
     """`python -m ecru serve api` in its own process on a free loopback port."""
 
     def __init__(self, cap: int, rows: int, policy: str):
-        from ecru.serve.server import free_port
+        from ecru.serve.entrypoints.server import free_port
 
         self.port = free_port()
         cmd = [sys.executable, "-m", "ecru", "serve", "api", "--model", "smollm2", "--port", str(self.port),
@@ -316,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from ecru.io import atomic_write_json
-    from ecru.serve.detok import Decoder
-    from ecru.serve.models import ServedModel
+    from ecru.serve.engine.detok import Decoder
+    from ecru.serve.engine.models import ServedModel
     from ecru.serve.prompts import load_prompts
 
     prepare_out_file(args.json, flag="--json")
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def assemble(args, n, single_n, levels, single, batches, alone, tops, levels_out) -> dict:
     """The result JSON: every group, the ratios at the top concurrency, the targets and whether they hold."""
-    from ecru.serve.packed import MIN_SIZE
+    from ecru.serve.engine.packed import MIN_SIZE
 
     keys = (
         "tokens_per_s",

@@ -1,6 +1,6 @@
 """Online serving with length perception: Poisson arrivals, continuous batching, re-prediction while generating.
 
-Replayed through the simulator (`ecru.serve.simulator`) with lengths and predictions measured here: the true
+Replayed through the simulator (`ecru.serve.sim.simulator`) with lengths and predictions measured here: the true
 lengths are SmolLM2-135M-Instruct's greedy answers on the mixed workload's unseen test prompts (committed
 labels, cap 256); the per-step cost model is measured on this machine in this run; every predictor is
 fitted on train prompts only and its measured prediction time is charged on the serving clock.
@@ -49,14 +49,20 @@ from ecru.cliargs import ArgumentParser, positive_int, prepare_out_dir, prepare_
 from ecru.errors import EcruError
 from ecru.io import atomic_write_json
 from ecru.serve import EmbeddingPredictor, MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
-from ecru.serve.cost import measure_cost_model
-from ecru.serve.labels import generate_responses
-from ecru.serve.predictors import ConstantPredictor, ProbePredictor, ridge_fit, spearman, timed_predict
+from ecru.serve.predict.labels import generate_responses
+from ecru.serve.predict.predictors import (
+    ConstantPredictor,
+    ProbePredictor,
+    ridge_fit,
+    spearman,
+    timed_predict,
+)
+from ecru.serve.predict.remaining import RemainingProbe, answer_states
+from ecru.serve.predict.self_predict import PiAPredictor
 from ecru.serve.prompts import encode_chat
-from ecru.serve.remaining import RemainingProbe, answer_states
-from ecru.serve.scheduler import EngineConfig
-from ecru.serve.self_predict import PiAPredictor
-from ecru.serve.simulator import OnlineRequest, poisson_arrivals, simulate_online, simulate_policy
+from ecru.serve.sched.scheduler import EngineConfig
+from ecru.serve.sim.cost import measure_cost_model
+from ecru.serve.sim.simulator import OnlineRequest, poisson_arrivals, simulate_online, simulate_policy
 
 RESULTS = Path(__file__).parent / "results"
 NOTE = "replayed through simulator with measured lengths/predictions"
@@ -290,7 +296,7 @@ def main(argv=None) -> None:
     )
     train, y_train, y_label = read_split(RESULTS / labels, args.train_labels, args.cap, args.samples)
     test, y_test, _ = read_split(RESULTS / "serve_workload_labels_test.jsonl", 240, args.cap)
-    from ecru.serve.models import load_model
+    from ecru.serve.engine.models import load_model
 
     model, tok = load_model("smollm2")
     print("measuring the cost model ...", file=sys.stderr)

@@ -26,7 +26,7 @@ machine's speed drifted between policies:
 The prompt-only predictor predicts inside `add_request`, on the serving clock. Each round's trace (arrival times, prompt
 lengths, the labels' greedy lengths, the same predictions and their measured time, the probe's
 re-predictions on the cached greedy test answers) is then replayed through the online simulator
-(`ecru.serve.simulator`), twice: charged by the cost model measured on random tokens before the runs
+(`ecru.serve.sim.simulator`), twice: charged by the cost model measured on random tokens before the runs
 (`simulated`), by one fitted on every engine step of the round, each step's forwards
 (`record_forwards`) against its seconds, engine overheads included (`simulated_engine_cost`;
 `engine_cost` gives its in-sample error), and each policy by the one fitted on its own run's steps
@@ -69,13 +69,13 @@ from ecru.cliargs import (
 )
 from ecru.io import atomic_write_json
 from ecru.serve import EmbeddingPredictor, MiniLMPredictor
-from ecru.serve.cost import CostModel, StepWork, fit_cost_model, measure_cost_model, record_forwards
-from ecru.serve.models import ServedModel
-from ecru.serve.packed import packed_layers
+from ecru.serve.engine.models import ServedModel
+from ecru.serve.engine.packed import packed_layers
+from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
 from ecru.serve.prompts import encode_chat
-from ecru.serve.request_engine import EngineConfig, RequestEngine
-from ecru.serve.sampling import SamplingParams
-from ecru.serve.simulator import OnlineRequest, poisson_arrivals, simulate_online, simulate_policy
+from ecru.serve.sim.cost import CostModel, StepWork, fit_cost_model, measure_cost_model, record_forwards
+from ecru.serve.sim.simulator import OnlineRequest, poisson_arrivals, simulate_online, simulate_policy
 from serve_online import fit_remaining, predict_one_by_one, remaining_trajectories
 
 RESULTS = Path(__file__).parent / "results"

@@ -48,7 +48,7 @@ class LlamaServer:
     """`llama-server` on a free loopback port, stopped by `close`."""
 
     def __init__(self, binary: str, gguf: Path, *, rows: int, context: int):
-        from ecru.serve.server import free_port
+        from ecru.serve.entrypoints.server import free_port
 
         self.port = free_port()
         cmd = [binary, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),

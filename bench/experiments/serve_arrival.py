@@ -2,7 +2,7 @@
 
 SmolLM2-135M-Instruct on the mixed workload (`ecru.serve.workload`): a `ProbePredictor` is fitted on
 --train training prompts drawn with --seed (labels: the lengths of the cached greedy answers in
-bench/results/serve_online_answers_train.jsonl, `ecru.serve.labels`, capped at --cap; generated greedily
+bench/results/serve_online_answers_train.jsonl, `ecru.serve.predict.labels`, capped at --cap; generated greedily
 when missing), then --test unseen test prompts (drawn likewise), all arriving at once, are served by the request engine
 under each policy, measured in this run:
 
@@ -32,13 +32,13 @@ import torch
 
 from ecru.cliargs import ArgumentParser, positive_int, prepare_out_file
 from ecru.io import atomic_write_json
-from ecru.serve.engine import GenerationConfig, generate_static
-from ecru.serve.labels import read_responses
-from ecru.serve.models import ServedModel
-from ecru.serve.predictors import ProbePredictor, length_metrics, spearman
+from ecru.serve.engine.models import ServedModel
+from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
+from ecru.serve.engine.static import GenerationConfig, generate_static
+from ecru.serve.predict.labels import read_responses
+from ecru.serve.predict.predictors import ProbePredictor, length_metrics, spearman
 from ecru.serve.prompts import encode_chat
-from ecru.serve.request_engine import EngineConfig, RequestEngine
-from ecru.serve.sampling import SamplingParams
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 CACHE_CAP = 256  # the cached answers' cap; a greedy answer's first `cap` tokens are its answer under `cap`

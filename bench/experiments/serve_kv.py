@@ -26,7 +26,7 @@ from ecru.io import atomic_write_json
 def replay(setup: dict, reservations: dict[str, list[float]], cost) -> dict[str, dict[str, float]]:
     """x fcfs throughput, x cb mean latency and preemptions of cb-kv per reservation rule (and of cb)."""
     from ecru.serve import PlanConfig, TraceRequest, make_queue, simulate, simulate_continuous
-    from ecru.serve.policies import continuous_config
+    from ecru.serve.sched.policies import continuous_config
 
     trace = [
         TraceRequest(p, int(t)) for p, t in zip(setup["prompt_lens"], setup["true_lengths"], strict=True)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ecru.io import atomic_write_json
-from ecru.serve.labels import read_labels
+from ecru.serve.predict.labels import read_labels
 
 
 def summary(path: Path) -> dict:

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from ecru.cliargs import ArgumentParser, existing_file, non_negative_float, positive_int, prepare_out_file
 from ecru.io import atomic_write_json
-from ecru.serve.cost import CostModel
-from ecru.serve.names import PREEMPT_MODES
-from ecru.serve.scheduler import EngineConfig
-from ecru.serve.simulator import poisson_arrivals, simulate_online, simulate_policy
+from ecru.serve.sched.names import PREEMPT_MODES
+from ecru.serve.sched.scheduler import EngineConfig
+from ecru.serve.sim.cost import CostModel
+from ecru.serve.sim.simulator import poisson_arrivals, simulate_online, simulate_policy
 
 BENCH = Path(__file__).resolve().parents[1]  # bench/: the product benchmark this study builds on
 if str(BENCH) not in sys.path:

@@ -1,5 +1,5 @@
 """Pre-packed weights against `F.linear`, per SmolLM2 weight shape and row count, and in the engine on
-SmolLM2 (the rule in `ecru.serve.packed`: which weights to pack, for how many rows).
+SmolLM2 (the rule in `ecru.serve.engine.packed`: which weights to pack, for how many rows).
 
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE python bench/experiments/serve_packed_matmul.py [--in-model] --json out.json
 
@@ -48,8 +48,8 @@ def paired_ratio(plain, packed, x, pairs: int) -> float:
 def in_model(rounds: int) -> dict:
     """The engine on SmolLM2 with each packing rule, rounds in rotating order: plain / rule time medians."""
     from ecru.serve import EngineConfig, SamplingParams
-    from ecru.serve.models import ServedModel
-    from ecru.serve.packed import MIN_SIZE, pack_linears_, unpack_linears_
+    from ecru.serve.engine.models import ServedModel
+    from ecru.serve.engine.packed import MIN_SIZE, pack_linears_, unpack_linears_
     from ecru.serve.prompts import load_prompts
 
     served = ServedModel.load("smollm2", packed=False)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ecru.cliargs import prepare_out_file
     from ecru.io import atomic_write_json
-    from ecru.serve.packed import PackedLinear, packing_available
+    from ecru.serve.engine.packed import PackedLinear, packing_available
 
     prepare_out_file(args.json, flag="--json")
     if not packing_available():

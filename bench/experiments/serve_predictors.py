@@ -48,7 +48,7 @@ PREFIX_TOKENS = (16, 32)
 def cap_features(model, tokenizer, texts, *, batch_size: int = 16) -> dict[str, np.ndarray]:
     """Per prompt: prompt length, next-token entropy, hidden-state probes, and the hidden state, EOS flag,
     mean entropy and distinct-token share after the first k greedy answer tokens (k in PREFIX_TOKENS)."""
-    from ecru.serve.engine import left_pad, new_cache, positions
+    from ecru.serve.engine.static import left_pad, new_cache, positions
     from ecru.serve.prompts import encode_chat
 
     ids, eos, k_max = encode_chat(tokenizer, texts), tokenizer.eos_token_id, max(PREFIX_TOKENS)
@@ -171,8 +171,8 @@ def study_features(
     """Features of the labelled prompts (SmolLM2 passes, domain, MiniLM), their greedy lengths, the cap."""
     from ecru.datasets import load_clinc
     from ecru.models import load_minilm
-    from ecru.serve.labels import read_labels
-    from ecru.serve.models import load_model
+    from ecru.serve.engine.models import load_model
+    from ecru.serve.predict.labels import read_labels
 
     labels = read_labels(labels_path)
     cap = min(r.max_new_tokens for r in labels)
@@ -349,7 +349,7 @@ CLINC_LABELS = "bench/results/serve_labels_smollm2.jsonl"
 
 def main() -> None:
     from ecru.serve import SMOLLM2_CPU, length_metrics, timed_predict
-    from ecru.serve.models import load_model
+    from ecru.serve.engine.models import load_model
     from ecru.serve.prompts import load_prompts
 
     if str(BENCH) not in sys.path:

@@ -29,10 +29,10 @@ import torch
 
 from ecru.io import atomic_write_json
 from ecru.serve import length_metrics
-from ecru.serve.labels import read_labels
-from ecru.serve.models import load_model
-from ecru.serve.predictors import spearman, timed_predict
-from ecru.serve.self_predict import READOUTS, SelfLoRAConfig, SelfLoRAPredictor
+from ecru.serve.engine.models import load_model
+from ecru.serve.predict.labels import read_labels
+from ecru.serve.predict.predictors import spearman, timed_predict
+from ecru.serve.predict.self_predict import READOUTS, SelfLoRAConfig, SelfLoRAPredictor
 from ecru.serve.workload import HELD_OUT_FORMS, WorkloadConfig, build_mixed_workload
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

@@ -25,12 +25,12 @@ import torch
 
 from ecru.io import atomic_write_json
 from ecru.serve import MiniLMPredictor, PlanConfig, TraceRequest, length_metrics, simulate
-from ecru.serve.cost import measure_cost_model
-from ecru.serve.labels import TEMPERATURES, LengthLabel, label_prompts
-from ecru.serve.models import load_model
-from ecru.serve.predictors import ConstantPredictor, ProbePredictor, spearman, timed_predict
+from ecru.serve.engine.models import load_model
+from ecru.serve.predict.labels import TEMPERATURES, LengthLabel, label_prompts
+from ecru.serve.predict.predictors import ConstantPredictor, ProbePredictor, spearman, timed_predict
+from ecru.serve.predict.self_predict import SelfLoRAConfig, SelfLoRAPredictor
 from ecru.serve.prompts import encode_chat
-from ecru.serve.self_predict import SelfLoRAConfig, SelfLoRAPredictor
+from ecru.serve.sim.cost import measure_cost_model
 from ecru.serve.workload import HELD_OUT_FORMS, WorkloadConfig, build_mixed_workload
 
 

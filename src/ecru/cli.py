@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 PILLARS: dict[str, tuple[str, str]] = {
     "l2l": ("ecru.l2l.cli", "layer-to-layer training of models larger than device memory"),
     "ctr": ("ecru.ctr.cli", "large-batch click-through-rate training with CowClip"),
-    "serve": ("ecru.serve.cli", "OpenAI-compatible LLM server, batch runner, length-aware scheduling"),
+    "serve": (
+        "ecru.serve.entrypoints.cli",
+        "OpenAI-compatible LLM server, batch runner, length-aware scheduling",
+    ),
     "lifelong": (
         "ecru.lifelong.cli",
         "teach a frozen encoder your own tasks one after another (knowledge store); continual-learning benchmark",

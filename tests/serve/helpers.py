@@ -7,10 +7,10 @@ import time
 
 import uvicorn
 
-from ecru.serve.models import ServedModel
-from ecru.serve.openai_api import APIConfig
-from ecru.serve.request_engine import EngineConfig, PredictLength, RemainingPredictor
-from ecru.serve.server import build, free_port
+from ecru.serve.engine.models import ServedModel
+from ecru.serve.engine.request_engine import EngineConfig, PredictLength, RemainingPredictor
+from ecru.serve.entrypoints.openai_api import APIConfig
+from ecru.serve.entrypoints.server import build, free_port
 
 
 class BackgroundServer:

@@ -13,10 +13,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from ecru.serve.models import ServedModel
-from ecru.serve.openai_api import APIConfig
-from ecru.serve.request_engine import EngineConfig
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.engine.models import ServedModel
+from ecru.serve.engine.request_engine import EngineConfig
+from ecru.serve.engine.sampling import SamplingParams
+from ecru.serve.entrypoints.openai_api import APIConfig
 from tests.serve.helpers import BackgroundServer
 
 CAP = 256
@@ -396,7 +396,7 @@ def test_logprobs_carry_each_tokens_own_bytes(server, served):
 def test_pieces_of_characters_keep_their_bytes_and_their_own_keys(served):
     from types import SimpleNamespace
 
-    from ecru.serve.openai_api import OpenAIServer
+    from ecru.serve.entrypoints.openai_api import OpenAIServer
 
     api = OpenAIServer(served, threads=None, default_max_tokens=8)
     text = "龍🐉"
@@ -421,7 +421,7 @@ def test_ctrl_c_drains_the_requests_in_flight_and_exits_130(chat_model_dir, igno
     import subprocess
     import sys
 
-    from ecru.serve.server import free_port
+    from ecru.serve.entrypoints.server import free_port
 
     def ignore_sigint():
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -5,10 +5,10 @@ forward per arrival group and per decode step (no admission or prediction forwar
 import pytest
 import torch
 
-from ecru.serve.predictors import ProbePredictor
-from ecru.serve.request_engine import EngineConfig, RequestEngine
-from ecru.serve.sampling import SamplingParams
-from ecru.serve.scheduler import arrival_groups
+from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
+from ecru.serve.predict.predictors import ProbePredictor
+from ecru.serve.sched.scheduler import arrival_groups
 
 GREEDY = SamplingParams(max_tokens=24)  # conftest's MAX_NEW
 
@@ -123,7 +123,7 @@ def test_arrivals_wait_for_refill_min_under_a_backlog_and_go_at_once_when_the_ba
 
 
 def test_the_state_predictor_gets_the_probe_features_of_the_prompts(chat_model_dir):
-    from ecru.serve.models import ServedModel
+    from ecru.serve.engine.models import ServedModel
     from ecru.serve.prompts import encode_chat
 
     served = ServedModel.load(str(chat_model_dir))
@@ -250,7 +250,7 @@ def test_refusals(model, gen, probe):
 
 
 def test_a_stop_string_in_the_first_token_ends_the_request_at_arrival(chat_model_dir):
-    from ecru.serve.models import ServedModel
+    from ecru.serve.engine.models import ServedModel
 
     served = ServedModel.load(str(chat_model_dir))
     ids = served.encode_chat([{"role": "user", "content": "Tell me about cats."}])

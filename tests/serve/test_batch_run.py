@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ecru.cli import main
-from ecru.serve.packed import packing_available
+from ecru.serve.engine.packed import packing_available
 
 from .test_packed import Counting
 
@@ -104,7 +104,7 @@ def test_undecodable_bytes_are_an_invalid_line(chat_model_dir, tmp_path, capsys)
 
 
 def test_a_whole_last_answer_without_its_newline_is_kept_and_appending_goes_on(tmp_path):
-    from ecru.serve.batch_run import read_answers
+    from ecru.serve.entrypoints.batch_run import read_answers
 
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": 1, "text": "a"}\n{"id": 2, "text": "b"}')  # killed before the newline
@@ -117,7 +117,7 @@ def test_a_whole_last_answer_without_its_newline_is_kept_and_appending_goes_on(t
 @pytest.mark.parametrize("row", ['{"id": [1], "text": "a"}', '{"id": true}', '{"id": null}', '{"id": {}}'])
 def test_an_answers_file_with_an_id_no_input_line_can_have_is_one_line(tmp_path, row):
     from ecru.errors import EcruError
-    from ecru.serve.batch_run import read_answers
+    from ecru.serve.entrypoints.batch_run import read_answers
 
     out = tmp_path / "out.jsonl"
     out.write_text(row + "\n")  # a crafted --out: its id must not reach a set (unhashable) or match an input
@@ -175,8 +175,8 @@ def test_fcfs_slack_needs_cb_sjf_and_answers_alike(chat_model_dir, tmp_path, cap
 
 def test_engine_config_takes_fcfs_slack_only_with_cb_sjf():
     from ecru.errors import EcruError
-    from ecru.serve.entrypoints import EngineSetup
-    from ecru.serve.request_engine import EngineConfig
+    from ecru.serve.engine.request_engine import EngineConfig
+    from ecru.serve.entrypoints.setup import EngineSetup
 
     setup = EngineSetup(policy="cb-sjf", max_batch_size=4, max_new_tokens=16, prefix_cache=0, fcfs_slack=0.3)
     config = setup.engine_config

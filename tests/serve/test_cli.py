@@ -192,7 +192,7 @@ def test_undecodable_prompt_and_label_files_are_one_line_errors(tmp_path, capsys
 
 
 def test_a_broken_model_folder_is_one_line(tmp_path, capsys):
-    from ecru.serve.server import free_port
+    from ecru.serve.entrypoints.server import free_port
 
     (tmp_path / "config.json").write_text("{}")  # no weights, no tokenizer
     assert main(["serve", "api", "--model", str(tmp_path), "--port", str(free_port())]) == 2
@@ -238,7 +238,7 @@ def test_two_runs_into_one_out_file_are_refused(tmp_path, capsys):
 
 def test_a_pickled_model_folder_and_an_out_of_range_seed_are_refused(tmp_path, capsys):
     from ecru.models import tiny_llama
-    from ecru.serve.models import load_model
+    from ecru.serve.engine.models import load_model
 
     _, tokenizer = load_model("tiny")
     folder = tmp_path / "pickled"

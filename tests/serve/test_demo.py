@@ -2,7 +2,7 @@
 
 import pytest
 
-from ecru.serve import demo
+from ecru.serve.entrypoints import demo
 
 
 def _run(mean: float, p99: float, outputs: list[list[int]]) -> dict:

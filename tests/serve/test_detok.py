@@ -2,7 +2,7 @@
 
 import pytest
 
-from ecru.serve.detok import Decoder, TextStream
+from ecru.serve.engine.detok import Decoder, TextStream
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 import pytest
 
 from ecru.serve import GenerationConfig, SamplingParams, generate_static, left_pad
-from ecru.serve.engine import resume_static
+from ecru.serve.engine.static import resume_static
 
 
 def test_reference_lengths_vary(reference, max_new):

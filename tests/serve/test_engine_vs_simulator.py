@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
-from ecru.serve.cost import CostModel
-from ecru.serve.request_engine import EngineConfig, RequestEngine
-from ecru.serve.sampling import SamplingParams
-from ecru.serve.scheduler import run_in_steps
-from ecru.serve.simulator import OnlineRequest, simulate_policy
+from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
+from ecru.serve.sched.scheduler import run_in_steps
+from ecru.serve.sim.cost import CostModel
+from ecru.serve.sim.simulator import OnlineRequest, simulate_policy
 
 STEP = CostModel(1.0, 0.0, 0.0, 0.0, 0.0, source="one second per decode step")
 K, ROWS, CAP = 4, 4, 40

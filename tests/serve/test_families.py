@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ecru.models import tiny_gpt2
-from ecru.serve.request_engine import EngineConfig, RequestEngine
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
 from tests.l2l.helpers import FAMILIES, tiny_family
 
 from .conftest import RunsLong

@@ -9,7 +9,7 @@ import pytest
 from ecru.cli import main
 from ecru.errors import EcruError
 from ecru.serve import GenerationConfig, generate_static
-from ecru.serve.labels import generate_responses, read_responses, sample_lengths
+from ecru.serve.predict.labels import generate_responses, read_responses, sample_lengths
 from ecru.serve.prompts import encode_chat
 
 
@@ -83,7 +83,7 @@ def test_labels_end_at_every_eos_the_served_model_ends_at(chat_model_dir, tmp_pa
     """A model whose generation config lists a second EOS (Llama 3, Qwen 2 chat models): labels and greedy
     answers stop where `serve api` stops (they read the tokenizer's EOS alone and ran on to the cap)."""
     from ecru.serve import EngineConfig, SamplingParams, ServedModel
-    from ecru.serve.labels import label_prompts
+    from ecru.serve.predict.labels import label_prompts
 
     served = ServedModel.load(str(chat_model_dir), packed=False)
     tok, cap = served.tokenizer, 16

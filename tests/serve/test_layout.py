@@ -27,14 +27,23 @@ def imports(path: Path) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and not _type_checking_only(node, parents):
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            out |= {n for n in names if n.startswith("ecru.serve.") and (PACKAGE / f"{n[11:]}.py").exists()}
+            out |= {n for n in names if n.startswith("ecru.serve.") and _module_path(n).exists()}
         elif isinstance(node, ast.Import) and not _type_checking_only(node, parents):
             out |= {a.name for a in node.names if a.name.startswith("ecru.serve.")}
     return out
 
 
+def _module_path(name: str) -> Path:
+    return PACKAGE.joinpath(*name.split(".")[2:]).with_suffix(".py")
+
+
 def graph() -> dict[str, set[str]]:
-    modules = {f"ecru.serve.{p.stem}": p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    """Module -> the package's modules it imports, in every subpackage (`ecru.serve.sched.scheduler`, ...)."""
+    modules = {
+        ".".join(["ecru.serve", *p.relative_to(PACKAGE).with_suffix("").parts]): p
+        for p in PACKAGE.rglob("*.py")
+        if p.stem != "__init__"
+    }
     return {name: imports(path) & set(modules) for name, path in modules.items()}
 
 
@@ -68,11 +77,31 @@ def test_cycle_finds_a_circle_and_only_one():
 
 def test_no_import_circle_in_the_serving_package():
     edges = graph()
-    assert "ecru.serve.scheduler" in edges and edges["ecru.serve.request_engine"]  # the scan sees the package
+    assert "ecru.serve.sched.scheduler" in edges and edges["ecru.serve.engine.request_engine"]  # it sees them
+    assert "ecru.serve.sched.scheduler" in edges["ecru.serve.sim.simulator"]  # across subpackages too
     assert cycle(edges) is None, " -> ".join(cycle(edges))
 
 
 def test_the_scheduler_and_the_simulators_are_torch_free():
-    code = "import sys, ecru.serve.scheduler, ecru.serve.simulator; print('torch' in sys.modules)"
+    code = "import sys, ecru.serve.sched.scheduler, ecru.serve.sim.simulator; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+LAYERS = ("sched", "engine", "sim", "predict", "entrypoints")
+"""The subpackages, lowest first: each imports only its own, lower ones and the shared prompt modules."""
+
+
+def test_each_subpackage_imports_only_lower_layers():
+    def layer(module: str) -> int | None:
+        part = module.split(".")[2]
+        return LAYERS.index(part) if part in LAYERS else None  # None: serve.prompts, serve.workload
+
+    assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(LAYERS)
+    upward = [
+        f"{a} -> {b}"
+        for a, bs in graph().items()
+        for b in bs
+        if layer(b) is not None and (layer(a) is None or layer(b) > layer(a))
+    ]
+    assert not upward, upward

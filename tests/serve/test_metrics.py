@@ -3,7 +3,7 @@
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ecru.serve.metrics import LATENCY_BUCKETS, ServerMetrics
+from ecru.serve.entrypoints.metrics import LATENCY_BUCKETS, ServerMetrics
 
 
 def families(m: ServerMetrics) -> dict:

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ecru.serve.models import ServedModel
+from ecru.serve.engine.models import ServedModel
 
 
 @pytest.mark.parametrize("template", [None, ""])

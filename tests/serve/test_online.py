@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from ecru.serve.cost import CostModel
-from ecru.serve.scheduler import EngineConfig
-from ecru.serve.simulator import OnlineRequest, simulate_online, simulate_policy
+from ecru.serve.sched.scheduler import EngineConfig
+from ecru.serve.sim.cost import CostModel
+from ecru.serve.sim.simulator import OnlineRequest, simulate_online, simulate_policy
 
 UNIT = CostModel(1.0, 0.0, 0.0, 0.0, 0.0, source="1 s per decode step, free prefill")
 
@@ -173,7 +173,7 @@ def test_arrival_forwards_hold_at_most_max_batch_size_prompts():
 
 
 def test_arrival_forwards_are_the_engines_groups_each_with_its_own_first_tokens():
-    from ecru.serve.scheduler import arrival_groups
+    from ecru.serve.sched.scheduler import arrival_groups
 
     per_token = CostModel(1.0, 0.0, 0.0, 0.0, 1.0, source="1 s per prompt position")
     trace = [OnlineRequest(0.0, n, 1, predicted=1) for n in (4, 100, 4)]  # answers end at the first token
@@ -235,7 +235,7 @@ def test_a_preempted_row_that_keeps_its_kv_rejoins_without_a_prefill():
 
 
 def test_plain_cb_srpt_is_the_shipped_configuration():
-    from ecru.serve.names import FCFS_SLACK
+    from ecru.serve.sched.names import FCFS_SLACK
 
     engine = EngineConfig(policy="cb-srpt")
     assert (engine.deadline, engine.aging_per_step, engine.preempt_mode) == (FCFS_SLACK, 0.0, "keep")

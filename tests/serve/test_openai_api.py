@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from ecru.serve.models import ServedModel
-from ecru.serve.request_engine import EngineConfig
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.engine.models import ServedModel
+from ecru.serve.engine.request_engine import EngineConfig
+from ecru.serve.engine.sampling import SamplingParams
 from tests.serve.helpers import BackgroundServer
 
 CAP = 256  # the server's largest max_tokens (the tiny model's context is 512)

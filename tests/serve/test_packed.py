@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ecru.models import tiny_llama
-from ecru.serve.names import ENGINE_POLICIES
-from ecru.serve.packed import ROWS, PackedLinear, pack_linears_, packing_available, unpack_linears_
-from ecru.serve.request_engine import EngineConfig, RequestEngine
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.engine.packed import ROWS, PackedLinear, pack_linears_, packing_available, unpack_linears_
+from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
+from ecru.serve.sched.names import ENGINE_POLICIES
 
 from .conftest import remaining_for
 

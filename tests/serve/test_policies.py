@@ -14,7 +14,7 @@ from ecru.serve import (
     run_policy,
     simulate,
 )
-from ecru.serve.policies import continuous_config
+from ecru.serve.sched.policies import continuous_config
 
 PLAN = PlanConfig(batch_size=4, max_new_tokens=24)  # conftest's MAX_NEW
 
@@ -70,7 +70,7 @@ def test_resumed_fcr_reruns_serve_the_same_outputs_and_compute_fewer_slots(
 
 
 def test_kept_kv_reruns_prefill_nothing(model, prompts, reference, gen, monkeypatch):
-    import ecru.serve.runner as runner
+    import ecru.serve.engine.policy_runs as runner
 
     prefilled = []  # the rows every generate_static call prefills
     real = runner.generate_static
@@ -230,7 +230,7 @@ def test_peak_kv_tokens_counts_the_padded_cache(model):
 
 
 def test_bins_batches_never_mix_bins_and_run_at_the_bin_top():
-    from ecru.serve.policies import bin_top
+    from ecru.serve.sched.policies import bin_top
 
     # bin capacities under the budget 4 x (5 + 256): 18 rows at cap 50, 9 at 100, 6 at 150, 4 at 256
     predicted = [10, 40, 30] * 12 + [60, 90, 70] * 3 + [140, 101] * 6 + [260, 255, 256, 251]

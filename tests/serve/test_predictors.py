@@ -15,8 +15,8 @@ from ecru.serve import (
     ridge_fit,
     timed_predict,
 )
-from ecru.serve.predictors import spearman
-from ecru.serve.self_predict import PiAPredictor, bucket_label, parse_length
+from ecru.serve.predict.predictors import spearman
+from ecru.serve.predict.self_predict import PiAPredictor, bucket_label, parse_length
 
 
 def test_length_metrics_by_hand():
@@ -63,7 +63,7 @@ def test_bucket_and_parse():
 
 
 def test_answers_without_a_number_get_the_predictors_default(monkeypatch):
-    import ecru.serve.self_predict as self_predict
+    import ecru.serve.predict.self_predict as self_predict
 
     stated = {"a": 40.0, "b": None, "c": 1.0}  # what the model's answers parse to
     monkeypatch.setattr(
@@ -118,8 +118,8 @@ def test_self_lora_learns_its_answer_and_disables_for_generation(tokenizer):
 
 def test_bucket_log_probs_match_scoring_each_answer_whole(tokenizer):
     from ecru.models import tiny_llama
+    from ecru.serve.predict.self_predict import QUERY, bucket_log_probs, buckets
     from ecru.serve.prompts import encode_chat
-    from ecru.serve.self_predict import QUERY, bucket_log_probs, buckets
 
     model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32, seed=1).eval()
     with torch.no_grad():  # larger weights: peaked attention, so a wrong position or mask shows

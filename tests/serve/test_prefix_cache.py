@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from ecru.serve.kv_cache import PrefixHit, PrefixStore, common_prefix
-from ecru.serve.names import ENGINE_POLICIES
-from ecru.serve.request_engine import EngineConfig, RequestEngine
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.engine.kv_cache import PrefixHit, PrefixStore, common_prefix
+from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
+from ecru.serve.sched.names import ENGINE_POLICIES
 
 from .conftest import MAX_NEW, VOCAB, remaining_for
 
@@ -113,7 +113,7 @@ def test_requests_arriving_one_by_one_reuse_the_prefix(model, gen, shared):
 
 
 def test_prefill_logits_with_a_cached_prefix_match_a_full_prefill(model, gen, shared):
-    from ecru.serve.engine import forward, left_pad, new_cache
+    from ecru.serve.engine.static import forward, left_pad, new_cache
 
     prompts, _ = shared
     engine = engine_for(model, gen)
@@ -148,9 +148,9 @@ def test_prefix_caching_survives_preemption_with_generates_tokens(model, gen, sh
 
 
 def test_offline_measurement_loop_runs_without_prefix_caching(model, gen, shared, monkeypatch):
-    from ecru.serve.queues import FCFSQueue
-    from ecru.serve.runner import generate_continuous
-    from ecru.serve.scheduler import EngineConfig
+    from ecru.serve.engine.policy_runs import generate_continuous
+    from ecru.serve.sched.queues import FCFSQueue
+    from ecru.serve.sched.scheduler import EngineConfig
 
     # the static baselines and the simulator it is compared with have no prefix caching
     monkeypatch.setattr(PrefixStore, "lookup", lambda *args: pytest.fail("the prefix cache was used"))

@@ -9,8 +9,8 @@ import torch
 
 from ecru.cli import main
 from ecru.errors import EcruError
-from ecru.serve.predictors import LENGTH_FILE, EmbeddingPredictor, read_length_file
-from ecru.serve.remaining import PROBE_FILE, RemainingProbe, model_key
+from ecru.serve.predict.predictors import LENGTH_FILE, EmbeddingPredictor, read_length_file
+from ecru.serve.predict.remaining import PROBE_FILE, RemainingProbe, model_key
 
 from .test_batch_run import answers, run, write_lines
 
@@ -41,7 +41,7 @@ def test_a_fitted_probe_is_saved_with_its_model_and_held_out_report(probe_dir, c
 
 
 def test_the_prompt_length_predictor_is_saved_beside_with_its_report(probe_dir, chat_model_dir):
-    from ecru.serve.models import ServedModel
+    from ecru.serve.engine.models import ServedModel
 
     served = ServedModel.load(str(chat_model_dir))
     length = EmbeddingPredictor.load(probe_dir, served.model, served.tokenizer)
@@ -215,7 +215,7 @@ def test_bad_probe_use_is_refused_in_one_line_before_any_work(probe_dir, chat_mo
     probe = RemainingProbe.load(probe_dir)
     probe.model = "smollm2"
     probe.save(other)
-    from ecru.serve.models import ServedModel
+    from ecru.serve.engine.models import ServedModel
 
     served = ServedModel.load(str(chat_model_dir))
     length = EmbeddingPredictor.load(probe_dir, served.model, served.tokenizer)
@@ -272,7 +272,7 @@ def test_a_line_asking_more_than_the_predictors_cover_is_named_before_the_model_
     probe_dir, chat_model_dir, tmp_path, capsys, monkeypatch, flags
 ):
     """The line's max_tokens, not --max-new-tokens (which the user never raised), is what is too long."""
-    from ecru.serve.models import ServedModel
+    from ecru.serve.engine.models import ServedModel
 
     src = write_lines(tmp_path / "in.jsonl", [{"prompt": "hi"}, {"prompt": "ho", "max_tokens": 80}])
     monkeypatch.setattr(ServedModel, "load", lambda *a, **k: pytest.fail("the model loaded"))
@@ -307,7 +307,7 @@ def test_probe_refuses_too_few_prompts(chat_model_dir, tmp_path, capsys):
 
 def test_the_cli_offers_every_engine_policy():
     from ecru import cli
-    from ecru.serve import scheduler
+    from ecru.serve.sched import scheduler
 
     serve = cli.build_parser()._subparsers._group_actions[0].choices["serve"]
     commands = serve._subparsers._group_actions[0].choices
@@ -321,8 +321,8 @@ def test_the_server_serves_cb_srpt_with_a_probe(probe_dir, chat_model_dir, monke
 
     import openai
 
-    from ecru.serve.models import ServedModel
-    from ecru.serve.request_engine import EngineConfig
+    from ecru.serve.engine.models import ServedModel
+    from ecru.serve.engine.request_engine import EngineConfig
     from tests.serve.helpers import BackgroundServer
 
     served = ServedModel.load(str(chat_model_dir))
@@ -361,7 +361,7 @@ def test_a_probe_folder_with_a_damaged_file_is_refused(model, tmp_path):
 def test_plain_cb_srpt_reads_the_probe_folders_length_predictor(tmp_path):
     from dataclasses import replace
 
-    from ecru.serve.entrypoints import EngineSetup
+    from ecru.serve.entrypoints.setup import EngineSetup
 
     probe_only = EngineSetup(policy="cb-srpt", remaining_probe=str(tmp_path))
     assert probe_only.length_predictor is None  # a folder with the probe only: max_tokens orders the queue

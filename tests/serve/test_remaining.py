@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ecru.serve.remaining import RemainingProbe, answer_states
+from ecru.serve.predict.remaining import RemainingProbe, answer_states
 
 
 @torch.no_grad()

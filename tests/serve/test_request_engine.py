@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from ecru.serve.names import ENGINE_POLICIES
-from ecru.serve.request_engine import EngineConfig, RequestEngine
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
+from ecru.serve.sched.names import ENGINE_POLICIES
 
 from .conftest import remaining_for
 
@@ -143,7 +143,7 @@ def test_sampling_params_validated_on_construction(kw):
 
 
 def test_token_logprobs_are_the_log_softmax_and_its_top_k():
-    from ecru.serve.sampling import token_logprobs
+    from ecru.serve.engine.sampling import token_logprobs
 
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
     expected = torch.log(torch.softmax(logits.double(), -1))
@@ -154,7 +154,7 @@ def test_token_logprobs_are_the_log_softmax_and_its_top_k():
 
 
 def test_penalties_match_openai_formula():
-    from ecru.serve.sampling import penalize
+    from ecru.serve.engine.sampling import penalize
 
     logits = torch.zeros(5)
     out = penalize(logits, [1, 1, 3], presence=0.5, frequency=0.25)
@@ -162,7 +162,7 @@ def test_penalties_match_openai_formula():
 
 
 def test_prefill_groups_split_only_when_padding_costs_more_than_a_forward():
-    from ecru.serve.scheduler import prefill_groups
+    from ecru.serve.sched.scheduler import prefill_groups
 
     assert prefill_groups([5, 7, 6]) == [[0, 2, 1]]  # 3 x 7 positions: one forward
     # 3 x 3 + 32 (+ 70 + 32 for the long one) = 143 < 4 x 70 + 32 = 312
@@ -185,7 +185,7 @@ def test_short_and_long_prompts_admitted_together_prefill_apart_with_the_same_to
 
 
 def test_padded_peak_hand_computed():
-    from ecru.serve.scheduler import padded_peak
+    from ecru.serve.sched.scheduler import padded_peak
 
     # rows holding 10 and 4 positions, running 2 and 5 more steps: step 2 holds 2 x 12, step 5 1 x 9
     assert padded_peak([10, 4], [2, 5]) == 24

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ecru.errors import EcruError
-from ecru.serve.cost import CostModel, StepWork
-from ecru.serve.scheduler import EngineConfig
+from ecru.serve.sched.scheduler import EngineConfig
+from ecru.serve.sim.cost import CostModel, StepWork
 from tests.bench_scripts import load_bench_script
 
 from .conftest import RunsLong
@@ -115,9 +115,9 @@ def test_oof_predictions_never_see_their_own_label(bench):
 
 def test_real_engine_serves_a_poisson_trace_alike_under_every_policy():
     real = load_bench_script("serve_online_real")
-    from ecru.serve.models import ServedModel
+    from ecru.serve.engine.models import ServedModel
+    from ecru.serve.engine.request_engine import EngineConfig
     from ecru.serve.prompts import encode_chat
-    from ecru.serve.request_engine import EngineConfig
 
     served = ServedModel.load("tiny")
     texts = ["hi", "tell me a story", "what time is it", "list five fruits", "why", "a b c"]
@@ -143,7 +143,7 @@ def test_real_engine_serves_a_poisson_trace_alike_under_every_policy():
 def test_the_embedding_predictor_reads_the_ids_the_engine_is_given():
     real = load_bench_script("serve_online_real")
     from ecru.serve import EmbeddingPredictor
-    from ecru.serve.models import ServedModel
+    from ecru.serve.engine.models import ServedModel
     from ecru.serve.prompts import encode_chat
 
     served = ServedModel.load("tiny")

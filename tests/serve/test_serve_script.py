@@ -39,8 +39,8 @@ def test_repeats_must_be_positive(bench_serve):
 
 
 def test_lora_readout_is_validated_and_shares_the_tuned_adapter(tmp_path, monkeypatch, bench_serve):
-    from ecru.serve.models import load_model
-    from ecru.serve.self_predict import SelfLoRAPredictor
+    from ecru.serve.engine.models import load_model
+    from ecru.serve.predict.self_predict import SelfLoRAPredictor
 
     bench, BenchConfig = bench_serve, bench_serve.BenchConfig
     with pytest.raises(EcruError, match="lora-readout"):
@@ -62,8 +62,8 @@ def test_lora_readout_is_validated_and_shares_the_tuned_adapter(tmp_path, monkey
 
 
 def test_every_predictor_the_cli_offers_is_one_the_benchmark_builds(monkeypatch, bench_serve):
-    from ecru.serve.models import load_model
-    from ecru.serve.predictors import EmbeddingPredictor
+    from ecru.serve.engine.models import load_model
+    from ecru.serve.predict.predictors import EmbeddingPredictor
 
     bench, BenchConfig = bench_serve, bench_serve.BenchConfig
     flag = next(a for a in bench.build_parser()._actions if a.dest == "predictor")
@@ -82,13 +82,13 @@ def test_the_bench_runs_cb_srpt_as_it_ships(chat_model_dir, tmp_path, monkeypatc
     on the train prompts' greedy answers; greedy answers as cb's."""
     import math
 
-    from ecru.serve.models import ServedModel
-    from ecru.serve.names import FCFS_SLACK
-    from ecru.serve.predictors import EmbeddingPredictor
+    from ecru.serve.engine.models import ServedModel
+    from ecru.serve.engine.sampling import SamplingParams
+    from ecru.serve.predict.predictors import EmbeddingPredictor
+    from ecru.serve.predict.remaining import RemainingProbe
     from ecru.serve.prompts import encode_chat
-    from ecru.serve.remaining import RemainingProbe
-    from ecru.serve.sampling import SamplingParams
-    from ecru.serve.scheduler import EngineConfig
+    from ecru.serve.sched.names import FCFS_SLACK
+    from ecru.serve.sched.scheduler import EngineConfig
 
     BENCH_POLICIES, BenchConfig, ShippedSRPT = (
         bench_serve.BENCH_POLICIES,
@@ -201,9 +201,9 @@ def test_instruction_prompts_are_the_workload_s_and_its_labels_are_the_default(t
 
 
 def test_a_misspelt_prompt_source_is_refused_before_any_model_loads(capsys, monkeypatch, bench_serve):
-    import ecru.serve.models
+    import ecru.serve.engine.models
 
-    monkeypatch.setattr(ecru.serve.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(ecru.serve.engine.models, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     assert bench_serve.main(["--model", "tiny", "--prompts", "instrutions", "--n", "2"]) == 2
     err = capsys.readouterr().err
     assert "instrutions not found" in err and "instructions" in err and len(err.strip().splitlines()) == 1

@@ -4,9 +4,9 @@
 import pytest
 import torch
 
-from ecru.serve.remaining import answer_states
-from ecru.serve.request_engine import EngineConfig, RequestEngine
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
+from ecru.serve.predict.remaining import answer_states
 
 from .conftest import RunsLong
 

@@ -17,7 +17,7 @@ SECTIONS: dict[str, str] = {
     "foundation": "ecru.demo.foundation",
     "l2l": "ecru.l2l.demo",
     "ctr": "ecru.ctr.demo",
-    "serve": "ecru.serve.demo",
+    "serve": "ecru.serve.entrypoints.demo",
     "lifelong": "ecru.lifelong.demo",
 }
 

@@ -2,8 +2,12 @@
 model-free `Scheduler` run on the model by a `ModelRunner`, or on a cost-model clock by a `SimulatedRunner`),
 length predictors, and the static-batch policies of Zheng et al. (NeurIPS 2023).
 
-The public names load lazily (PEP 562), so `ecru --help`, which imports `ecru.serve.cli`, does not import
-torch.
+Layers, lowest first (each imports only lower ones): `sched/` the model-free scheduler and policy names,
+`engine/` running on a model, `sim/` the simulated runner and cost model, `predict/` length predictors,
+`entrypoints/` the CLI, HTTP server and batch runner; `prompts` and `workload` are the prompt sources.
+
+The public names load lazily (PEP 562), so `ecru --help`, which imports `ecru.serve.entrypoints.cli`, does not
+import torch.
 """
 
 from __future__ import annotations
@@ -11,8 +15,8 @@ from __future__ import annotations
 from ecru.plugins import lazy_exports
 
 _EXPORTS = {
-    "ecru.serve.background": ("EngineThread",),
-    "ecru.serve.cost": (
+    "ecru.serve.engine.background": ("EngineThread",),
+    "ecru.serve.sim.cost": (
         "CostModel",
         "SMOLLM2_CPU",
         "StepWork",
@@ -20,27 +24,27 @@ _EXPORTS = {
         "measure_cost_model",
         "record_forwards",
     ),
-    "ecru.serve.engine": (
+    "ecru.serve.engine.static": (
         "BatchResult",
         "GenerationConfig",
         "generate_static",
         "left_pad",
         "resume_static",
     ),
-    "ecru.serve.entrypoints": ("EngineSetup", "ReplaySetup"),
-    "ecru.serve.labels": (
+    "ecru.serve.entrypoints.setup": ("EngineSetup", "ReplaySetup"),
+    "ecru.serve.predict.labels": (
         "LengthLabel",
         "label_prompts",
         "read_labels",
     ),
-    "ecru.serve.models": ("ServedModel",),
-    "ecru.serve.openai_api": ("APIConfig", "create_app"),
-    "ecru.serve.packed": (
+    "ecru.serve.engine.models": ("ServedModel",),
+    "ecru.serve.entrypoints.openai_api": ("APIConfig", "create_app"),
+    "ecru.serve.engine.packed": (
         "PackedLinear",
         "pack_linears_",
         "unpack_linears_",
     ),
-    "ecru.serve.policies": (
+    "ecru.serve.sched.policies": (
         "Batch",
         "PlanConfig",
         "STATIC_POLICIES",
@@ -49,7 +53,7 @@ _EXPORTS = {
         "run_plan",
         "BatchRunner",
     ),
-    "ecru.serve.predictors": (
+    "ecru.serve.predict.predictors": (
         "ConstantPredictor",
         "EmbeddingPredictor",
         "LengthPredictor",
@@ -62,37 +66,37 @@ _EXPORTS = {
         "ridge_fit",
         "timed_predict",
     ),
-    "ecru.serve.queues": (
+    "ecru.serve.sched.queues": (
         "DEFAULT_AGING",
         "FCFSQueue",
         "RequestQueue",
         "SJFQueue",
         "make_queue",
     ),
-    "ecru.serve.remaining": ("RemainingProbe",),
-    "ecru.serve.request_engine": (
+    "ecru.serve.predict.remaining": ("RemainingProbe",),
+    "ecru.serve.engine.request_engine": (
         "ModelRunner",
         "Request",
         "RequestEngine",
     ),
-    "ecru.serve.runner": (
+    "ecru.serve.engine.policy_runs": (
         "ContinuousResult",
         "POLICIES",
         "PolicyRun",
         "generate_continuous",
         "run_policy",
     ),
-    "ecru.serve.sampling": ("SamplingParams",),
-    "ecru.serve.scheduler": (
+    "ecru.serve.engine.sampling": ("SamplingParams",),
+    "ecru.serve.sched.scheduler": (
         "EngineConfig",
         "Scheduler",
     ),
-    "ecru.serve.self_predict": (
+    "ecru.serve.predict.self_predict": (
         "PiAPredictor",
         "SelfLoRAConfig",
         "SelfLoRAPredictor",
     ),
-    "ecru.serve.simulator": (
+    "ecru.serve.sim.simulator": (
         "ONLINE_POLICIES",
         "OnlineRequest",
         "SimResult",

@@ -245,7 +245,7 @@ class ProbePredictor(_RidgeOnFeatures):
 
     @torch.no_grad()
     def features(self, prompts: Sequence[str]) -> torch.Tensor:
-        from ecru.serve.engine import left_pad, positions
+        from ecru.serve.engine.static import left_pad, positions
         from ecru.serve.prompts import encode_chat
 
         ids = encode_chat(self.tokenizer, prompts)

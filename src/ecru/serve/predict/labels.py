@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ecru.errors import EcruError
 from ecru.io import BadLine, read_jsonl
-from ecru.serve.engine import GenerationConfig, context_length
+from ecru.serve.engine.static import GenerationConfig, context_length
 
 TEMPERATURES = (0.0, 0.3, 0.5, 0.7)
 
@@ -176,7 +176,7 @@ def sample_lengths(
     """Per prompt (token ids), the lengths (EOS included) of `samples` answers: sample k at
     `TEMPERATURES[k]` seeded by `sample_seed`; `gen` gives the EOS and pad ids. A prompt that leaves no
     room for `max_new_tokens` in the model's context is a ValueError before any generation."""
-    from ecru.serve.sampling import SamplingParams
+    from ecru.serve.engine.sampling import SamplingParams
 
     engine = _engine(model, gen, batch_size=batch_size, max_new_tokens=max_new_tokens)
     params = [
@@ -189,7 +189,7 @@ def sample_lengths(
 
 
 def _engine(model, gen: GenerationConfig, *, batch_size: int, max_new_tokens: int):
-    from ecru.serve.request_engine import EngineConfig, RequestEngine
+    from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
 
     config = EngineConfig(max_batch_size=batch_size, max_new_tokens=max_new_tokens)
     return RequestEngine(model, eos_token_ids=gen.eos_token_ids, pad_token_id=gen.pad_token_id, config=config)
@@ -223,7 +223,7 @@ def generate_responses(
 ) -> dict[str, list[int]]:
     """Greedy answers of model `model_key` (`predictors.model_key`) to every prompt not yet in `out` for it
     (appended chunk by chunk) on the request engine, up to `batch_size` rows at a time; returns prompt -> tokens."""
-    from ecru.serve.sampling import SamplingParams
+    from ecru.serve.engine.sampling import SamplingParams
 
     drop_torn_tail(out)
     done = read_responses(out, max_new_tokens=max_new_tokens, model_key=model_key)

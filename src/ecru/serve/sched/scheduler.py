@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ecru.serve.names import DEFAULT_AGING, ENGINE_POLICIES, FCFS_SLACK, PREEMPT_MODES, SJF_POLICIES
-from ecru.serve.queues import FCFSQueue, RequestQueue, SJFQueue
+from ecru.serve.sched.names import DEFAULT_AGING, ENGINE_POLICIES, FCFS_SLACK, PREEMPT_MODES, SJF_POLICIES
+from ecru.serve.sched.queues import FCFSQueue, RequestQueue, SJFQueue
 
 
 def padded_peak(cached: Sequence[int], steps: Sequence[int]) -> int:

@@ -32,9 +32,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ecru.models.minilm import mean_pool
-from ecru.serve.detok import Decoder, TextStream
-from ecru.serve.engine import context_length, forward, forward_states, left_pad, new_cache
-from ecru.serve.kv_cache import (
+from ecru.serve.engine.detok import Decoder, TextStream
+from ecru.serve.engine.kv_cache import (
     HeadroomLayer,
     KeptKV,
     PrefixHit,
@@ -43,9 +42,10 @@ from ecru.serve.kv_cache import (
     common_prefix,
     row_kv,
 )
-from ecru.serve.queues import RequestQueue
-from ecru.serve.sampling import SamplingParams, next_token_ids, token_logprobs
-from ecru.serve.scheduler import (
+from ecru.serve.engine.sampling import SamplingParams, next_token_ids, token_logprobs
+from ecru.serve.engine.static import context_length, forward, forward_states, left_pad, new_cache
+from ecru.serve.sched.queues import RequestQueue
+from ecru.serve.sched.scheduler import (
     PREFILL_OVERHEAD_TOKENS,
     EngineConfig,
     Outcome,
@@ -55,7 +55,7 @@ from ecru.serve.scheduler import (
 )
 
 if TYPE_CHECKING:
-    from ecru.serve.predictors import StatePredictor
+    from ecru.serve.predict.predictors import StatePredictor
 
 __all__ = [
     "EngineConfig",

@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from ecru.serve.request_engine import Listener, RequestEngine
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.engine.request_engine import Listener, RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

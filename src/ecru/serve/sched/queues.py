@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from ecru.serve.names import CONTINUOUS_POLICIES, DEFAULT_AGING
+from ecru.serve.sched.names import CONTINUOUS_POLICIES, DEFAULT_AGING
 
 
 class RequestQueue(Protocol):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ecru.serve.sampling import SamplingParams, next_token_ids
+from ecru.serve.engine.sampling import SamplingParams, next_token_ids
 
 GREEDY = SamplingParams()
 
@@ -120,7 +120,7 @@ def _run(model, ids: torch.Tensor, mask: torch.Tensor, cache):
 
 def new_cache(model):
     """An empty KV cache for `model`: Hugging Face's `DynamicCache` appending into spare capacity."""
-    from ecru.serve.kv_cache import HeadroomCache
+    from ecru.serve.engine.kv_cache import HeadroomCache
 
     return HeadroomCache(model.config)
 
@@ -163,7 +163,7 @@ def resume_static(
     """`generate_static` for rows cut earlier whose KV was kept (`BatchResult.kept`): each row's cache and its
     `pending` token (its last generated, not yet fed) continue without a prefill. Greedy, the tokens are the
     ones an uninterrupted generation would have produced after `pending`."""
-    from ecru.serve.kv_cache import stack_rows
+    from ecru.serve.engine.kv_cache import stack_rows
 
     if len(kept) != len(pending):
         raise ValueError(f"one pending token per kept row: {len(kept)} rows, {len(pending)} tokens")
@@ -224,7 +224,7 @@ def _decode(
 def _kept(cache, mask, tokens, ended, steps) -> list:
     """The KV of each row cut at the last step (no EOS, `steps` tokens): every cached position it holds, its
     last token excepted (not fed); None for the other rows."""
-    from ecru.serve.kv_cache import row_kv
+    from ecru.serve.engine.kv_cache import row_kv
 
     held = mask.sum(-1).tolist()  # a row live to the last step has no padding after its prompt
     return [

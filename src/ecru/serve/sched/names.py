@@ -5,9 +5,9 @@ A policy name means the same thing wherever it appears: `ecru serve api/run/benc
 simulators and the benchmarks' JSON."""
 
 STATIC_POLICIES = ("fcfs", "sorted", "fcr", "fcr+vbs", "fcr+vbs+bins", "oracle")
-"""Whole batches, planned before they run (`ecru.serve.policies.plan_batches`)."""
+"""Whole batches, planned before they run (`ecru.serve.sched.policies.plan_batches`)."""
 CONTINUOUS_POLICIES = ("cb", "cb-sjf", "cb-ljf", "cb-kv")
-"""Continuous batching in the batch runner and its simulator (`ecru.serve.queues.make_queue`)."""
+"""Continuous batching in the batch runner and its simulator (`ecru.serve.sched.queues.make_queue`)."""
 POLICIES = (*STATIC_POLICIES, *CONTINUOUS_POLICIES)
 """What `ecru serve simulate` and the static batching benchmark (`bench/serve.py`) run."""
 ENGINE_POLICIES = ("cb", "cb-sjf", "cb-srpt", "cb-kv")

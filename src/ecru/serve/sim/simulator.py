@@ -43,11 +43,18 @@ import numpy as np
 
 from ecru.errors import EcruError
 from ecru.io import BadLine, read_jsonl
-from ecru.serve.cost import SMOLLM2_CPU, CostModel
-from ecru.serve.names import CONTINUOUS_POLICIES, ENGINE_POLICY, ONLINE_POLICIES, POLICIES, SJF_POLICIES
-from ecru.serve.policies import Batch, PlanConfig, continuous_config, plan_batches, reservations, run_plan
-from ecru.serve.queues import DEFAULT_AGING, RequestQueue, make_queue
-from ecru.serve.scheduler import EngineConfig, Outcome, Scheduler, run_in_steps
+from ecru.serve.sched.names import CONTINUOUS_POLICIES, ENGINE_POLICY, ONLINE_POLICIES, POLICIES, SJF_POLICIES
+from ecru.serve.sched.policies import (
+    Batch,
+    PlanConfig,
+    continuous_config,
+    plan_batches,
+    reservations,
+    run_plan,
+)
+from ecru.serve.sched.queues import DEFAULT_AGING, RequestQueue, make_queue
+from ecru.serve.sched.scheduler import EngineConfig, Outcome, Scheduler, run_in_steps
+from ecru.serve.sim.cost import SMOLLM2_CPU, CostModel
 
 
 @dataclass(frozen=True)

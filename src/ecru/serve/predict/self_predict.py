@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ecru.serve.engine import GenerationConfig, generate_static
+from ecru.serve.engine.static import GenerationConfig, generate_static
 
 QUERY = (
     "{prompt}\n\nDon't output the response for the above instruction. Instead, you need to predict the number "
@@ -124,7 +124,7 @@ def bucket_log_probs(
     holds len(values) copies of it), and their log-probabilities are taken in float32."""
     from transformers import DynamicCache
 
-    from ecru.serve.engine import left_pad, positions
+    from ecru.serve.engine.static import left_pad, positions
 
     eos = tokenizer.eos_token_id
     answers = [tokenizer.encode(str(v), add_special_tokens=False) + [eos] for v in values]

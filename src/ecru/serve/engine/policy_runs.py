@@ -9,13 +9,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ecru.serve.engine import GenerationConfig, generate_static, resume_static
-from ecru.serve.names import CONTINUOUS_POLICIES, DEFAULT_AGING, POLICIES
-from ecru.serve.policies import PlanConfig, continuous_config, plan_batches, reservations, run_plan
-from ecru.serve.queues import RequestQueue, make_queue
-from ecru.serve.request_engine import RequestEngine
-from ecru.serve.sampling import SamplingParams
-from ecru.serve.scheduler import EngineConfig, run_in_steps
+from ecru.serve.engine.request_engine import RequestEngine
+from ecru.serve.engine.sampling import SamplingParams
+from ecru.serve.engine.static import GenerationConfig, generate_static, resume_static
+from ecru.serve.sched.names import CONTINUOUS_POLICIES, DEFAULT_AGING, POLICIES
+from ecru.serve.sched.policies import PlanConfig, continuous_config, plan_batches, reservations, run_plan
+from ecru.serve.sched.queues import RequestQueue, make_queue
+from ecru.serve.sched.scheduler import EngineConfig, run_in_steps
 
 
 @dataclass

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+import ecru
 from ecru.demo.plots import new_figure, save
 from ecru.demo.report import DemoContext, Section
 
-RESULTS = Path(__file__).resolve().parents[3] / "bench" / "results"
+RESULTS = Path(ecru.__file__).resolve().parents[2] / "bench" / "results"  # the checkout: src/ecru -> root
 TRAIN_LABELS = RESULTS / "serve_workload_labels_train.jsonl"
 TRAIN_ANSWERS = RESULTS / "serve_online_answers_train.jsonl"
 TEST_LABELS = RESULTS / "serve_workload_labels_test.jsonl"
@@ -44,8 +45,8 @@ def _rows(path: Path) -> list[dict]:
 def fitted_predictors(served, ctx: DemoContext):
     """The prompt-length predictor (1,000 train labels) and the remaining-length probe (cached answers)."""
     from ecru.serve import EmbeddingPredictor
+    from ecru.serve.predict.remaining import fit_probe
     from ecru.serve.prompts import encode_chat
-    from ecru.serve.remaining import fit_probe
 
     train = _rows(TRAIN_LABELS)
     predictor = EmbeddingPredictor(served.model, served.tokenizer, cap=CAP)
@@ -59,7 +60,7 @@ def fitted_predictors(served, ctx: DemoContext):
 
 def serve_burst(served, ids: list[list[int]], config, *, predict=None, remaining=None) -> dict:
     """Every request added at once, the engine stepped until all finish: latencies from the start."""
-    from ecru.serve.sampling import SamplingParams
+    from ecru.serve.engine.sampling import SamplingParams
 
     engine = served.engine(config, predict=predict, remaining=remaining)
     start = time.perf_counter()
@@ -72,9 +73,9 @@ def serve_burst(served, ids: list[list[int]], config, *, predict=None, remaining
 
 def real_runs(ctx: DemoContext) -> dict[str, list[dict]]:
     """cb and cb-srpt on the same requests, in ORDER."""
-    from ecru.serve.models import ServedModel
+    from ecru.serve.engine.models import ServedModel
+    from ecru.serve.engine.request_engine import EngineConfig
     from ecru.serve.prompts import encode_chat
-    from ecru.serve.request_engine import EngineConfig
 
     served = ServedModel.load("smollm2")
     predictor, probe = fitted_predictors(served, ctx)

@@ -9,7 +9,7 @@ from typing import Annotated, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ecru.serve.sampling import MAX_LOGPROBS, SamplingParams
+from ecru.serve.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 16  # choices per request
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' logprobs

@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ecru.serve.names import ENGINE_POLICY, STATIC_POLICIES
-from ecru.serve.scheduler import EngineConfig
+from ecru.serve.sched.names import ENGINE_POLICY, STATIC_POLICIES
+from ecru.serve.sched.scheduler import EngineConfig
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ecru.serve.api_schema import APIError, ChatCompletionRequest, CompletionRequest
-from ecru.serve.background import EngineThread
-from ecru.serve.metrics import CONTENT_TYPE, ServerMetrics
-from ecru.serve.models import ServedModel
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.engine.background import EngineThread
+from ecru.serve.engine.models import ServedModel
+from ecru.serve.engine.sampling import SamplingParams
+from ecru.serve.entrypoints.api_schema import APIError, ChatCompletionRequest, CompletionRequest
+from ecru.serve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 DISCONNECTED = "499"  # the status /metrics counts for a client that left before its answer (nginx's code)

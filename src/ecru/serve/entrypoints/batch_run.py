@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 from ecru.errors import EcruError
 from ecru.io import atomic_write_text, decode_line
-from ecru.serve.sampling import SamplingParams
+from ecru.serve.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from ecru.serve.request_engine import RequestEngine
+    from ecru.serve.engine.request_engine import RequestEngine
 
 
 @dataclass(frozen=True)

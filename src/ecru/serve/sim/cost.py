@@ -182,7 +182,7 @@ def measure_cost_model(
     """Fit the model by least squares on median timings of real forwards of `model` (random tokens)."""
     import torch
 
-    from ecru.serve.engine import forward, new_cache
+    from ecru.serve.engine.static import forward, new_cache
 
     with torch.no_grad():
         vocab = model.config.vocab_size

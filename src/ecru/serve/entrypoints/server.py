@@ -9,10 +9,10 @@ import socket
 import uvicorn
 
 from ecru.errors import EcruError
-from ecru.serve.background import EngineThread
-from ecru.serve.models import ServedModel
-from ecru.serve.openai_api import APIConfig, create_app
-from ecru.serve.request_engine import RequestEngine
+from ecru.serve.engine.background import EngineThread
+from ecru.serve.engine.models import ServedModel
+from ecru.serve.engine.request_engine import RequestEngine
+from ecru.serve.entrypoints.openai_api import APIConfig, create_app
 
 
 def build(served: ServedModel, engine: RequestEngine, *, api: APIConfig | None = None):

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ecru.errors import EcruError
-from ecru.serve.engine import GenerationConfig, context_length
+from ecru.serve.engine.static import GenerationConfig, context_length
 
 if TYPE_CHECKING:
-    from ecru.serve.predictors import StatePredictor
-    from ecru.serve.request_engine import PredictLength
+    from ecru.serve.engine.request_engine import PredictLength
+    from ecru.serve.predict.predictors import StatePredictor
 
 MODELS = ("smollm2", "tiny")
 
@@ -65,17 +65,18 @@ class ServedModel:
     @classmethod
     def load(cls, name: str, *, packed: bool = True) -> ServedModel:
         """`load_model(name)`; `packed`: its linear layers multiply by pre-packed weights on the CPU
-        (`ecru.serve.packed`, faster decode steps, one more copy of the linear layers' weights in memory)."""
+        (`ecru.serve.engine.packed`, faster decode steps, one more copy of the linear layers' weights in
+        memory)."""
         model, tokenizer = load_model(name)
         if packed:
-            from ecru.serve.packed import pack_linears_
+            from ecru.serve.engine.packed import pack_linears_
 
             pack_linears_(model)
         return cls(name, model, tokenizer)
 
     def describe(self) -> str:
         """What was loaded, for a front end to print: the name, and the packed weights' extra memory."""
-        from ecru.serve.packed import packed_bytes, packed_layers
+        from ecru.serve.engine.packed import packed_bytes, packed_layers
 
         layers = len(packed_layers(self.model))
         extra = f", {layers} linear layers pre-packed (+{packed_bytes(self.model) / 2**20:.0f} MiB)"
@@ -134,7 +135,7 @@ class ServedModel:
         model: prefill on arrival; `remaining`, a fitted `RemainingProbe` of this model: cb-srpt's
         re-prediction; `predict`, e.g. a fitted `EmbeddingPredictor`'s `engine_predict`: each request's
         predicted length, its key in cb-sjf's and cb-srpt's queue; see `request_engine`)."""
-        from ecru.serve.request_engine import RequestEngine
+        from ecru.serve.engine.request_engine import RequestEngine
 
         return RequestEngine(
             self.model,

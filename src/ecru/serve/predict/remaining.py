@@ -21,7 +21,14 @@ from pathlib import Path
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ecru.serve.predictors import length_metrics, model_key, read_ridge, ridge_fit, save_ridge, spearman
+from ecru.serve.predict.predictors import (
+    length_metrics,
+    model_key,
+    read_ridge,
+    ridge_fit,
+    save_ridge,
+    spearman,
+)
 
 PROBE_FILE = "remaining_probe.safetensors"
 
@@ -119,7 +126,7 @@ def greedy_answers(
     """Each prompt's greedy answer (at most `cap` tokens) on the request engine, with a progress bar."""
     from tqdm.auto import tqdm
 
-    from ecru.serve.sampling import SamplingParams
+    from ecru.serve.engine.sampling import SamplingParams
 
     engine = served.engine(config)
     reqs = [engine.add_request(p, SamplingParams(max_tokens=cap)) for p in prompts]

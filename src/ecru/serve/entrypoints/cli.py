@@ -25,9 +25,9 @@ from ecru.cliargs import (
     prepare_out_file,
 )
 from ecru.errors import EcruError
-from ecru.serve.entrypoints import EngineSetup, ReplaySetup
-from ecru.serve.names import ENGINE_POLICIES
-from ecru.serve.names import POLICIES as POLICY_NAMES
+from ecru.serve.entrypoints.setup import EngineSetup, ReplaySetup
+from ecru.serve.sched.names import ENGINE_POLICIES
+from ecru.serve.sched.names import POLICIES as POLICY_NAMES
 
 PENALTY = number_in(float, "a number", lambda v: -2 <= v <= 2, "between -2 and 2")  # OpenAI's range
 PORT = number_in(int, "an integer", lambda v: 1 <= v <= 65535, "a TCP port, 1..65535")
@@ -38,8 +38,8 @@ API_KEY_ENV = "ECRU_API_KEY"
 
 # ---- api, run and probe: the request engine ------------------------------------------------------------
 def _api(args: argparse.Namespace) -> int:
-    from ecru.serve.entrypoints import serve_api
-    from ecru.serve.openai_api import APIConfig
+    from ecru.serve.entrypoints.openai_api import APIConfig
+    from ecru.serve.entrypoints.setup import serve_api
 
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if key == "" and args.api_key is None:
@@ -50,8 +50,8 @@ def _api(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ecru.serve.entrypoints import run_file
-    from ecru.serve.sampling import SamplingParams
+    from ecru.serve.engine.sampling import SamplingParams
+    from ecru.serve.entrypoints.setup import run_file
 
     setup = config_from_args(EngineSetup, args)
     base = config_from_args(SamplingParams, args, max_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
@@ -65,9 +65,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _probe(args: argparse.Namespace) -> int:
     from ecru.io import MANIFEST
-    from ecru.serve.entrypoints import fit_probe_folder, probe_prompts
-    from ecru.serve.predictors import LENGTH_FILE
-    from ecru.serve.remaining import PROBE_FILE
+    from ecru.serve.entrypoints.setup import fit_probe_folder, probe_prompts
+    from ecru.serve.predict.predictors import LENGTH_FILE
+    from ecru.serve.predict.remaining import PROBE_FILE
 
     for name in ("probe.json", MANIFEST, PROBE_FILE, LENGTH_FILE):  # the files the folder gets
         not_an_input(Path(args.out) / name, args.input)
@@ -92,7 +92,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _label(args: argparse.Namespace) -> int:
-    from ecru.serve.entrypoints import label_file
+    from ecru.serve.entrypoints.setup import label_file
 
     prepare_out_file(args.out)
     print(label_file(args.model, args.prompts, out=args.out, n=args.n, split=args.split, samples=args.samples,
@@ -101,7 +101,7 @@ def _label(args: argparse.Namespace) -> int:
 
 
 def _cost(args: argparse.Namespace) -> int:
-    from ecru.serve.entrypoints import measure_cost
+    from ecru.serve.entrypoints.setup import measure_cost
 
     prepare_out_file(args.out)
     print(measure_cost(args.model, reps=args.reps, out=args.out))

@@ -1,6 +1,6 @@
 """What `ecru serve api`, `run` and `probe` build: a model, its request engine and cb-sjf's and cb-srpt's
 predictors, every setting checked before the model loads (`EngineSetup`); `simulate`'s trace replay
-(`ReplaySetup`). `serve/cli.py` only maps its arguments onto these."""
+(`ReplaySetup`). `cli.py` only maps its arguments onto these."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ecru.errors import EcruError
-from ecru.serve.names import SJF_POLICIES
-from ecru.serve.queues import DEFAULT_AGING
+from ecru.serve.sched.names import SJF_POLICIES
+from ecru.serve.sched.queues import DEFAULT_AGING
 
 if TYPE_CHECKING:
-    from ecru.serve.models import ServedModel
-    from ecru.serve.openai_api import APIConfig
-    from ecru.serve.remaining import RemainingProbe
-    from ecru.serve.request_engine import EngineConfig, RequestEngine
-    from ecru.serve.sampling import SamplingParams
+    from ecru.serve.engine.models import ServedModel
+    from ecru.serve.engine.request_engine import EngineConfig, RequestEngine
+    from ecru.serve.engine.sampling import SamplingParams
+    from ecru.serve.entrypoints.openai_api import APIConfig
+    from ecru.serve.predict.remaining import RemainingProbe
 
 MIN_PROBE_PROMPTS = 10
 """`ecru serve probe` fits on at least this many prompts (hundreds are better)."""
@@ -68,8 +68,8 @@ class EngineSetup:
     """cb-srpt (required there, only there): the remaining-length probe `ecru serve probe --out DIR` fitted
     for this model."""
     packed_weights: bool = True
-    """Multiply by a copy of the linear layers' weights pre-packed for the CPU (`ecru.serve.packed`): faster
-    decode steps, those weights twice in memory (--no-packed-weights: once)."""
+    """Multiply by a copy of the linear layers' weights pre-packed for the CPU (`ecru.serve.engine.packed`):
+    faster decode steps, those weights twice in memory (--no-packed-weights: once)."""
 
     def __post_init__(self):
         if self.fcfs_slack is not None and self.policy not in SJF_POLICIES:
@@ -87,14 +87,14 @@ class EngineSetup:
     def _length_folder(self) -> str | None:
         if self.length_predictor is not None or self.policy != "cb-srpt" or self.remaining_probe is None:
             return self.length_predictor
-        from ecru.serve.predictors import LENGTH_FILE
+        from ecru.serve.predict.predictors import LENGTH_FILE
 
         return self.remaining_probe if (Path(self.remaining_probe) / LENGTH_FILE).is_file() else None
 
     def _check_length_file(self) -> None:
         """A policy that uses the predictor, and a folder holding one for this model with a cap at least
         `max_new_tokens`."""
-        from ecru.serve.predictors import model_key, read_length_file
+        from ecru.serve.predict.predictors import model_key, read_length_file
 
         if self.policy not in SJF_POLICIES:
             raise EcruError(
@@ -108,7 +108,7 @@ class EngineSetup:
 
     @property
     def engine_config(self) -> EngineConfig:
-        from ecru.serve.scheduler import EngineConfig
+        from ecru.serve.sched.scheduler import EngineConfig
 
         with one_line():
             return EngineConfig(
@@ -121,7 +121,7 @@ class EngineSetup:
 
     def load_remaining(self) -> RemainingProbe | None:
         """The `remaining_probe` folder's probe, read before the model loads (None without one)."""
-        from ecru.serve.remaining import RemainingProbe
+        from ecru.serve.predict.remaining import RemainingProbe
 
         if self.remaining_probe is None:
             return None
@@ -130,7 +130,7 @@ class EngineSetup:
 
     def fitted_cap(self, remaining: RemainingProbe | None) -> int | None:
         """The longest answer the predictors in use were fitted for (None: none in use)."""
-        from ecru.serve.predictors import read_length_file
+        from ecru.serve.predict.predictors import read_length_file
 
         caps = [] if remaining is None else [remaining.cap]
         if self.length_predictor is not None:
@@ -138,13 +138,13 @@ class EngineSetup:
         return min(caps, default=None)
 
     def load_model(self) -> ServedModel:
-        from ecru.serve.models import ServedModel
+        from ecru.serve.engine.models import ServedModel
 
         return ServedModel.load(self.model, packed=self.packed_weights)
 
     def attach(self, served: ServedModel, remaining: RemainingProbe | None) -> RequestEngine:
         """The engine of the loaded model with its predictors, each checked against it."""
-        from ecru.serve.predictors import EmbeddingPredictor
+        from ecru.serve.predict.predictors import EmbeddingPredictor
 
         if remaining is not None:
             _check_probe(f"--remaining-probe {self.remaining_probe}", remaining, served, self.max_new_tokens)
@@ -171,7 +171,7 @@ def _check_cap(where: str, what: str, cap: int, max_new_tokens: int) -> None:
 
 
 def _check_probe(where: str, probe: RemainingProbe, served: ServedModel, max_new_tokens: int) -> None:
-    from ecru.serve.predictors import model_key
+    from ecru.serve.predict.predictors import model_key
 
     _check_fit(where, probe.model, model_key(served.name), served.name)
     width = served.model.config.get_text_config().hidden_size
@@ -184,7 +184,7 @@ def _check_probe(where: str, probe: RemainingProbe, served: ServedModel, max_new
 # ---- the front ends ------------------------------------------------------------------------------------
 def serve_api(setup: EngineSetup, api: APIConfig, *, host: str, port: int) -> None:
     """`ecru serve api`: serve until Ctrl-C (KeyboardInterrupt after the requests in flight drained)."""
-    from ecru.serve.server import check_bindable, serve_forever
+    from ecru.serve.entrypoints.server import check_bindable, serve_forever
 
     remaining = setup.load_remaining()
     check_bindable(host, port)  # a busy port is refused before the model loads
@@ -197,7 +197,7 @@ def serve_api(setup: EngineSetup, api: APIConfig, *, host: str, port: int) -> No
 def run_file(setup: EngineSetup, base: SamplingParams, *, src: Path, out: Path, skip_invalid: bool) -> str:
     """`ecru serve run`: answer the lines of `src` not yet in `out` (appended as they finish, then put in input
     order); the summary line. `setup.max_new_tokens` is raised to the largest line's max_tokens."""
-    from ecru.serve import batch_run
+    from ecru.serve.entrypoints import batch_run
 
     lines, skipped = batch_run.read_batch(src, skip_invalid=skip_invalid)
     done = {r["id"] for r in batch_run.read_answers(out)} & {line.id for line in lines}
@@ -234,7 +234,7 @@ def _check_line_caps(lines: list, fitted: int | None, *, src: Path) -> None:
 
 def probe_prompts(src: Path) -> list:
     """`ecru serve probe`'s input lines (as `serve run` reads them), at least `MIN_PROBE_PROMPTS`."""
-    from ecru.serve import batch_run
+    from ecru.serve.entrypoints import batch_run
 
     lines, _ = batch_run.read_batch(src, skip_invalid=False, hint="")
     if len(lines) < MIN_PROBE_PROMPTS:
@@ -247,9 +247,9 @@ def fit_probe_folder(setup: EngineSetup, lines: list, *, src: Path, out: Path) -
     """`ecru serve probe`: answer `lines` greedily (capped at `setup.max_new_tokens`, each line's own
     max_tokens ignored), fit cb-srpt's remaining-length probe and the prompt-length predictor on them and
     write both to `out` with their held-out reports (probe.json) and a manifest; the summary line."""
-    from ecru.serve import batch_run
-    from ecru.serve.remaining import greedy_answers
-    from ecru.serve.sampling import SamplingParams
+    from ecru.serve.engine.sampling import SamplingParams
+    from ecru.serve.entrypoints import batch_run
+    from ecru.serve.predict.remaining import greedy_answers
 
     served, cap = setup.load_model(), setup.max_new_tokens
     print(f"loaded {served.describe()}; answering {len(lines)} prompts greedily", file=sys.stderr)
@@ -269,8 +269,8 @@ def fit_probe_folder(setup: EngineSetup, lines: list, *, src: Path, out: Path) -
 def fit_predictors(served: ServedModel, prompts, answers, *, cap: int):
     """What plain cb-srpt serves with, fitted on `prompts` (token ids) and their greedy `answers`: the
     remaining-length probe and the prompt-length `EmbeddingPredictor`, with their held-out reports."""
-    from ecru.serve.predictors import fit_length_predictor
-    from ecru.serve.remaining import fit_probe
+    from ecru.serve.predict.predictors import fit_length_predictor
+    from ecru.serve.predict.remaining import fit_probe
 
     probe, report = fit_probe(served, prompts, answers, cap=cap)
     length, length_report = fit_length_predictor(served, prompts, [len(a) for a in answers], cap=cap)
@@ -281,7 +281,7 @@ def save_predictors(served: ServedModel, prompts, answers, *, cap: int, out: Pat
     """`fit_predictors`, written to `out` (the report first: the weight files are what serving reads; the
     manifest last, checked when either is loaded)."""
     from ecru.io import atomic_write_json, write_manifest
-    from ecru.serve.predictors import model_key
+    from ecru.serve.predict.predictors import model_key
 
     probe, report, length, length_report = fit_predictors(served, prompts, answers, cap=cap)
     meta = {"model": model_key(served.name), "cap": cap, "held_out": report,
@@ -306,9 +306,9 @@ def label_file(model: str, prompts: str, *, out: str, n: int, split: str, sample
                batch_size: int) -> str:  # fmt: skip
     """`ecru serve label`: the model's own answer lengths for `n` prompts of a source, cached in `out`
     (appended to); the summary line."""
-    from ecru.serve.labels import drop_torn_tail, label_prompts, read_labels
-    from ecru.serve.models import load_model
-    from ecru.serve.predictors import model_key
+    from ecru.serve.engine.models import load_model
+    from ecru.serve.predict.labels import drop_torn_tail, label_prompts, read_labels
+    from ecru.serve.predict.predictors import model_key
     from ecru.serve.prompts import load_prompts
 
     drop_torn_tail(out)  # what a kill mid-append left: the same command finishes the run
@@ -326,8 +326,8 @@ def measure_cost(model: str, *, reps: int, out: str) -> str:
     """`ecru serve cost`: the model's step times on this machine, written to `out`; the summary line."""
     import torch
 
-    from ecru.serve.cost import measure_cost_model
-    from ecru.serve.models import load_model
+    from ecru.serve.engine.models import load_model
+    from ecru.serve.sim.cost import measure_cost_model
 
     lm, _ = load_model(model)
     cost = measure_cost_model(lm, reps=reps, source=f"{model}, {torch.get_num_threads()} thread(s), measured")
@@ -371,7 +371,7 @@ class ReplaySetup:
 
     @property
     def plan(self):
-        from ecru.serve.policies import PlanConfig
+        from ecru.serve.sched.policies import PlanConfig
 
         with one_line():
             return PlanConfig(batch_size=self.batch_size, max_new_tokens=self.max_new_tokens,
@@ -380,8 +380,8 @@ class ReplaySetup:
 
     def run(self) -> dict:
         """The replay's result JSON, with the settings it ran under."""
-        from ecru.serve.cost import SMOLLM2_CPU, CostModel
-        from ecru.serve.simulator import read_trace, simulate
+        from ecru.serve.sim.cost import SMOLLM2_CPU, CostModel
+        from ecru.serve.sim.simulator import read_trace, simulate
 
         cost = CostModel.load(self.cost_model) if self.cost_model else SMOLLM2_CPU
         trace = read_trace(self.trace)
