@@ -1,7 +1,7 @@
 """`ecru serve ...`: api, run, probe, simulate, label, cost. Argument parsing only: the flags of api, run,
 probe and simulate are built from their configs' fields (`EngineSetup`, `ReplaySetup`: the name, the default,
 the docstring as help; `cliargs.add_config_flags`); each handler maps its arguments onto a config (checked on
-construction) and calls the serve package (`entrypoints`, ...). Heavy imports happen inside the handlers. The
+construction) and calls the serve package (`setup`, ...). Heavy imports happen inside the handlers. The
 static-batching benchmark is a script, `bench/serve.py`."""
 
 from __future__ import annotations

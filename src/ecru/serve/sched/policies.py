@@ -18,7 +18,7 @@ at its size join the next bin up instead of running as a small batch (a batch's 
 
 The continuous policies run the same offline group on the engine's scheduler, under the `EngineConfig` a
 plan implies (`continuous_config`) with cb-kv's reservations (`reservations`): for real
-(`runner.run_policy`) and simulated (`simulator.simulate`) alike.
+(`policy_runs.run_policy`) and simulated (`simulator.simulate`) alike.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 Torch-free: a benchmark's tables come from here without loading a model.
 
 Offline traces, JSONL, one request per line: {"prompt_len": int, "output_len": int, "predicted_len": number}.
-`simulate` replays any policy of `POLICIES`, as `runner.run_policy` runs it for real. Static policies: each
+`simulate` replays any policy of `POLICIES`, as `policy_runs.run_policy` runs it for real. Static policies: each
 batch runs min(cap, longest output_len in it) steps and computes rows x steps token slots (first attempts and
 FCR reruns alike). A resumed rerun (`PlanConfig.resume`) prefills each row's prompt plus the tokens it had and
 runs until its longest row is done, each row stopping at its answer's end or its own budget, max_new_tokens in
@@ -275,7 +275,7 @@ def simulate(
     aging: float = DEFAULT_AGING,
     refill_min: int = 4,
 ) -> SimResult:
-    """Any policy of `POLICIES` against the true lengths of `trace`, as `runner.run_policy` runs it for real: a
+    """Any policy of `POLICIES` against the true lengths of `trace`, as `policy_runs.run_policy` runs it for real: a
     static policy's plan (and FCR reruns), or a continuous one on the engine's scheduler (`simulate_continuous`
     under `continuous_config`; `aging`: cb-sjf's and cb-ljf's, `refill_min`: every continuous policy's)."""
     if policy not in POLICIES:
