@@ -41,6 +41,11 @@ class GenerationConfig:
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         ids.update(eos if isinstance(eos, list) else [eos])
         eos_ids = tuple(sorted(int(i) for i in ids if i is not None))
+        if not eos_ids:
+            raise ValueError(
+                "neither the tokenizer nor the model's generation config names an EOS token, so no answer "
+                "could end: set eos_token in tokenizer_config.json or eos_token_id in generation_config.json"
+            )
         pad = tokenizer.pad_token_id
         return cls(eos_token_ids=eos_ids, pad_token_id=int(pad if pad is not None else eos_ids[0]))
 

@@ -153,8 +153,8 @@ class EngineSetup:
             with one_line("--length-predictor "):
                 length = EmbeddingPredictor.load(self.length_predictor, served.model, served.tokenizer)
             predict = length.engine_predict
-        # the engine's own checks (e.g. kept KV on a model with chunked attention)
-        with one_line(f"--remaining-probe {self.remaining_probe}: "):
+        # the engine's own checks (e.g. kept KV on a model with chunked attention), in its own words
+        with one_line():
             return served.engine(self.engine_config, remaining=remaining, predict=predict)
 
 
