@@ -398,7 +398,7 @@ def test_pickled_or_incomplete_weights_and_a_huge_seed_are_refused(tmp_path, cap
     (pickled / "model.safetensors").unlink()
     save_file({k: v for k, v in weights.items() if ".layers.1." not in k}, partial / "model.safetensors")
     capsys.readouterr()  # the first run's output
-    for folder, message in ((pickled, "cannot load it"), (partial, "its weights lack")):
+    for folder, message in ((pickled, "cannot load the model folder"), (partial, "its weights lack")):
         code, err = _code(
             [*BASE, "--out", str(tmp_path / "o"), "--steps", "1", "--model", str(folder)], capsys
         )

@@ -175,32 +175,25 @@ def load_model(name: str, *, seed: int = 0, empty: bool = False):
 
 
 def _load_folder(path: Path, *, empty: bool = False):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from ecru.errors import EcruError
+    from ecru.models.folder import load_causal_lm
 
     if not (path / "config.json").is_file():
         raise EcruError(
             f"--model {path}: not one of {MODELS} and not a Hugging Face model folder (no config.json)"
         )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        if empty:
-            from ecru.l2l.frozen import empty_model
+    prefix = "--model: "
+    if not empty:
+        return load_causal_lm(path, prefix=prefix)
+    try:  # the skeleton alone (no weights: the blocks stream from the store)
+        from transformers import AutoTokenizer
 
-            model = empty_model(path)
-        else:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, use_safetensors=True, output_loading_info=True
-            )  # safetensors only: a pickled pytorch_model.bin is never loaded
+        from ecru.l2l.frozen import empty_model
+
+        return empty_model(path), AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - whatever a broken folder makes transformers raise, one line
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        raise EcruError(f"--model {path}: cannot load it ({reason})") from None
-    if not empty and info["missing_keys"]:  # transformers would start them from random values
-        raise EcruError(f"--model {path}: its weights lack {len(info['missing_keys'])} tensor(s), e.g. "
-                        f"{sorted(info['missing_keys'])[0]}; the folder is incomplete")  # fmt: skip
-    return model, tokenizer
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise EcruError(f"{prefix}cannot load the model folder {path}: {reason}") from None
 
 
 def peak_rss_mb() -> float:

@@ -37,7 +37,7 @@ def load_model(name: str):
 
 
 def _load_folder(name: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ecru.models.folder import load_causal_lm
 
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
@@ -45,29 +45,12 @@ def _load_folder(name: str):
             f"unknown model {name!r}: give {', '.join(MODELS)} or a local Hugging Face model folder "
             "(with config.json, weights and a tokenizer)"
         )
-    try:  # safetensors weights only: a pickled pytorch_model.bin is never loaded
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, use_safetensors=True, output_loading_info=True
-        )
-    except Exception as exc:  # noqa: BLE001 - whatever a broken folder makes transformers raise, one line
-        reason = " ".join(str(exc).split())[:300] or type(exc).__name__  # transformers' messages span lines
-        raise EcruError(f"cannot load the model folder {path}: {reason}") from None
-    if missing := [*info["missing_keys"], *info["mismatched_keys"]]:  # a head left random answers noise
-        raise EcruError(
-            f"{path}: its weights lack {len(missing)} of {type(model).__name__}'s tensors (e.g. "
-            f"{next(iter(missing))}): not a causal-LM checkpoint (an encoder such as BERT?); serve a model "
-            "folder whose weights include its language-model head"
-        )
-    _check_eos(path, model, tokenizer)
-    return model.eval(), tokenizer
-
-
-def _check_eos(path: Path, model, tokenizer) -> None:
+    model, tokenizer = load_causal_lm(path)
     try:
         GenerationConfig.for_model(model, tokenizer)
     except ValueError as exc:
         raise EcruError(f"{path}: {exc}") from None
+    return model, tokenizer
 
 
 @dataclass
