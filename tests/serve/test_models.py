@@ -26,7 +26,11 @@ def test_an_encoder_folder_is_refused_before_serving(tmp_path, capsys):
     prompts.write_text('{"prompt": "hello"}\n')
     assert main(["serve", "run", "--model", str(minilm_dir()), "--in", str(prompts), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "not a whole causal-LM checkpoint" in err and "cls.predictions" in err and "remaining-probe" not in err
+    assert (
+        "not a whole causal-LM checkpoint" in err
+        and "cls.predictions" in err
+        and "remaining-probe" not in err
+    )
     assert not out.exists()
 
 
